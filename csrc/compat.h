@@ -1,0 +1,82 @@
+/* Small shims so the extension builds unchanged on CPython 3.10 through
+ * 3.13+.  Only public C-API is used; where a newer function exists we
+ * call it, otherwise an equivalent built from older public calls.
+ */
+#ifndef DCP_COMPAT_H
+#define DCP_COMPAT_H
+
+#ifndef PY_SSIZE_T_CLEAN
+#error "include Python.h (with PY_SSIZE_T_CLEAN) before compat.h"
+#endif
+
+/* Strong-reference dict lookup.  Returns 1 and a new reference in *result
+ * when found, 0 and NULL when absent, -1 with an exception on error.
+ * PyDict_GetItem swallows errors (a raising __eq__ or __hash__), so it is
+ * never used in this code base. */
+#if PY_VERSION_HEX >= 0x030D0000
+#define dcp_dict_get_ref PyDict_GetItemRef
+#else
+static inline int
+dcp_dict_get_ref(PyObject *dict, PyObject *key, PyObject **result)
+{
+    PyObject *item = PyDict_GetItemWithError(dict, key);
+    if (item != NULL) {
+        *result = Py_NewRef(item);
+        return 1;
+    }
+    *result = NULL;
+    return PyErr_Occurred() ? -1 : 0;
+}
+#endif
+
+/* Free-threaded builds need critical sections around container
+ * iteration; on GIL builds before 3.13 they do not exist. */
+#ifndef Py_BEGIN_CRITICAL_SECTION
+#define Py_BEGIN_CRITICAL_SECTION(op) {
+#define Py_END_CRITICAL_SECTION() }
+#endif
+
+/* Attach a PEP 678 note to the exception currently being raised, e.g.
+ * "while walking module 'layers.3'".  Failures to add the note are
+ * ignored: the original exception matters more than the note. */
+static inline void
+dcp_add_note(PyObject *note)
+{
+    PyObject *exc = NULL, *res = NULL;
+#if PY_VERSION_HEX >= 0x030C0000
+    exc = PyErr_GetRaisedException();
+#else
+    PyObject *type = NULL, *tb = NULL;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc != NULL && tb != NULL) {
+        (void)PyException_SetTraceback(exc, tb);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+#endif
+    if (exc == NULL) {
+        return;
+    }
+    res = PyObject_CallMethod(exc, "add_note", "O", note);
+    if (res == NULL) {
+        PyErr_Clear();
+    }
+    Py_XDECREF(res);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc,
+                  PyException_GetTraceback(exc));
+#endif
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define DCP_NOINLINE __attribute__((noinline))
+#define DCP_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define DCP_NOINLINE
+#define DCP_UNLIKELY(x) (x)
+#endif
+
+#endif /* DCP_COMPAT_H */

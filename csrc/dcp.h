@@ -1,0 +1,290 @@
+/* Shared declarations of the _dcp_optim extension.
+ *
+ * Layout of the C core (one concern per file):
+ *   module.c   module definition, per-module state, method table
+ *   context.c  Context: the torch classes and base methods the core needs,
+ *              handed in from Python so the core never imports torch
+ *   walk.c     ModelIndex: one native walk of the nn.Module tree
+ *   fqn.c      FQN rules for arbitrary names (upstream's _get_fqns) and
+ *              canonicalisation of model state_dict keys
+ *   optim.c    optimizer param-ID <-> FQN mapping (get side)
+ *   split.c    splitting a combined optimizer state dict per optimizer
+ *              and installing it (set side)
+ *   flat.c     the flattened optimizer format
+ *   tree.c     copying state-dict trees and collecting tensor leaves
+ *   reshard.c  shard geometry and bucket plans for DTensor gathers
+ *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
+ *
+ * Conventions (see STYLE.md): functions document their return contract;
+ * "new reference or NULL with an exception set" unless said otherwise;
+ * int-returning helpers return 0 / -1; predicates 1 / 0 / -1.
+ */
+#ifndef DCP_H
+#define DCP_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "compat.h"
+#include "ptrmap.h"
+
+/* Interned attribute and key names, one field each in dcp_state. */
+#define DCP_INTERNED_STRINGS(X)                                        \
+    X(modules, "_modules")                                             \
+    X(parameters, "_parameters")                                       \
+    X(buffers, "_buffers")                                             \
+    X(non_persistent, "_non_persistent_buffers_set")                   \
+    X(requires_grad, "requires_grad")                                  \
+    X(params, "params")                                                \
+    X(state, "state")                                                  \
+    X(param_groups, "param_groups")                                    \
+    X(param_names, "param_names")                                      \
+    X(module, "module")                                                \
+    X(orig_mod, "_orig_mod")                                           \
+    X(ckpt_wrapped, "_checkpoint_wrapped_module")                      \
+    X(fsdp_wrapped, "_fsdp_wrapped_module")                            \
+    X(flat_param, "_flat_param")                                       \
+    X(fqns, "_fqns")                                                   \
+    X(extra_state, "_extra_state")                                     \
+    X(named_children, "named_children")                                \
+    X(named_parameters, "named_parameters")                            \
+    X(named_buffers, "named_buffers")                                  \
+    X(named_modules, "named_modules")                                  \
+    X(get_extra_state, "get_extra_state")                              \
+    X(items, "items")                                                  \
+    X(dot, ".")                                                        \
+    X(empty, "")                                                       \
+    X(step, "step")                                                    \
+    X(dunder_dict, "__dict__")                                         \
+    X(state_prefix, "state.")                                          \
+    X(pg_prefix, "param_groups.")                                      \
+    X(setstate, "__setstate__")                                        \
+    X(to, "to")                                                        \
+    X(shape, "shape")                                                  \
+    X(dtype, "dtype")                                                  \
+    X(device, "device")                                                \
+    X(is_floating_point, "is_floating_point")                          \
+    X(is_complex, "is_complex")                                        \
+    X(dim, "dim")                                                      \
+    X(detach, "detach")                                                \
+    X(cpu, "cpu")                                                      \
+    X(fused, "fused")                                                  \
+    X(capturable, "capturable")                                        \
+    X(add_note, "add_note")                                            \
+    X(device_mesh, "device_mesh")                                      \
+    X(placements, "placements")
+
+typedef struct {
+    PyTypeObject *Context_Type;
+    PyTypeObject *ModelIndex_Type;
+#define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
+    DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
+#undef DCP_STATE_STR_FIELD
+} dcp_state;
+
+extern PyModuleDef dcp_moduledef;
+
+static inline dcp_state *
+dcp_get_state(PyObject *module)
+{
+    void *state = PyModule_GetState(module);
+    assert(state != NULL);
+    return (dcp_state *)state;
+}
+
+/* State of the module that defined `tp`; used by methods of heap types. */
+static inline dcp_state *
+dcp_get_state_by_type(PyTypeObject *tp)
+{
+    PyObject *module = PyType_GetModuleByDef(tp, &dcp_moduledef);
+    assert(module != NULL);
+    return dcp_get_state(module);
+}
+
+/* ----------------------------------------------------------------------
+ * Context (context.c)
+ *
+ * Every torch object the core needs is a field of a Context instance that
+ * the Python layer builds once at import.  Tests build Contexts over fake
+ * classes so the sanitizer and refcount suites can drive the core without
+ * torch.  One field list generates the struct, traverse, clear and the
+ * constructor's keywords.
+ */
+#define DCP_CONTEXT_FIELDS(X)                                            \
+    X(module_type)            /* torch.nn.Module */                      \
+    X(tensor_type)            /* torch.Tensor */                         \
+    X(dtensor_type)           /* DTensor class, or None */               \
+    X(ddp_types)              /* tuple: classes stripping "module." */   \
+    X(compiled_types)         /* tuple: classes stripping "_orig_mod." */ \
+    X(fsdp1_types)            /* tuple: FSDP1 FullyShardedDataParallel */ \
+    X(base_named_children)    /* nn.Module.named_children */             \
+    X(base_named_parameters)  /* nn.Module.named_parameters */           \
+    X(base_named_buffers)     /* nn.Module.named_buffers */              \
+    X(base_named_modules)     /* nn.Module.named_modules */              \
+    X(base_get_extra_state)   /* nn.Module.get_extra_state */            \
+    X(extra_state_marker)     /* class of the _extra_state marker */     \
+    X(optimizer_type)         /* torch.optim.Optimizer */                \
+    X(base_optim_state_dict)  /* torch.optim.Optimizer.state_dict */     \
+    X(base_optim_load)        /* torch.optim.Optimizer.load_state_dict */ \
+    X(defaultdict_type)       /* collections.defaultdict */              \
+    X(dict_type)              /* dict (defaultdict's factory) */         \
+    X(float32)                /* torch.float32 */                        \
+    X(cpu_device)             /* torch.device("cpu") */                  \
+    X(bytesio_type)           /* io.BytesIO */                           \
+    X(deepcopy)               /* copy.deepcopy */                        \
+    X(err_key)                /* dcp_optim KeyError subclass */          \
+    X(err_value)              /* dcp_optim ValueError subclass */        \
+    X(err_type)               /* dcp_optim TypeError subclass */         \
+    X(err_runtime)            /* dcp_optim RuntimeError subclass */
+
+typedef struct {
+    PyObject_HEAD
+#define DCP_CONTEXT_STRUCT_FIELD(name) PyObject *name;
+    DCP_CONTEXT_FIELDS(DCP_CONTEXT_STRUCT_FIELD)
+#undef DCP_CONTEXT_STRUCT_FIELD
+} dcp_Context;
+
+int dcp_context_init_type(PyObject *module, dcp_state *st);
+/* 1 if `obj` is a dcp_Context, 0 with TypeError set otherwise. */
+int dcp_context_check(dcp_state *st, PyObject *obj);
+
+/* isinstance against a tuple field of the context: 1 / 0 / -1. */
+static inline int
+dcp_isinstance_any(PyObject *obj, PyObject *types)
+{
+    if (types == Py_None || PyTuple_GET_SIZE(types) == 0) {
+        return 0;
+    }
+    return PyObject_IsInstance(obj, types);
+}
+
+/* ----------------------------------------------------------------------
+ * ModelIndex (walk.c)
+ *
+ * The result of one walk over the module tree; everything per-tensor the
+ * other files need.  Lists are parallel arrays (one element per entry),
+ * which keeps the object simple to traverse and cheap to expose.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx;            /* the dcp_Context the walk used */
+    PyObject *model;
+    PyObject *modifiers_name; /* str: the _fqn_modifiers method name */
+    /* _iterate_valid_model_state order (children first, then buffers,
+     * then parameters, then the _extra_state marker). */
+    PyObject *raw_names;  /* list[str]: names with wrapper prefixes */
+    PyObject *fqns;       /* list[str]: canonical FQNs */
+    PyObject *load_keys;  /* list[str]: keys model.load_state_dict wants */
+    PyObject *values;     /* list[Tensor | marker] */
+    PyObject *kinds;      /* bytearray: DCP_KIND_* per entry */
+    /* Unique tensors in first-seen order, with every FQN naming each. */
+    PyObject *tensors;      /* list[Tensor] */
+    PyObject *tensor_fqns;  /* list[list[str]] */
+    PyObject *tensor_loads; /* list[list[str]] */
+    /* model.named_parameters() order (pre-order, deduplicated) with the
+     * canonical FQN of each parameter's first name. */
+    PyObject *np_params; /* list[Parameter] */
+    PyObject *np_names;  /* list[str]: raw names */
+    PyObject *np_fqns;   /* list[str] */
+    PyObject *fsdp1_modules; /* list of FSDP1 instances, pre-order */
+    dcp_ptrmap tensor_map; /* tensor -> index in `tensors` */
+    dcp_ptrmap param_map;  /* param -> index in np_params */
+} dcp_ModelIndex;
+
+enum {
+    DCP_KIND_PARAM = 0,
+    DCP_KIND_BUFFER = 1,
+    DCP_KIND_EXTRA = 2,
+};
+
+int dcp_walk_init_type(PyObject *module, dcp_state *st);
+/* Index of `tensor` in index->tensors, or -1 when the model lacks it. */
+Py_ssize_t dcp_index_tensor_slot(dcp_ModelIndex *index, PyObject *tensor);
+/* Index of `param` in index->np_params, or -1. */
+Py_ssize_t dcp_index_param_slot(dcp_ModelIndex *index, PyObject *param);
+/* 1 if `obj` is a ModelIndex, 0 with TypeError set otherwise. */
+int dcp_index_check(dcp_state *st, PyObject *obj);
+
+/* ----------------------------------------------------------------------
+ * Shared helpers (module.c)
+ */
+
+/* Returns "prefix.name" (or "name" when prefix is empty) as a new str. */
+PyObject *dcp_join_name(dcp_state *st, PyObject *prefix, PyObject *name);
+/* Returns prefix + name + "." : the prefix for a child; new reference. */
+PyObject *dcp_child_prefix(dcp_state *st, PyObject *prefix, PyObject *name);
+/* Snapshot of a mapping's items as a new list of 2-tuples; exact dicts
+ * are copied with PyDict_Next, anything else through .items(). */
+PyObject *dcp_items_list(PyObject *mapping);
+/* Looks `name` up along type(obj).__mro__ without running descriptors or
+ * __getattr__.  Returns a new reference, or NULL without an exception
+ * when absent, or NULL with an exception on error (check PyErr_Occurred).
+ */
+PyObject *dcp_type_lookup(PyTypeObject *tp, PyObject *name);
+/* The modifier hook of a module: looked up on the class (bound like
+ * attribute access would) or in the instance __dict__.  Returns a new
+ * reference, NULL without an exception when absent, NULL with an
+ * exception on error.  Unlike getattr() it never raises AttributeError,
+ * which matters because nn.Module.__getattr__ builds an exception per
+ * miss and the lookup happens once per module or key. */
+PyObject *dcp_lookup_hook(PyObject *obj, PyObject *name);
+/* Adds a PEP 678 note (PyUnicode_FromFormat syntax) to the exception
+ * being raised; a no-op when none is. */
+void dcp_note_format(const char *format, ...);
+/* Adds the note "at key '<key>'" to the exception being raised. */
+void dcp_note_key(PyObject *key);
+/* Convert an optimizer's `params` entry or the like into a new list. */
+PyObject *dcp_as_list(PyObject *seq, const char *what);
+
+/* Method-table entries implemented in the other files. */
+#define DCP_DECLARE_FASTCALL(name)                                       \
+    PyObject *name(PyObject *module, PyObject *const *args,              \
+                   Py_ssize_t nargs);
+DCP_DECLARE_FASTCALL(dcp_walk_model)
+DCP_DECLARE_FASTCALL(dcp_get_fqns)
+DCP_DECLARE_FASTCALL(dcp_canonicalize_model_keys)
+DCP_DECLARE_FASTCALL(dcp_frozen_fqns)
+DCP_DECLARE_FASTCALL(dcp_optim_pack)
+DCP_DECLARE_FASTCALL(dcp_optim_remap)
+DCP_DECLARE_FASTCALL(dcp_optim_missing)
+DCP_DECLARE_FASTCALL(dcp_flatten_optim)
+DCP_DECLARE_FASTCALL(dcp_unflatten_optim)
+DCP_DECLARE_FASTCALL(dcp_view_from_nested)
+DCP_DECLARE_FASTCALL(dcp_split_optim)
+DCP_DECLARE_FASTCALL(dcp_install_optim)
+DCP_DECLARE_FASTCALL(dcp_tree_copy)
+DCP_DECLARE_FASTCALL(dcp_tree_fill)
+DCP_DECLARE_FASTCALL(dcp_tensors_to)
+DCP_DECLARE_FASTCALL(dcp_rename_for_load)
+DCP_DECLARE_FASTCALL(dcp_full_load_merge)
+DCP_DECLARE_FASTCALL(dcp_materialize_state)
+DCP_DECLARE_FASTCALL(dcp_first_key_containing)
+DCP_DECLARE_FASTCALL(dcp_filter_prefixes)
+DCP_DECLARE_FASTCALL(dcp_tensor_devices)
+#undef DCP_DECLARE_FASTCALL
+
+/* Argument helpers for METH_FASTCALL functions. */
+static inline int
+dcp_check_nargs(const char *fname, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s() takes exactly %zd arguments (%zd given)", fname,
+                     expected, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+static inline int
+dcp_check_str(const char *fname, const char *what, PyObject *obj)
+{
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be str, not %.200s",
+                     fname, what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+#endif /* DCP_H */

@@ -1,0 +1,725 @@
+/* The flattened optimizer format (flatten_optimizer_state_dict=True).
+ *
+ *   state.<fqn>.<name>[.<nested>...]   one key per state leaf
+ *   param_groups.<fqn>.<key>           every group key, for every param
+ *
+ * Keys are byte-identical to upstream's (torchtitan writes the same), in
+ * the same order: all state keys (state order, then key order), then all
+ * param_groups keys (group, param, key order).
+ *
+ * Empty param groups (SPEC D6).  Upstream cannot represent them: their
+ * hyperparameters have no parameter to hang on.  dcp_optim stores them
+ * under a reserved key family anchored on a neighbouring group of the
+ * same optimizer, so that keys stay unique across pipeline stages (each
+ * FQN lives on one stage) and survive concatenating optimizers:
+ *
+ *   param_groups.<anchor>.__empty_group_after_<n>__.<key>
+ *       the n-th group after the group whose first FQN is <anchor>;
+ *   param_groups.<anchor>.__empty_group_before_<n>__.<key>
+ *       when no non-empty group precedes it in its optimizer;
+ *   param_groups.__optimizer_<o>_empty_group_<g>__.<key>
+ *       for an optimizer without any parameter.
+ *
+ * They are emitted only when an empty group exists, so every other dict
+ * is byte-identical to upstream's.
+ *
+ * Parsing flat keys back needs the FQNs: they contain dots themselves.
+ * A key "state.a.b.c" is split at the right-most dot whose left side is a
+ * parameter FQN of the model; no FQN can be a token prefix of another
+ * (parameters, buffers and children share one namespace per module), so
+ * the split is unique, and scanning from the right finds it in one probe
+ * for ordinary (un-nested) keys.
+ */
+#include "dcp.h"
+
+#include <string.h>
+
+static const char EMPTY_AFTER[] = "__empty_group_after_";
+static const char EMPTY_BEFORE[] = "__empty_group_before_";
+static const char EMPTY_OPTIM[] = "__optimizer_";
+
+/* ----------------------------------------------------------------------
+ * Flatten
+ */
+
+/* Flattens one state dict under `prefix` ("state.<fqn>") into `out`.
+ * Leaves must be Tensor, int, float or dict (upstream's E15). */
+static int
+flatten_state(dcp_state *st, dcp_Context *ctx, PyObject *value,
+              PyObject *prefix, PyObject *out)
+{
+    int rc = -1;
+    PyObject *items = NULL;
+    if (Py_EnterRecursiveCall(" while flattening optimizer state")) {
+        return -1;
+    }
+    items = dcp_items_list(value);
+    if (items == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *leaf = PyTuple_GET_ITEM(pair, 1);
+        PyObject *skey = PyObject_Str(key);
+        PyObject *full = skey ? dcp_join_name(st, prefix, skey) : NULL;
+        Py_XDECREF(skey);
+        if (full == NULL) {
+            goto done;
+        }
+        int ok;
+        if (PyDict_Check(leaf)) {
+            ok = flatten_state(st, ctx, leaf, full, out) == 0;
+        }
+        else {
+            int allowed = PyLong_Check(leaf) || PyFloat_Check(leaf);
+            if (!allowed) {
+                allowed = PyObject_IsInstance(leaf, ctx->tensor_type);
+            }
+            if (allowed == 0) {
+                PyErr_Format(PyExc_NotImplementedError,
+                             "Flattening optimizer state_dict only supports "
+                             "tensor, int, float, dict states now. Type is "
+                             "%R.",
+                             (PyObject *)Py_TYPE(leaf));
+                dcp_note_key(full);
+            }
+            ok = allowed == 1 && PyDict_SetItem(out, full, leaf) == 0;
+        }
+        Py_DECREF(full);
+        if (!ok) {
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    Py_LeaveRecursiveCall();
+    Py_XDECREF(items);
+    return rc;
+}
+
+/* Emits every key of `group` except "params" under prefix "<fqn>.". */
+static int
+flatten_group_keys(dcp_state *st, PyObject *group_items, PyObject *prefix,
+                   PyObject *out)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(group_items); i++) {
+        PyObject *pair = PyList_GET_ITEM(group_items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        if (PyUnicode_Check(key) &&
+            PyUnicode_Compare(key, st->str_params) == 0) {
+            continue;
+        }
+        PyObject *skey = PyObject_Str(key);
+        PyObject *full = skey ? PyUnicode_Concat(prefix, skey) : NULL;
+        Py_XDECREF(skey);
+        if (full == NULL) {
+            return -1;
+        }
+        int rc = PyDict_SetItem(out, full, PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(full);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The params list of a packed group (owned list), validated. */
+static PyObject *
+packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
+{
+    PyObject *params = NULL;
+    if (!PyDict_Check(group)) {
+        PyErr_Format(PyExc_TypeError, "param_groups[%zd] must be a dict, not "
+                     "%.200s", g, Py_TYPE(group)->tp_name);
+        return NULL;
+    }
+    int rc = dcp_dict_get_ref(group, st->str_params, &params);
+    if (rc <= 0) {
+        if (rc == 0) {
+            PyErr_Format(PyExc_KeyError,
+                         "param_groups[%zd] has no 'params' entry", g);
+        }
+        return NULL;
+    }
+    PyObject *list = dcp_as_list(params, "param_group['params']");
+    Py_DECREF(params);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        if (!PyUnicode_Check(PyList_GET_ITEM(list, i))) {
+            PyErr_Format(PyExc_TypeError,
+                         "param_groups[%zd]['params'] must hold FQN strings, "
+                         "got %R",
+                         g, PyList_GET_ITEM(list, i));
+            Py_DECREF(list);
+            return NULL;
+        }
+    }
+    return list;
+}
+
+/* Prefix "param_groups.<reserved>." for the empty group `g` of the
+ * optimizer segment [lo, hi) of `plist` (a list of params lists). */
+static PyObject *
+empty_group_prefix(dcp_state *st, PyObject *plist, Py_ssize_t lo,
+                   Py_ssize_t hi, Py_ssize_t g, Py_ssize_t opt_i)
+{
+    for (Py_ssize_t j = g - 1; j >= lo; j--) {
+        PyObject *params = PyList_GET_ITEM(plist, j);
+        if (PyList_GET_SIZE(params) > 0) {
+            return PyUnicode_FromFormat("param_groups.%U.%s%zd__.",
+                                        PyList_GET_ITEM(params, 0),
+                                        EMPTY_AFTER, g - j);
+        }
+    }
+    for (Py_ssize_t j = g + 1; j < hi; j++) {
+        PyObject *params = PyList_GET_ITEM(plist, j);
+        if (PyList_GET_SIZE(params) > 0) {
+            return PyUnicode_FromFormat("param_groups.%U.%s%zd__.",
+                                        PyList_GET_ITEM(params, 0),
+                                        EMPTY_BEFORE, j - g);
+        }
+    }
+    return PyUnicode_FromFormat("param_groups.%s%zd_empty_group_%zd__.",
+                                EMPTY_OPTIM, opt_i, g - lo);
+}
+
+/* flatten_optim(ctx, osd, group_counts) -> dict
+ *
+ * group_counts: None (all groups form one optimizer) or a sequence with
+ * the number of groups of each optimizer, in order. */
+PyObject *
+dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *out = NULL, *state = NULL, *groups = NULL, *items = NULL;
+    PyObject *plist = NULL, *counts = NULL, *result = NULL;
+
+    if (dcp_check_nargs("flatten_optim", nargs, 3) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_Context *ctx = (dcp_Context *)args[0];
+    PyObject *osd = args[1];
+    if (!PyDict_Check(osd)) {
+        PyErr_Format(PyExc_TypeError,
+                     "optimizer state dict must be a dict, not %.200s",
+                     Py_TYPE(osd)->tp_name);
+        return NULL;
+    }
+    out = PyDict_New();
+    if (out == NULL) {
+        goto done;
+    }
+    if (dcp_dict_get_ref(osd, st->str_state, &state) <= 0 ||
+        dcp_dict_get_ref(osd, st->str_param_groups, &groups) <= 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_KeyError,
+                            "optimizer state dict needs 'state' and "
+                            "'param_groups'");
+        }
+        goto done;
+    }
+    items = dcp_items_list(state);
+    if (items == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *fqn = PyTuple_GET_ITEM(pair, 0);
+        PyObject *sfqn = PyObject_Str(fqn);
+        PyObject *prefix = sfqn ? PyUnicode_Concat(st->str_state_prefix, sfqn)
+                                : NULL;
+        Py_XDECREF(sfqn);
+        if (prefix == NULL) {
+            goto done;
+        }
+        int rc = flatten_state(st, ctx, PyTuple_GET_ITEM(pair, 1), prefix,
+                               out);
+        Py_DECREF(prefix);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    /* params lists of every group, for anchoring empty groups */
+    PyObject *glist = dcp_as_list(groups, "param_groups");
+    if (glist == NULL) {
+        goto done;
+    }
+    Py_SETREF(groups, glist);
+    Py_ssize_t ngroups = PyList_GET_SIZE(groups);
+    plist = PyList_New(ngroups);
+    if (plist == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        PyObject *params = packed_params(st, PyList_GET_ITEM(groups, g), g);
+        if (params == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(plist, g, params);
+    }
+    if (args[2] == Py_None) {
+        counts = Py_BuildValue("[n]", ngroups);
+    }
+    else {
+        counts = dcp_as_list(args[2], "group_counts");
+    }
+    if (counts == NULL) {
+        goto done;
+    }
+    Py_ssize_t lo = 0;
+    for (Py_ssize_t o = 0; o < PyList_GET_SIZE(counts); o++) {
+        Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(counts, o));
+        if (n == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        Py_ssize_t hi = lo + n;
+        if (n < 0 || hi > ngroups) {
+            PyErr_SetString(PyExc_ValueError,
+                            "group_counts do not add up to the number of "
+                            "param groups");
+            goto done;
+        }
+        for (Py_ssize_t g = lo; g < hi; g++) {
+            PyObject *group_items = dcp_items_list(PyList_GET_ITEM(groups, g));
+            PyObject *params = PyList_GET_ITEM(plist, g);
+            int rc = 0;
+            if (group_items == NULL) {
+                goto done;
+            }
+            if (PyList_GET_SIZE(params) == 0) {
+                PyObject *prefix = empty_group_prefix(st, plist, lo, hi, g, o);
+                rc = prefix ? flatten_group_keys(st, group_items, prefix, out)
+                            : -1;
+                Py_XDECREF(prefix);
+            }
+            for (Py_ssize_t p = 0; rc == 0 && p < PyList_GET_SIZE(params);
+                 p++) {
+                PyObject *prefix = dcp_child_prefix(
+                    st, st->str_pg_prefix, PyList_GET_ITEM(params, p));
+                rc = prefix ? flatten_group_keys(st, group_items, prefix, out)
+                            : -1;
+                Py_XDECREF(prefix);
+            }
+            Py_DECREF(group_items);
+            if (rc < 0) {
+                goto done;
+            }
+        }
+        lo = hi;
+    }
+    if (lo != ngroups) {
+        PyErr_SetString(PyExc_ValueError,
+                        "group_counts do not add up to the number of param "
+                        "groups");
+        goto done;
+    }
+    result = Py_NewRef(out);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(state);
+    Py_XDECREF(groups);
+    Py_XDECREF(items);
+    Py_XDECREF(plist);
+    Py_XDECREF(counts);
+    return result;
+}
+
+/* ----------------------------------------------------------------------
+ * Parse back: the "loaded view" shared with the nested format
+ *
+ * A view is the tuple (state, groups, fqn_group, empties, unexpected):
+ *   state       dict fqn -> per-parameter state dict
+ *   groups      list of hyperparameter dicts ("params" not used)
+ *   fqn_group   dict fqn -> index into groups
+ *   empties     list of (identity, group index) for empty groups; the
+ *               identity is a str for the flat format, None for nested
+ *   unexpected  list of keys that could not be attributed
+ */
+
+/* Splits `rest` at the right-most '.' whose left side is in `known`.
+ * Returns 1 and new references in *fqn / *tail, 0 when no split works,
+ * -1 on error. */
+static int
+split_known_prefix(PyObject *rest, PyObject *known, PyObject **fqn,
+                   PyObject **tail)
+{
+    Py_ssize_t end = PyUnicode_GET_LENGTH(rest);
+    *fqn = *tail = NULL;
+    for (;;) {
+        Py_ssize_t dot = PyUnicode_FindChar(rest, '.', 0, end, -1);
+        if (dot == -2) {
+            return -1;
+        }
+        if (dot <= 0) {
+            return 0;
+        }
+        PyObject *candidate = PyUnicode_Substring(rest, 0, dot);
+        if (candidate == NULL) {
+            return -1;
+        }
+        int hit = PySet_Contains(known, candidate);
+        if (hit < 0) {
+            Py_DECREF(candidate);
+            return -1;
+        }
+        if (hit) {
+            *tail = PyUnicode_Substring(rest, dot + 1,
+                                        PyUnicode_GET_LENGTH(rest));
+            if (*tail == NULL) {
+                Py_DECREF(candidate);
+                return -1;
+            }
+            *fqn = candidate;
+            return 1;
+        }
+        Py_DECREF(candidate);
+        end = dot;
+    }
+}
+
+/* Stores `value` at the dotted `path` inside dict `root`. */
+static int
+nested_store(dcp_state *st, PyObject *root, PyObject *path, PyObject *value,
+             PyObject *key_for_errors)
+{
+    PyObject *parts = PyUnicode_Split(path, st->str_dot, -1);
+    if (parts == NULL) {
+        return -1;
+    }
+    PyObject *curr = Py_NewRef(root);
+    Py_ssize_t n = PyList_GET_SIZE(parts);
+    int rc = -1;
+    for (Py_ssize_t i = 0; i < n - 1; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i);
+        PyObject *next = NULL;
+        int found = dcp_dict_get_ref(curr, part, &next);
+        if (found < 0) {
+            goto done;
+        }
+        if (found == 0) {
+            next = PyDict_New();
+            if (next == NULL || PyDict_SetItem(curr, part, next) < 0) {
+                Py_XDECREF(next);
+                goto done;
+            }
+        }
+        else if (!PyDict_Check(next)) {
+            PyErr_Format(PyExc_ValueError,
+                         "flattened optimizer key '%U' nests under a "
+                         "non-dict state value",
+                         key_for_errors);
+            Py_DECREF(next);
+            goto done;
+        }
+        Py_SETREF(curr, next);
+    }
+    if (PyDict_Check(curr)) {
+        PyObject *existing = NULL;
+        int found = dcp_dict_get_ref(curr, PyList_GET_ITEM(parts, n - 1),
+                                     &existing);
+        if (found < 0) {
+            goto done;
+        }
+        if (found && PyDict_Check(existing)) {
+            PyErr_Format(PyExc_ValueError,
+                         "flattened optimizer key '%U' collides with nested "
+                         "state under the same name",
+                         key_for_errors);
+            Py_DECREF(existing);
+            goto done;
+        }
+        Py_XDECREF(existing);
+    }
+    rc = PyDict_SetItem(curr, PyList_GET_ITEM(parts, n - 1), value);
+done:
+    Py_DECREF(curr);
+    Py_DECREF(parts);
+    return rc;
+}
+
+/* The group dict for identity/fqn `id` in (groups, ids), created on
+ * first sight.  Returns a borrowed reference or NULL. */
+static PyObject *
+view_group(PyObject *groups, PyObject *ids, PyObject *id)
+{
+    PyObject *index = NULL;
+    int found = dcp_dict_get_ref(ids, id, &index);
+    if (found < 0) {
+        return NULL;
+    }
+    if (found) {
+        Py_ssize_t i = PyLong_AsSsize_t(index);
+        Py_DECREF(index);
+        return PyList_GET_ITEM(groups, i);
+    }
+    PyObject *group = PyDict_New();
+    index = group ? PyLong_FromSsize_t(PyList_GET_SIZE(groups)) : NULL;
+    if (index == NULL || PyList_Append(groups, group) < 0 ||
+        PyDict_SetItem(ids, id, index) < 0) {
+        Py_XDECREF(group);
+        Py_XDECREF(index);
+        return NULL;
+    }
+    Py_DECREF(index);
+    Py_DECREF(group); /* the list keeps it */
+    return group;
+}
+
+/* Parses the reserved empty-group tail "__empty_group_after_<n>__.<key>"
+ * into identity "<anchor>|after|<n>" and key.  1 / 0 (not reserved) / -1.
+ */
+static int
+parse_empty_tail(PyObject *anchor, PyObject *tail, PyObject **identity,
+                 PyObject **key)
+{
+    const char *kinds[2] = {EMPTY_AFTER, EMPTY_BEFORE};
+    const char *names[2] = {"after", "before"};
+    *identity = *key = NULL;
+    for (int k = 0; k < 2; k++) {
+        PyObject *marker = PyUnicode_FromString(kinds[k]);
+        if (marker == NULL) {
+            return -1;
+        }
+        Py_ssize_t starts = PyUnicode_Tailmatch(
+            tail, marker, 0, PyUnicode_GET_LENGTH(tail), -1);
+        Py_ssize_t mlen = PyUnicode_GET_LENGTH(marker);
+        Py_DECREF(marker);
+        if (starts < 0) {
+            return -1;
+        }
+        if (!starts) {
+            continue;
+        }
+        /* digits, then "__." */
+        Py_ssize_t len = PyUnicode_GET_LENGTH(tail);
+        Py_ssize_t i = mlen;
+        while (i < len && Py_UNICODE_ISDIGIT(PyUnicode_READ_CHAR(tail, i))) {
+            i++;
+        }
+        if (i == mlen || i + 3 > len || PyUnicode_READ_CHAR(tail, i) != '_' ||
+            PyUnicode_READ_CHAR(tail, i + 1) != '_' ||
+            PyUnicode_READ_CHAR(tail, i + 2) != '.') {
+            return 0;
+        }
+        PyObject *digits = PyUnicode_Substring(tail, mlen, i);
+        if (digits == NULL) {
+            return -1;
+        }
+        *identity = PyUnicode_FromFormat("%U|%s|%U", anchor, names[k],
+                                         digits);
+        Py_DECREF(digits);
+        *key = *identity ? PyUnicode_Substring(tail, i + 3, len) : NULL;
+        if (*key == NULL) {
+            Py_CLEAR(*identity);
+            return -1;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* unflatten_optim(index, flat) -> view (see above). */
+PyObject *
+dcp_unflatten_optim(PyObject *module, PyObject *const *args,
+                    Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *known = NULL, *state = NULL, *groups = NULL, *fqn_group = NULL;
+    PyObject *empty_ids = NULL, *empties = NULL, *unexpected = NULL;
+    PyObject *items = NULL, *result = NULL;
+
+    if (dcp_check_nargs("unflatten_optim", nargs, 2) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    PyObject *flat = args[1];
+    if (!PyDict_Check(flat)) {
+        PyErr_Format(PyExc_TypeError,
+                     "flattened optimizer state dict must be a dict, not "
+                     "%.200s",
+                     Py_TYPE(flat)->tp_name);
+        return NULL;
+    }
+    known = PySet_New(NULL);
+    state = PyDict_New();
+    groups = PyList_New(0);
+    fqn_group = PyDict_New();
+    empty_ids = PyDict_New();
+    unexpected = PyList_New(0);
+    if (known == NULL || state == NULL || groups == NULL ||
+        fqn_group == NULL || empty_ids == NULL || unexpected == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(ix->tensor_fqns); t++) {
+        PyObject *names = PyList_GET_ITEM(ix->tensor_fqns, t);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(names); j++) {
+            if (PySet_Add(known, PyList_GET_ITEM(names, j)) < 0) {
+                goto done;
+            }
+        }
+    }
+    items = dcp_items_list(flat);
+    if (items == NULL) {
+        goto done;
+    }
+    Py_ssize_t state_len = PyUnicode_GET_LENGTH(st->str_state_prefix);
+    Py_ssize_t pg_len = PyUnicode_GET_LENGTH(st->str_pg_prefix);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        PyObject *rest = NULL, *fqn = NULL, *tail = NULL;
+        int rc = 0, is_state = 0, is_pg = 0;
+        if (!PyUnicode_Check(key)) {
+            PyErr_Format(PyExc_TypeError,
+                         "flattened optimizer state dict keys must be str, "
+                         "got %R",
+                         key);
+            goto done;
+        }
+        Py_ssize_t len = PyUnicode_GET_LENGTH(key);
+        is_state = PyUnicode_Tailmatch(key, st->str_state_prefix, 0, len, -1);
+        if (is_state < 0) {
+            goto done;
+        }
+        if (!is_state) {
+            is_pg = PyUnicode_Tailmatch(key, st->str_pg_prefix, 0, len, -1);
+            if (is_pg < 0) {
+                goto done;
+            }
+        }
+        if (!is_state && !is_pg) {
+            if (PyList_Append(unexpected, key) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        rest = PyUnicode_Substring(key, is_state ? state_len : pg_len, len);
+        if (rest == NULL) {
+            goto done;
+        }
+        rc = split_known_prefix(rest, known, &fqn, &tail);
+        if (rc == 0 && is_pg) {
+            /* "__optimizer_<o>_empty_group_<g>__.<key>" has no FQN. */
+            PyObject *marker = PyUnicode_FromString(EMPTY_OPTIM);
+            Py_ssize_t reserved =
+                marker ? PyUnicode_Tailmatch(rest, marker, 0,
+                                             PyUnicode_GET_LENGTH(rest), -1)
+                       : -1;
+            Py_XDECREF(marker);
+            Py_ssize_t sep = reserved > 0
+                                 ? PyUnicode_FindChar(
+                                       rest, '.', 0,
+                                       PyUnicode_GET_LENGTH(rest), 1)
+                                 : -1;
+            if (reserved < 0 || sep == -2) {
+                rc = -1;
+            }
+            else if (reserved > 0 && sep > 0) {
+                PyObject *ident = PyUnicode_Substring(rest, 0, sep);
+                PyObject *gkey = ident ? PyUnicode_Substring(
+                                             rest, sep + 1,
+                                             PyUnicode_GET_LENGTH(rest))
+                                       : NULL;
+                PyObject *group = gkey ? view_group(groups, empty_ids, ident)
+                                       : NULL;
+                rc = (group != NULL &&
+                      PyDict_SetItem(group, gkey, value) == 0)
+                         ? 2
+                         : -1;
+                Py_XDECREF(ident);
+                Py_XDECREF(gkey);
+            }
+        }
+        if (rc < 0) {
+            Py_DECREF(rest);
+            goto done;
+        }
+        if (rc == 0) {
+            Py_DECREF(rest);
+            if (PyList_Append(unexpected, key) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        if (rc == 1 && is_state) {
+            PyObject *entry = NULL;
+            int found = dcp_dict_get_ref(state, fqn, &entry);
+            if (found == 0) {
+                entry = PyDict_New();
+                if (entry == NULL || PyDict_SetItem(state, fqn, entry) < 0) {
+                    found = -1;
+                }
+            }
+            if (found < 0 || entry == NULL ||
+                nested_store(st, entry, tail, value, key) < 0) {
+                Py_XDECREF(entry);
+                rc = -1;
+            }
+            else {
+                Py_DECREF(entry);
+            }
+        }
+        else if (rc == 1) {
+            PyObject *identity = NULL, *gkey = NULL;
+            int reserved = parse_empty_tail(fqn, tail, &identity, &gkey);
+            PyObject *group = NULL;
+            if (reserved < 0) {
+                rc = -1;
+            }
+            else if (reserved) {
+                group = view_group(groups, empty_ids, identity);
+                rc = (group && PyDict_SetItem(group, gkey, value) == 0) ? 1
+                                                                          : -1;
+            }
+            else {
+                group = view_group(groups, fqn_group, fqn);
+                rc = (group && PyDict_SetItem(group, tail, value) == 0) ? 1
+                                                                          : -1;
+            }
+            Py_XDECREF(identity);
+            Py_XDECREF(gkey);
+        }
+        Py_DECREF(rest);
+        Py_XDECREF(fqn);
+        Py_XDECREF(tail);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    /* empties: (identity, group index), in order of first appearance */
+    empties = PyList_New(0);
+    if (empties == NULL) {
+        goto done;
+    }
+    {
+        PyObject *eitems = dcp_items_list(empty_ids);
+        if (eitems == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(eitems); i++) {
+            if (PyList_Append(empties, PyList_GET_ITEM(eitems, i)) < 0) {
+                Py_DECREF(eitems);
+                goto done;
+            }
+        }
+        Py_DECREF(eitems);
+    }
+    result = PyTuple_Pack(5, state, groups, fqn_group, empties, unexpected);
+done:
+    Py_XDECREF(known);
+    Py_XDECREF(state);
+    Py_XDECREF(groups);
+    Py_XDECREF(fqn_group);
+    Py_XDECREF(empty_ids);
+    Py_XDECREF(empties);
+    Py_XDECREF(unexpected);
+    Py_XDECREF(items);
+    return result;
+}

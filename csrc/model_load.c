@@ -1,0 +1,239 @@
+/* Model loading: re-keying a canonical state dict the way
+ * model.load_state_dict() expects it (wrapper prefixes such as DDP's
+ * "module." put back), without touching the caller's dict (SPEC D11).
+ */
+#include "dcp.h"
+
+/* A shallow copy of `sd` that keeps its type and the `_metadata`
+ * attribute model.load_state_dict reads version information from. */
+static PyObject *
+copy_state_dict(PyObject *sd)
+{
+    if (PyDict_CheckExact(sd)) {
+        return PyDict_Copy(sd);
+    }
+    PyObject *copy = PyObject_CallMethod(sd, "copy", NULL);
+    if (copy == NULL) {
+        return NULL;
+    }
+    PyObject *meta = PyObject_GetAttrString(sd, "_metadata"); /* cpylint-ignore: once per call */
+    if (meta == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            Py_DECREF(copy);
+            return NULL;
+        }
+        PyErr_Clear();
+        return copy;
+    }
+    int rc = PyObject_SetAttrString(copy, "_metadata", meta);
+    Py_DECREF(meta);
+    if (rc < 0) {
+        Py_DECREF(copy);
+        return NULL;
+    }
+    return copy;
+}
+
+/* rename_for_load(index, state_dict, strict, rename, want_local)
+ *   -> (state_dict_for_load, local_state or None)
+ *
+ * For every entry of the walk whose load key differs from its FQN
+ * (upstream: fqn != fqn_with_prefix), the value under the FQN moves to the
+ * load key (to the end, as upstream's pop + insert does); a missing or
+ * None value is E13 under strict.  The input is returned unchanged when
+ * nothing needs renaming, else a private copy is renamed.  `local_state`
+ * maps every load key to the live tensor (or _extra_state marker). */
+PyObject *
+dcp_rename_for_load(PyObject *module, PyObject *const *args,
+                    Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *out = NULL, *local = NULL, *result = NULL;
+
+    if (dcp_check_nargs("rename_for_load", nargs, 5) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    PyObject *sd = args[1];
+    int strict = PyObject_IsTrue(args[2]);
+    int rename = PyObject_IsTrue(args[3]);
+    int want_local = PyObject_IsTrue(args[4]);
+    if (strict < 0 || rename < 0 || want_local < 0) {
+        return NULL;
+    }
+    if (!PyDict_Check(sd)) {
+        PyErr_Format(PyExc_TypeError,
+                     "model state dict must be a dict, not %.200s",
+                     Py_TYPE(sd)->tp_name);
+        return NULL;
+    }
+    if (want_local && (local = PyDict_New()) == NULL) {
+        goto done;
+    }
+    out = Py_NewRef(sd);
+    int copied = 0;
+    Py_ssize_t n = PyList_GET_SIZE(ix->fqns);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *fqn = PyList_GET_ITEM(ix->fqns, i);
+        PyObject *load = PyList_GET_ITEM(ix->load_keys, i);
+        if (local != NULL &&
+            PyDict_SetItem(local, load, PyList_GET_ITEM(ix->values, i)) < 0) {
+            goto done;
+        }
+        if (!rename || PyUnicode_Compare(fqn, load) == 0) {
+            continue;
+        }
+        PyObject *value = NULL;
+        int found = dcp_dict_get_ref(out, fqn, &value);
+        if (found < 0) {
+            goto done;
+        }
+        if (!found || value == Py_None) {
+            Py_XDECREF(value);
+            if (strict) {
+                PyErr_Format(PyExc_RuntimeError, "Missing key: %U.", fqn);
+                goto done;
+            }
+            continue;
+        }
+        if (!copied) {
+            PyObject *copy = copy_state_dict(sd);
+            if (copy == NULL) {
+                Py_DECREF(value);
+                goto done;
+            }
+            Py_SETREF(out, copy);
+            copied = 1;
+        }
+        if (PyObject_DelItem(out, fqn) < 0 ||
+            PyObject_SetItem(out, load, value) < 0) {
+            Py_DECREF(value);
+            goto done;
+        }
+        Py_DECREF(value);
+    }
+    result = PyTuple_Pack(2, out, local ? local : Py_None);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(local);
+    return result;
+}
+
+/* full_load_merge(ctx, full_sd, local, device)
+ *   -> (merged dict, dtensor jobs)
+ *
+ * Upstream's _distribute_state_dict followed by state_dict.update(local)
+ * for a full model state dict held by every rank, on a private copy:
+ *   non-tensor values   replace the local entry (even unknown keys);
+ *   0-dim tensors       .cpu();
+ *   tensors with a plain local counterpart   .detach().to(device);
+ *   tensors whose local counterpart is a DTensor   left to the caller as
+ *       jobs (key, full tensor, local DTensor), to be sliced locally;
+ *   local keys the full dict lacks keep their live value.
+ * The merged dict keeps the full dict's key order, then local-only keys. */
+PyObject *
+dcp_full_load_merge(PyObject *module, PyObject *const *args,
+                    Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *items = NULL, *merged = NULL, *jobs = NULL, *result = NULL;
+    if (dcp_check_nargs("full_load_merge", nargs, 4) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_Context *ctx = (dcp_Context *)args[0];
+    PyObject *full = args[1], *local = args[2], *device = args[3];
+    if (!PyDict_Check(full) || !PyDict_Check(local)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "full_load_merge(): state dicts must be dicts");
+        return NULL;
+    }
+    items = dcp_items_list(full);
+    merged = items ? copy_state_dict(full) : NULL;
+    jobs = merged ? PyList_New(0) : NULL;
+    if (jobs == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        PyObject *new_value = NULL;
+        int is_tensor = PyObject_IsInstance(value, ctx->tensor_type);
+        if (is_tensor < 0) {
+            goto done;
+        }
+        if (!is_tensor) {
+            if (PyDict_SetItem(local, key, value) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        PyObject *dim = PyObject_CallMethodNoArgs(value, st->str_dim);
+        long d = dim ? PyLong_AsLong(dim) : -1;
+        Py_XDECREF(dim);
+        if (d == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (d == 0) {
+            new_value = PyObject_CallMethodNoArgs(value, st->str_cpu);
+        }
+        else {
+            PyObject *lv = NULL;
+            int found = dcp_dict_get_ref(local, key, &lv);
+            if (found < 0) {
+                goto done;
+            }
+            if (!found || lv == Py_None) {
+                Py_XDECREF(lv);
+                continue;
+            }
+            int is_dt = ctx->dtensor_type == Py_None
+                            ? 0
+                            : PyObject_IsInstance(lv, ctx->dtensor_type);
+            if (is_dt < 0) {
+                Py_DECREF(lv);
+                goto done;
+            }
+            if (is_dt) {
+                PyObject *job = PyTuple_Pack(3, key, value, lv);
+                Py_DECREF(lv);
+                if (job == NULL || PyList_Append(jobs, job) < 0) {
+                    Py_XDECREF(job);
+                    goto done;
+                }
+                Py_DECREF(job);
+                continue;
+            }
+            Py_DECREF(lv);
+            PyObject *detached = PyObject_CallMethodNoArgs(value,
+                                                           st->str_detach);
+            if (detached != NULL) {
+                PyObject *call[2] = {detached, device};
+                new_value = PyObject_VectorcallMethod(
+                    st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                    NULL);
+                Py_DECREF(detached);
+            }
+        }
+        if (new_value == NULL) {
+            dcp_note_key(key);
+            goto done;
+        }
+        int rc = PyDict_SetItem(local, key, new_value);
+        Py_DECREF(new_value);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    if (PyDict_Update(merged, local) < 0) {
+        goto done;
+    }
+    result = PyTuple_Pack(2, merged, jobs);
+done:
+    Py_XDECREF(items);
+    Py_XDECREF(merged);
+    Py_XDECREF(jobs);
+    return result;
+}

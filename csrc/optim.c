@@ -1,0 +1,539 @@
+/* Optimizer parameter IDs <-> FQNs, get side.
+ *
+ * optim_pack builds, for each optimizer, exactly what upstream gets from
+ * optimizer.state_dict() followed by its ID -> FQN renaming, without the
+ * detour through integer IDs: groups are copied with "params" last and
+ * holding FQNs, and `state` maps each FQN to the optimizer's own
+ * per-parameter dict (aliased, as upstream).  It is used only for
+ * optimizers whose class keeps Optimizer.state_dict and that have no
+ * state_dict hooks (the Python layer checks); others go through their own
+ * state_dict() and optim_remap.
+ *
+ * Parameters are looked up by identity in the ModelIndex's pointer map,
+ * never through a dict keyed by tensors (Tensor.__hash__ is Python code).
+ */
+#include "dcp.h"
+
+/* Raised when an optimizer holds a parameter the model does not have. */
+static PyObject *
+unknown_param_error(dcp_ModelIndex *ix, Py_ssize_t opt_i, Py_ssize_t group_i,
+                    PyObject *param)
+{
+    dcp_state *st = dcp_get_state_by_type(Py_TYPE(ix));
+    dcp_Context *ctx = (dcp_Context *)ix->ctx;
+    PyObject *exc_type = ctx->err_key != Py_None ? ctx->err_key
+                                                 : PyExc_KeyError;
+    PyObject *shape = PyObject_GetAttr(param, st->str_shape);
+    if (shape == NULL) {
+        PyErr_Clear();
+        shape = Py_NewRef(Py_None);
+    }
+    PyErr_Format(exc_type,
+                 "optimizer %zd, param group %zd holds a parameter (shape "
+                 "%R, %.200s) that is not a parameter of the model; every "
+                 "optimized parameter must be reachable through "
+                 "model.named_parameters()",
+                 opt_i, group_i, shape, Py_TYPE(param)->tp_name);
+    Py_DECREF(shape);
+    return NULL;
+}
+
+/* The groups of an optimizer as an owned list of dicts; validates shape. */
+static PyObject *
+optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
+{
+    PyObject *raw = PyObject_GetAttr(optim, st->str_param_groups);
+    if (raw == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "optimizer %zd (%.200s) has no 'param_groups'; pass "
+                         "torch.optim.Optimizer instances (for a composite "
+                         "optimizer, pass its sub-optimizers)",
+                         opt_i, Py_TYPE(optim)->tp_name);
+        }
+        return NULL;
+    }
+    PyObject *groups = dcp_as_list(raw, "optimizer.param_groups");
+    Py_DECREF(raw);
+    if (groups == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+        if (!PyDict_Check(PyList_GET_ITEM(groups, g))) {
+            PyErr_Format(PyExc_TypeError,
+                         "optimizer %zd param group %zd must be a dict, not "
+                         "%.200s",
+                         opt_i, g,
+                         Py_TYPE(PyList_GET_ITEM(groups, g))->tp_name);
+            Py_DECREF(groups);
+            return NULL;
+        }
+    }
+    return groups;
+}
+
+/* The "params" of one group as an owned list. */
+static PyObject *
+group_params(dcp_state *st, PyObject *group, Py_ssize_t opt_i,
+             Py_ssize_t group_i)
+{
+    PyObject *params = NULL;
+    int rc = dcp_dict_get_ref(group, st->str_params, &params);
+    if (rc < 0) {
+        return NULL;
+    }
+    if (rc == 0) {
+        PyErr_Format(PyExc_KeyError,
+                     "optimizer %zd param group %zd has no 'params' entry",
+                     opt_i, group_i);
+        return NULL;
+    }
+    PyObject *list = dcp_as_list(params, "param_group['params']");
+    Py_DECREF(params);
+    return list;
+}
+
+/* FQN of an optimized parameter (borrowed from the index), or NULL. */
+static PyObject *
+param_fqn(dcp_ModelIndex *ix, PyObject *param, Py_ssize_t opt_i,
+          Py_ssize_t group_i)
+{
+    Py_ssize_t slot = dcp_index_param_slot(ix, param);
+    if (slot < 0) {
+        return unknown_param_error(ix, opt_i, group_i, param);
+    }
+    PyObject *fqn = PyList_GET_ITEM(ix->np_fqns, slot);
+    if (fqn == Py_None) {
+        Py_ssize_t t = dcp_index_tensor_slot(ix, param);
+        Py_ssize_t n = t < 0 ? 0
+                             : PyList_GET_SIZE(PyList_GET_ITEM(
+                                   ix->tensor_fqns, t));
+        PyErr_Format(PyExc_AssertionError, "Expected 1 FQN for key '%U', got %zd",
+                     PyList_GET_ITEM(ix->np_names, slot), n);
+        return NULL;
+    }
+    return fqn;
+}
+
+/* Packs one group: its keys except "params" in order, then "params" as
+ * FQNs.  Adds every param to `members`.  New dict or NULL. */
+static PyObject *
+pack_group(dcp_state *st, dcp_ModelIndex *ix, PyObject *group,
+           dcp_ptrmap *members, Py_ssize_t opt_i, Py_ssize_t group_i)
+{
+    PyObject *packed = NULL, *params = NULL, *fqns = NULL, *items = NULL;
+    items = dcp_items_list(group);
+    if (items == NULL) {
+        goto error;
+    }
+    packed = PyDict_New();
+    if (packed == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        int is_params = PyUnicode_Check(key) &&
+                        PyUnicode_Compare(key, st->str_params) == 0;
+        if (!is_params &&
+            PyDict_SetItem(packed, key, PyTuple_GET_ITEM(pair, 1)) < 0) {
+            goto error;
+        }
+    }
+    params = group_params(st, group, opt_i, group_i);
+    if (params == NULL) {
+        goto error;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(params);
+    fqns = PyList_New(n);
+    if (fqns == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PyList_GET_ITEM(params, i);
+        PyObject *fqn = param_fqn(ix, p, opt_i, group_i);
+        if (fqn == NULL) {
+            goto error;
+        }
+        PyList_SET_ITEM(fqns, i, Py_NewRef(fqn));
+        if (dcp_ptrmap_setdefault(members, p, i) == -2) {
+            goto error;
+        }
+    }
+    if (PyDict_SetItem(packed, st->str_params, fqns) < 0) {
+        goto error;
+    }
+    Py_DECREF(items);
+    Py_DECREF(params);
+    Py_DECREF(fqns);
+    return packed;
+error:
+    Py_XDECREF(items);
+    Py_XDECREF(packed);
+    Py_XDECREF(params);
+    Py_XDECREF(fqns);
+    return NULL;
+}
+
+/* Adds the optimizer's own state to out_state keyed by FQN. 0 or -1. */
+static int
+pack_state(dcp_state *st, dcp_ModelIndex *ix, PyObject *optim,
+           dcp_ptrmap *members, PyObject *out_state, Py_ssize_t opt_i)
+{
+    PyObject *state = PyObject_GetAttr(optim, st->str_state);
+    if (state == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "optimizer %zd (%.200s) has no 'state'; pass "
+                         "torch.optim.Optimizer instances (for a composite "
+                         "optimizer, pass its sub-optimizers)",
+                         opt_i, Py_TYPE(optim)->tp_name);
+        }
+        return -1;
+    }
+    PyObject *items = dcp_items_list(state);
+    Py_DECREF(state);
+    if (items == NULL) {
+        return -1;
+    }
+    int rc = -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        if (dcp_ptrmap_get(members, key) < 0) {
+            /* Upstream: KeyError from Optimizer.state_dict's id map. */
+            dcp_Context *ctx = (dcp_Context *)ix->ctx;
+            Py_ssize_t slot = dcp_index_param_slot(ix, key);
+            PyObject *what = slot >= 0 ? PyList_GET_ITEM(ix->np_fqns, slot)
+                                       : key;
+            PyErr_Format(ctx->err_key != Py_None ? ctx->err_key
+                                                 : PyExc_KeyError,
+                         "optimizer %zd has state for %R, which is not in "
+                         "any of its param groups",
+                         opt_i, what);
+            goto done;
+        }
+        PyObject *fqn = param_fqn(ix, key, opt_i, -1);
+        if (fqn == NULL || PyDict_SetItem(out_state, fqn, value) < 0) {
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    Py_DECREF(items);
+    return rc;
+}
+
+/* optim_pack(index, optimizers, extra_states, out_state, out_groups)
+ *
+ * extra_states[i] is None or a dict {fqn: state} appended after
+ * optimizer i's own state (the pristine entries of SPEC D2). */
+PyObject *
+dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *optims = NULL, *extras = NULL;
+    PyObject *groups = NULL, *result = NULL;
+    dcp_ptrmap members = {NULL, 0, 0};
+
+    if (dcp_check_nargs("optim_pack", nargs, 5) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    PyObject *out_state = args[3], *out_groups = args[4];
+    if (!PyDict_Check(out_state) || !PyList_Check(out_groups)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "optim_pack(): out_state must be a dict and "
+                        "out_groups a list");
+        return NULL;
+    }
+    optims = dcp_as_list(args[1], "optimizers");
+    extras = optims ? dcp_as_list(args[2], "extra_states") : NULL;
+    if (extras == NULL) {
+        goto done;
+    }
+    if (PyList_GET_SIZE(extras) != PyList_GET_SIZE(optims)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "optim_pack(): one extra_states entry per optimizer");
+        goto done;
+    }
+    for (Py_ssize_t o = 0; o < PyList_GET_SIZE(optims); o++) {
+        PyObject *optim = PyList_GET_ITEM(optims, o);
+        groups = optimizer_groups(st, optim, o);
+        if (groups == NULL) {
+            goto done;
+        }
+        if (dcp_ptrmap_init(&members, 64) < 0) {
+            goto done;
+        }
+        for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+            PyObject *packed = pack_group(st, ix, PyList_GET_ITEM(groups, g),
+                                          &members, o, g);
+            if (packed == NULL) {
+                goto done;
+            }
+            int rc = PyList_Append(out_groups, packed);
+            Py_DECREF(packed);
+            if (rc < 0) {
+                goto done;
+            }
+        }
+        if (pack_state(st, ix, optim, &members, out_state, o) < 0) {
+            goto done;
+        }
+        PyObject *extra = PyList_GET_ITEM(extras, o);
+        if (extra != Py_None && PyDict_Update(out_state, extra) < 0) {
+            goto done;
+        }
+        dcp_ptrmap_free(&members);
+        Py_CLEAR(groups);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    dcp_ptrmap_free(&members);
+    Py_XDECREF(groups);
+    Py_XDECREF(optims);
+    Py_XDECREF(extras);
+    return result;
+}
+
+/* optim_remap(index, optimizer, osd): re-key the integer-ID state dict an
+ * optimizer's own state_dict() returned, in place: `state` keys become
+ * FQNs (order kept) and each group's "params" a list of FQNs.  IDs are
+ * positions in the chain of the live groups' params, as torch assigns
+ * them. */
+PyObject *
+dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *groups = NULL, *id_fqns = NULL, *state = NULL;
+    PyObject *items = NULL, *new_state = NULL, *saved_groups = NULL;
+    PyObject *result = NULL;
+
+    if (dcp_check_nargs("optim_remap", nargs, 3) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    PyObject *osd = args[2];
+    groups = optimizer_groups(st, args[1], 0);
+    if (groups == NULL) {
+        goto done;
+    }
+    /* id -> fqn, in chain order */
+    id_fqns = PyList_New(0);
+    if (id_fqns == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+        PyObject *params = group_params(st, PyList_GET_ITEM(groups, g), 0, g);
+        if (params == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
+            PyObject *fqn = param_fqn(ix, PyList_GET_ITEM(params, i), 0, g);
+            if (fqn == NULL || PyList_Append(id_fqns, fqn) < 0) {
+                Py_DECREF(params);
+                goto done;
+            }
+        }
+        Py_DECREF(params);
+    }
+    if (!PyDict_Check(osd)) {
+        PyErr_Format(PyExc_TypeError,
+                     "optimizer.state_dict() returned %.200s, not a dict",
+                     Py_TYPE(osd)->tp_name);
+        goto done;
+    }
+    if (dcp_dict_get_ref(osd, st->str_state, &state) <= 0 ||
+        dcp_dict_get_ref(osd, st->str_param_groups, &saved_groups) <= 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_KeyError,
+                            "optimizer.state_dict() must return 'state' and "
+                            "'param_groups'");
+        }
+        goto done;
+    }
+    items = dcp_items_list(state);
+    new_state = PyDict_New();
+    if (items == NULL || new_state == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        Py_ssize_t id = PyLong_Check(key) ? PyLong_AsSsize_t(key) : -1;
+        if (id == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (id < 0 || id >= PyList_GET_SIZE(id_fqns)) {
+            PyErr_Format(PyExc_KeyError,
+                         "optimizer state key %R is not a parameter ID of "
+                         "the optimizer's param groups",
+                         key);
+            goto done;
+        }
+        if (PyDict_SetItem(new_state, PyList_GET_ITEM(id_fqns, id),
+                           PyTuple_GET_ITEM(pair, 1)) < 0) {
+            goto done;
+        }
+    }
+    if (PyDict_SetItem(osd, st->str_state, new_state) < 0) {
+        goto done;
+    }
+    PyObject *glist = saved_groups;
+    if (!PyList_Check(glist)) {
+        PyErr_SetString(PyExc_TypeError, "'param_groups' must be a list");
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(glist); g++) {
+        PyObject *group = PyList_GET_ITEM(glist, g);
+        PyObject *ids = NULL, *names = NULL;
+        if (!PyDict_Check(group) ||
+            dcp_dict_get_ref(group, st->str_params, &ids) <= 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_KeyError,
+                             "param group %zd has no 'params'", g);
+            }
+            goto done;
+        }
+        PyObject *idlist = dcp_as_list(ids, "param_group['params']");
+        Py_DECREF(ids);
+        if (idlist == NULL) {
+            goto done;
+        }
+        names = PyList_New(PyList_GET_SIZE(idlist));
+        for (Py_ssize_t i = 0; names != NULL && i < PyList_GET_SIZE(idlist);
+             i++) {
+            PyObject *key = PyList_GET_ITEM(idlist, i);
+            Py_ssize_t id = PyLong_Check(key) ? PyLong_AsSsize_t(key) : -1;
+            if (id < 0 || id >= PyList_GET_SIZE(id_fqns)) {
+                if (!PyErr_Occurred()) {
+                    PyErr_Format(PyExc_KeyError,
+                                 "param group %zd lists %R, which is not a "
+                                 "parameter ID of the optimizer",
+                                 g, key);
+                }
+                Py_CLEAR(names);
+                break;
+            }
+            PyList_SET_ITEM(names, i, Py_NewRef(PyList_GET_ITEM(id_fqns, id)));
+        }
+        Py_DECREF(idlist);
+        if (names == NULL || PyDict_SetItem(group, st->str_params, names) < 0) {
+            Py_XDECREF(names);
+            goto done;
+        }
+        Py_DECREF(names);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(groups);
+    Py_XDECREF(id_fqns);
+    Py_XDECREF(state);
+    Py_XDECREF(saved_groups);
+    Py_XDECREF(items);
+    Py_XDECREF(new_state);
+    return result;
+}
+
+/* optim_missing(index, optimizer) -> list of (param, group_index, fqn)
+ * for parameters with requires_grad=True that have no (or empty) state,
+ * in param-group order. */
+PyObject *
+dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *groups = NULL, *state = NULL, *result = NULL, *out = NULL;
+    dcp_ptrmap seen = {NULL, 0, 0}, have = {NULL, 0, 0};
+
+    if (dcp_check_nargs("optim_missing", nargs, 2) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    groups = optimizer_groups(st, args[1], 0);
+    if (groups == NULL) {
+        goto done;
+    }
+    PyObject *state_obj = PyObject_GetAttr(args[1], st->str_state);
+    if (state_obj == NULL) {
+        goto done;
+    }
+    /* Which params have non-empty state, by identity: probing the
+     * defaultdict with [] would insert, and .get() would hash tensors in
+     * Python.  The items list pins the keys while the map is used. */
+    state = dcp_items_list(state_obj);
+    Py_DECREF(state_obj);
+    if (state == NULL || dcp_ptrmap_init(&have, PyList_GET_SIZE(state)) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(state); i++) {
+        PyObject *pair = PyList_GET_ITEM(state, i);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        if (PyDict_Check(value) && PyDict_GET_SIZE(value) == 0) {
+            continue;
+        }
+        if (dcp_ptrmap_setdefault(&have, PyTuple_GET_ITEM(pair, 0), i) ==
+            -2) {
+            goto done;
+        }
+    }
+    out = PyList_New(0);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+        PyObject *params = group_params(st, PyList_GET_ITEM(groups, g), 0, g);
+        if (params == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
+            PyObject *p = PyList_GET_ITEM(params, i);
+            Py_ssize_t dup = dcp_ptrmap_setdefault(&seen, p, 1);
+            if (dup != -1) {
+                if (dup == -2) {
+                    Py_DECREF(params);
+                    goto done;
+                }
+                continue;
+            }
+            PyObject *rg = PyObject_GetAttr(p, st->str_requires_grad);
+            int trainable = rg ? PyObject_IsTrue(rg) : -1;
+            Py_XDECREF(rg);
+            if (trainable < 0) {
+                Py_DECREF(params);
+                goto done;
+            }
+            if (!trainable) {
+                continue;
+            }
+            if (dcp_ptrmap_get(&have, p) >= 0) {
+                continue;
+            }
+            PyObject *fqn = param_fqn(ix, p, 0, g);
+            PyObject *gi = fqn ? PyLong_FromSsize_t(g) : NULL;
+            PyObject *item = gi ? PyTuple_Pack(3, p, gi, fqn) : NULL;
+            Py_XDECREF(gi);
+            if (item == NULL || PyList_Append(out, item) < 0) {
+                Py_XDECREF(item);
+                Py_DECREF(params);
+                goto done;
+            }
+            Py_DECREF(item);
+        }
+        Py_DECREF(params);
+    }
+    result = Py_NewRef(out);
+done:
+    dcp_ptrmap_free(&seen);
+    dcp_ptrmap_free(&have);
+    Py_XDECREF(groups);
+    Py_XDECREF(state);
+    Py_XDECREF(out);
+    return result;
+}

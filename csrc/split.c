@@ -1,0 +1,989 @@
+/* Set side: match a combined FQN-keyed optimizer state dict to each live
+ * optimizer, and install the result.
+ *
+ * view_from_nested  the nested format as a "loaded view" (see flat.c);
+ * split_optim       per optimizer, the dict Optimizer.load_state_dict
+ *                   expects (FQNs standing in for IDs, groups in the live
+ *                   order and sizes), matched by FQN, never by position;
+ * prepare_install   Optimizer.load_state_dict's state and groups, built
+ *                   without its per-tensor scan of every group's params
+ *                   (quadratic in the parameter count) and with the
+ *                   dtype/device policy of SPEC D9.
+ *
+ * Matching rules (SPEC D5-D7, D10):
+ *   - a parameter takes the first of its FQNs (tied parameters have
+ *     several) that the loaded dict mentions;
+ *   - it gets state when the loaded dict has state for that FQN, whatever
+ *     its requires_grad (presence decides); a trainable parameter of a
+ *     stateful group without saved state is "missing" (E18 when strict);
+ *   - a group takes the keys of every loaded group its parameters come
+ *     from (in loaded order; later ones win), then keeps its own keys the
+ *     loaded groups lack; "params" comes first, as upstream leaves it;
+ *   - the k-th empty live group takes the k-th empty loaded group (nested
+ *     format) or the one with the same anchor identity (flat format);
+ *   - loaded state for FQNs no optimizer owns is reported, not loaded.
+ */
+#include "dcp.h"
+
+/* view_from_nested(osd) -> (state, groups, fqn_group, empties, unexpected)
+ */
+PyObject *
+dcp_view_from_nested(PyObject *module, PyObject *const *args,
+                     Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *state = NULL, *groups = NULL, *glist = NULL;
+    PyObject *fqn_group = NULL, *empties = NULL, *unexpected = NULL;
+    PyObject *result = NULL;
+
+    if (dcp_check_nargs("view_from_nested", nargs, 1) < 0) {
+        return NULL;
+    }
+    PyObject *osd = args[0];
+    if (!PyDict_Check(osd)) {
+        PyErr_Format(PyExc_TypeError,
+                     "optimizer state dict must be a dict, not %.200s",
+                     Py_TYPE(osd)->tp_name);
+        return NULL;
+    }
+    if (dcp_dict_get_ref(osd, st->str_state, &state) < 0 ||
+        dcp_dict_get_ref(osd, st->str_param_groups, &groups) < 0) {
+        goto done;
+    }
+    if (state == NULL) {
+        state = PyDict_New();
+    }
+    else if (!PyDict_Check(state)) {
+        PyErr_Format(PyExc_TypeError,
+                     "optimizer state dict['state'] must be a dict, not "
+                     "%.200s",
+                     Py_TYPE(state)->tp_name);
+        goto done;
+    }
+    glist = groups ? dcp_as_list(groups, "optimizer state dict "
+                                         "['param_groups']")
+                   : PyList_New(0);
+    fqn_group = PyDict_New();
+    empties = PyList_New(0);
+    unexpected = PyList_New(0);
+    if (state == NULL || glist == NULL || fqn_group == NULL ||
+        empties == NULL || unexpected == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(glist); g++) {
+        PyObject *group = PyList_GET_ITEM(glist, g);
+        PyObject *params = NULL, *plist = NULL;
+        if (!PyDict_Check(group)) {
+            PyErr_Format(PyExc_TypeError,
+                         "param_groups[%zd] must be a dict, not %.200s", g,
+                         Py_TYPE(group)->tp_name);
+            goto done;
+        }
+        int rc = dcp_dict_get_ref(group, st->str_params, &params);
+        if (rc < 0) {
+            goto done;
+        }
+        plist = rc ? dcp_as_list(params, "param_group['params']")
+                   : PyList_New(0);
+        Py_XDECREF(params);
+        if (plist == NULL) {
+            goto done;
+        }
+        PyObject *gi = PyLong_FromSsize_t(g);
+        if (gi == NULL) {
+            Py_DECREF(plist);
+            goto done;
+        }
+        if (PyList_GET_SIZE(plist) == 0) {
+            PyObject *pair = PyTuple_Pack(2, Py_None, gi);
+            rc = pair ? PyList_Append(empties, pair) : -1;
+            Py_XDECREF(pair);
+        }
+        for (Py_ssize_t i = 0; rc >= 0 && i < PyList_GET_SIZE(plist); i++) {
+            PyObject *fqn = PyList_GET_ITEM(plist, i);
+            rc = PyDict_SetDefault(fqn_group, fqn, gi) ? 0 : -1;
+        }
+        Py_DECREF(gi);
+        Py_DECREF(plist);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(5, state, glist, fqn_group, empties, unexpected);
+done:
+    Py_XDECREF(state);
+    Py_XDECREF(groups);
+    Py_XDECREF(glist);
+    Py_XDECREF(fqn_group);
+    Py_XDECREF(empties);
+    Py_XDECREF(unexpected);
+    return result;
+}
+
+/* ----------------------------------------------------------------------
+ * split_optim
+ */
+
+typedef struct {
+    PyObject *state;      /* dict fqn -> state */
+    PyObject *groups;     /* list of dicts */
+    PyObject *fqn_group;  /* dict fqn -> int */
+    PyObject *empties;    /* list of (identity | None, int) */
+    PyObject *unexpected; /* list */
+} dcp_view;
+
+static int
+view_unpack(PyObject *obj, dcp_view *v)
+{
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 5 ||
+        !PyDict_Check(PyTuple_GET_ITEM(obj, 0)) ||
+        !PyList_Check(PyTuple_GET_ITEM(obj, 1)) ||
+        !PyDict_Check(PyTuple_GET_ITEM(obj, 2)) ||
+        !PyList_Check(PyTuple_GET_ITEM(obj, 3)) ||
+        !PyList_Check(PyTuple_GET_ITEM(obj, 4))) {
+        PyErr_SetString(PyExc_TypeError, "malformed loaded-state view");
+        return -1;
+    }
+    v->state = PyTuple_GET_ITEM(obj, 0);
+    v->groups = PyTuple_GET_ITEM(obj, 1);
+    v->fqn_group = PyTuple_GET_ITEM(obj, 2);
+    v->empties = PyTuple_GET_ITEM(obj, 3);
+    v->unexpected = PyTuple_GET_ITEM(obj, 4);
+    return 0;
+}
+
+/* The FQN a live parameter answers to: the first of its FQNs the loaded
+ * view mentions, else its named_parameters() FQN.  New reference. */
+static PyObject *
+choose_fqn(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *param,
+           Py_ssize_t opt_i, Py_ssize_t group_i)
+{
+    Py_ssize_t t = dcp_index_tensor_slot(ix, param);
+    Py_ssize_t np = dcp_index_param_slot(ix, param);
+    if (t < 0 && np < 0) {
+        dcp_Context *ctx = (dcp_Context *)ix->ctx;
+        PyErr_Format(ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError,
+                     "optimizer %zd, param group %zd holds a parameter "
+                     "(%.200s) that is not a parameter of the model",
+                     opt_i, group_i, Py_TYPE(param)->tp_name);
+        return NULL;
+    }
+    if (t >= 0) {
+        PyObject *names = PyList_GET_ITEM(ix->tensor_fqns, t);
+        if (PyList_GET_SIZE(names) > 1) {
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
+                PyObject *name = PyList_GET_ITEM(names, i);
+                int in_groups = PyDict_Contains(v->fqn_group, name);
+                int in_state = in_groups ? 0 : PyDict_Contains(v->state, name);
+                if (in_groups < 0 || in_state < 0) {
+                    return NULL;
+                }
+                if (in_groups || in_state) {
+                    return Py_NewRef(name);
+                }
+            }
+        }
+    }
+    PyObject *fqn = np >= 0 ? PyList_GET_ITEM(ix->np_fqns, np) : Py_None;
+    if (fqn == Py_None) {
+        fqn = PyList_GET_ITEM(PyList_GET_ITEM(ix->tensor_fqns, t), 0);
+    }
+    return Py_NewRef(fqn);
+}
+
+/* Identity of the empty live group `g` (flat format anchoring), computed
+ * over the chosen FQN lists `fqn_lists` of one optimizer. */
+static PyObject *
+empty_identity(PyObject *fqn_lists, Py_ssize_t g, Py_ssize_t opt_i)
+{
+    Py_ssize_t n = PyList_GET_SIZE(fqn_lists);
+    for (Py_ssize_t j = g - 1; j >= 0; j--) {
+        PyObject *fqns = PyList_GET_ITEM(fqn_lists, j);
+        if (PyList_GET_SIZE(fqns) > 0) {
+            return PyUnicode_FromFormat("%U|after|%zd",
+                                        PyList_GET_ITEM(fqns, 0), g - j);
+        }
+    }
+    for (Py_ssize_t j = g + 1; j < n; j++) {
+        PyObject *fqns = PyList_GET_ITEM(fqn_lists, j);
+        if (PyList_GET_SIZE(fqns) > 0) {
+            return PyUnicode_FromFormat("%U|before|%zd",
+                                        PyList_GET_ITEM(fqns, 0), j - g);
+        }
+    }
+    return PyUnicode_FromFormat("__optimizer_%zd_empty_group_%zd__", opt_i, g);
+}
+
+/* Finds the loaded empty group for a live empty group: by identity when
+ * the view has identities, else the k-th one.  Returns the group index,
+ * -1 when none matches, -2 on error. */
+static Py_ssize_t
+match_empty(dcp_view *v, PyObject *identity, Py_ssize_t k)
+{
+    Py_ssize_t n = PyList_GET_SIZE(v->empties);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(v->empties, i);
+        PyObject *id = PyTuple_GET_ITEM(pair, 0);
+        if (id == Py_None) {
+            if (i == k) {
+                Py_ssize_t gi = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+                return gi == -1 && PyErr_Occurred() ? -2 : gi;
+            }
+            continue;
+        }
+        int eq = PyUnicode_Compare(id, identity);
+        if (eq == -1 && PyErr_Occurred()) {
+            return -2;
+        }
+        if (eq == 0) {
+            Py_ssize_t gi = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+            return gi == -1 && PyErr_Occurred() ? -2 : gi;
+        }
+    }
+    return -1;
+}
+
+/* Copies every key of loaded group `gi` except "params" into `out`. */
+static int
+apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
+{
+    if (gi < 0 || gi >= PyList_GET_SIZE(v->groups)) {
+        PyErr_SetString(PyExc_IndexError, "loaded group index out of range");
+        return -1;
+    }
+    PyObject *items = dcp_items_list(PyList_GET_ITEM(v->groups, gi));
+    if (items == NULL) {
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        if (PyUnicode_Check(key) &&
+            PyUnicode_Compare(key, st->str_params) == 0) {
+            continue;
+        }
+        rc = PyDict_SetItem(out, key, PyTuple_GET_ITEM(pair, 1));
+    }
+    Py_DECREF(items);
+    return rc;
+}
+
+/* Adds the keys of the live group that `out` lacks (SPEC D7). */
+static int
+keep_live_keys(dcp_state *st, PyObject *live, PyObject *out)
+{
+    PyObject *items = dcp_items_list(live);
+    if (items == NULL) {
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        if (PyDict_SetDefault(out, key, PyTuple_GET_ITEM(pair, 1)) == NULL) {
+            rc = -1;
+        }
+    }
+    Py_DECREF(items);
+    return rc;
+}
+
+static int
+list_of_params(dcp_state *st, PyObject *optim, Py_ssize_t o,
+               PyObject **groups_out, PyObject **params_out)
+{
+    PyObject *raw = PyObject_GetAttr(optim, st->str_param_groups);
+    PyObject *groups = raw ? dcp_as_list(raw, "optimizer.param_groups")
+                           : NULL;
+    Py_XDECREF(raw);
+    if (groups == NULL) {
+        return -1;
+    }
+    PyObject *plists = PyList_New(PyList_GET_SIZE(groups));
+    if (plists == NULL) {
+        Py_DECREF(groups);
+        return -1;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+        PyObject *group = PyList_GET_ITEM(groups, g);
+        PyObject *params = NULL;
+        if (!PyDict_Check(group) ||
+            dcp_dict_get_ref(group, st->str_params, &params) <= 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_KeyError,
+                             "optimizer %zd param group %zd has no "
+                             "'params'",
+                             o, g);
+            }
+            Py_DECREF(groups);
+            Py_DECREF(plists);
+            return -1;
+        }
+        PyObject *list = dcp_as_list(params, "param_group['params']");
+        Py_DECREF(params);
+        if (list == NULL) {
+            Py_DECREF(groups);
+            Py_DECREF(plists);
+            return -1;
+        }
+        PyList_SET_ITEM(plists, g, list);
+    }
+    *groups_out = groups;
+    *params_out = plists;
+    return 0;
+}
+
+/* 1 if the parameter requires grad, 0 if not, -1 on error. */
+static int
+requires_grad(dcp_state *st, PyObject *param)
+{
+    PyObject *rg = PyObject_GetAttr(param, st->str_requires_grad);
+    if (rg == NULL) {
+        return -1;
+    }
+    int r = PyObject_IsTrue(rg);
+    Py_DECREF(rg);
+    return r;
+}
+
+/* Splits for one optimizer; appends to `results`, `missing`; marks the
+ * FQNs it claims in `claimed`.  `expect` is None (auto) or a sequence of
+ * bools per group.  `*empty_k` counts empty groups across optimizers. */
+static int
+split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
+          Py_ssize_t o, PyObject *expect, PyObject *results,
+          PyObject *missing, PyObject *claimed, Py_ssize_t *empty_k)
+{
+    PyObject *groups = NULL, *plists = NULL, *fqn_lists = NULL;
+    PyObject *out_state = NULL, *out_groups = NULL, *out = NULL;
+    PyObject *expect_list = NULL;
+    int rc = -1;
+
+    if (list_of_params(st, optim, o, &groups, &plists) < 0) {
+        goto done;
+    }
+    Py_ssize_t ngroups = PyList_GET_SIZE(groups);
+    if (expect != Py_None) {
+        expect_list = dcp_as_list(expect, "expect_state");
+        if (expect_list == NULL) {
+            goto done;
+        }
+        if (PyList_GET_SIZE(expect_list) != ngroups) {
+            PyErr_SetString(PyExc_ValueError,
+                            "expect_state needs one flag per param group");
+            goto done;
+        }
+    }
+    /* Pass 1: chosen FQN of every live parameter. */
+    fqn_lists = PyList_New(ngroups);
+    if (fqn_lists == NULL) {
+        goto done;
+    }
+    int any_saved = 0;
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        PyObject *params = PyList_GET_ITEM(plists, g);
+        PyObject *fqns = PyList_New(PyList_GET_SIZE(params));
+        if (fqns == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(fqn_lists, g, fqns);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
+            PyObject *fqn = choose_fqn(st, ix, v, PyList_GET_ITEM(params, i),
+                                       o, g);
+            if (fqn == NULL) {
+                goto done;
+            }
+            PyList_SET_ITEM(fqns, i, fqn);
+            if (!any_saved) {
+                int has = PyDict_Contains(v->state, fqn);
+                if (has < 0) {
+                    goto done;
+                }
+                any_saved = has;
+            }
+        }
+    }
+    /* Pass 2: state and groups. */
+    out_state = PyDict_New();
+    out_groups = PyList_New(0);
+    if (out_state == NULL || out_groups == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        PyObject *params = PyList_GET_ITEM(plists, g);
+        PyObject *fqns = PyList_GET_ITEM(fqn_lists, g);
+        PyObject *new_group = PyDict_New();
+        PyObject *touched = NULL;
+        int group_rc = -1;
+        if (new_group == NULL || PyList_Append(out_groups, new_group) < 0 ||
+            PyDict_SetItem(new_group, st->str_params, fqns) < 0) {
+            Py_XDECREF(new_group);
+            goto done;
+        }
+        Py_DECREF(new_group); /* owned by out_groups */
+        int expects = any_saved;
+        if (expect_list != NULL) {
+            expects = PyObject_IsTrue(PyList_GET_ITEM(expect_list, g));
+            if (expects < 0) {
+                goto done;
+            }
+        }
+        touched = PyList_New(0);
+        if (touched == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
+            PyObject *fqn = PyList_GET_ITEM(fqns, i);
+            PyObject *saved = NULL, *gi = NULL;
+            if (PySet_Add(claimed, fqn) < 0) {
+                goto group_done;
+            }
+            int has = dcp_dict_get_ref(v->state, fqn, &saved);
+            if (has < 0) {
+                goto group_done;
+            }
+            if (has) {
+                int ok = PyDict_SetItem(out_state, fqn, saved);
+                Py_DECREF(saved);
+                if (ok < 0) {
+                    goto group_done;
+                }
+            }
+            else if (expects) {
+                int trainable = requires_grad(st, PyList_GET_ITEM(params, i));
+                if (trainable < 0 ||
+                    (trainable && PyList_Append(missing, fqn) < 0)) {
+                    goto group_done;
+                }
+            }
+            has = dcp_dict_get_ref(v->fqn_group, fqn, &gi);
+            if (has < 0) {
+                goto group_done;
+            }
+            if (has) {
+                int seen = PySequence_Contains(touched, gi);
+                if (seen < 0 || (!seen && PyList_Append(touched, gi) < 0)) {
+                    Py_DECREF(gi);
+                    goto group_done;
+                }
+                Py_DECREF(gi);
+            }
+        }
+        if (PyList_GET_SIZE(params) == 0) {
+            PyObject *identity = empty_identity(fqn_lists, g, o);
+            if (identity == NULL) {
+                goto group_done;
+            }
+            Py_ssize_t gi = match_empty(v, identity, *empty_k);
+            Py_DECREF(identity);
+            (*empty_k)++;
+            if (gi == -2) {
+                goto group_done;
+            }
+            if (gi >= 0) {
+                PyObject *idx = PyLong_FromSsize_t(gi);
+                if (idx == NULL || PyList_Append(touched, idx) < 0) {
+                    Py_XDECREF(idx);
+                    goto group_done;
+                }
+                Py_DECREF(idx);
+            }
+        }
+        if (PyList_Sort(touched) < 0) {
+            goto group_done;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(touched); j++) {
+            Py_ssize_t gi = PyLong_AsSsize_t(PyList_GET_ITEM(touched, j));
+            if ((gi == -1 && PyErr_Occurred()) ||
+                apply_loaded_group(st, v, gi, new_group) < 0) {
+                goto group_done;
+            }
+        }
+        if (keep_live_keys(st, PyList_GET_ITEM(groups, g), new_group) < 0) {
+            goto group_done;
+        }
+        /* keep_live_keys set "params" only if absent; it is present. */
+        group_rc = 0;
+    group_done:
+        Py_XDECREF(touched);
+        if (group_rc < 0) {
+            goto done;
+        }
+    }
+    out = Py_BuildValue("{sOsO}", "state", out_state, "param_groups",
+                        out_groups);
+    if (out == NULL || PyList_Append(results, out) < 0) {
+        goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(groups);
+    Py_XDECREF(plists);
+    Py_XDECREF(fqn_lists);
+    Py_XDECREF(out_state);
+    Py_XDECREF(out_groups);
+    Py_XDECREF(out);
+    Py_XDECREF(expect_list);
+    return rc;
+}
+
+/* split_optim(index, optimizers, view, expect_state)
+ *   -> (per-optimizer dicts, missing fqns, unexpected keys)
+ *
+ * expect_state: a list with, per optimizer, None (stateful iff the loaded
+ * dict has state for any of its parameters) or a list of bools per group.
+ */
+PyObject *
+dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *optims = NULL, *expects = NULL, *results = NULL;
+    PyObject *missing = NULL, *claimed = NULL, *unexpected = NULL;
+    PyObject *items = NULL, *result = NULL;
+    dcp_view v;
+
+    if (dcp_check_nargs("split_optim", nargs, 4) < 0 ||
+        !dcp_index_check(st, args[0]) || view_unpack(args[2], &v) < 0) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    optims = dcp_as_list(args[1], "optimizers");
+    expects = optims ? dcp_as_list(args[3], "expect_state") : NULL;
+    if (expects == NULL) {
+        goto done;
+    }
+    if (PyList_GET_SIZE(expects) != PyList_GET_SIZE(optims)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "expect_state needs one entry per optimizer");
+        goto done;
+    }
+    results = PyList_New(0);
+    missing = PyList_New(0);
+    claimed = PySet_New(NULL);
+    if (results == NULL || missing == NULL || claimed == NULL) {
+        goto done;
+    }
+    Py_ssize_t empty_k = 0;
+    for (Py_ssize_t o = 0; o < PyList_GET_SIZE(optims); o++) {
+        if (split_one(st, ix, &v, PyList_GET_ITEM(optims, o), o,
+                      PyList_GET_ITEM(expects, o), results, missing, claimed,
+                      &empty_k) < 0) {
+            goto done;
+        }
+    }
+    /* Unexpected: saved state nobody claimed, then unparsable keys. */
+    unexpected = PyList_New(0);
+    items = unexpected ? dcp_items_list(v.state) : NULL;
+    if (items == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        int mine = PySet_Contains(claimed, key);
+        if (mine < 0 || (!mine && PyList_Append(unexpected, key) < 0)) {
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v.unexpected); i++) {
+        if (PyList_Append(unexpected, PyList_GET_ITEM(v.unexpected, i)) < 0) {
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(3, results, missing, unexpected);
+done:
+    Py_XDECREF(optims);
+    Py_XDECREF(expects);
+    Py_XDECREF(results);
+    Py_XDECREF(missing);
+    Py_XDECREF(claimed);
+    Py_XDECREF(unexpected);
+    Py_XDECREF(items);
+    return result;
+}
+
+/* ----------------------------------------------------------------------
+ * prepare_install: Optimizer.load_state_dict without the quadratic scan
+ */
+
+typedef struct {
+    dcp_state *st;
+    dcp_Context *ctx;
+    PyObject *param;
+    PyObject *device;   /* param.device */
+    int floating;       /* param.is_floating_point() */
+    int step_on_device; /* group is capturable or fused */
+    PyObject *live;     /* the param's current state dict, or NULL */
+} dcp_cast_ctx;
+
+static PyObject *cast_value(dcp_cast_ctx *c, PyObject *value, PyObject *key,
+                            PyObject *live);
+
+/* The tensor `value` as the optimizer should hold it under `key`:
+ *   step: a fresh optimizer's policy -- float32 on the param's device
+ *         when capturable/fused, else on the CPU (torch keeps whatever
+ *         device it came with, which turns every step into a sync);
+ *   others: on the param's device; dtype of the live state when the
+ *         optimizer holds one, else as saved (torch casts to the param
+ *         dtype, which silently widens bf16 moments: SPEC D9). */
+static PyObject *
+cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
+{
+    dcp_state *st = c->st;
+    int is_step = key != NULL && PyUnicode_Check(key) &&
+                  PyUnicode_Compare(key, st->str_step) == 0;
+    if (is_step) {
+        if (c->step_on_device) {
+            PyObject *args[3] = {value, c->device, c->ctx->float32};
+            return PyObject_VectorcallMethod(
+                st->str_to, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        PyObject *args[2] = {value, c->ctx->cpu_device};
+        return PyObject_VectorcallMethod(
+            st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    PyObject *dtype = NULL;
+    if (c->floating && live != NULL) {
+        int live_is_tensor = PyObject_IsInstance(live, c->ctx->tensor_type);
+        if (live_is_tensor < 0) {
+            return NULL;
+        }
+        if (live_is_tensor) {
+            dtype = PyObject_GetAttr(live, st->str_dtype);
+            if (dtype == NULL) {
+                return NULL;
+            }
+        }
+    }
+    PyObject *result;
+    if (dtype != NULL) {
+        PyObject *args[3] = {value, c->device, dtype};
+        result = PyObject_VectorcallMethod(
+            st->str_to, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(dtype);
+    }
+    else {
+        PyObject *args[2] = {value, c->device};
+        result = PyObject_VectorcallMethod(
+            st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    return result;
+}
+
+static PyObject *
+cast_dict(dcp_cast_ctx *c, PyObject *value, PyObject *live)
+{
+    PyObject *items = dcp_items_list(value);
+    PyObject *out = items ? PyDict_New() : NULL;
+    if (out == NULL) {
+        Py_XDECREF(items);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *sub_live = NULL;
+        if (live != NULL && PyDict_Check(live) &&
+            dcp_dict_get_ref(live, key, &sub_live) < 0) {
+            goto error;
+        }
+        PyObject *cast = cast_value(c, PyTuple_GET_ITEM(pair, 1), key,
+                                    sub_live);
+        Py_XDECREF(sub_live);
+        if (cast == NULL) {
+            goto error;
+        }
+        int rc = PyDict_SetItem(out, key, cast);
+        Py_DECREF(cast);
+        if (rc < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(items);
+    return out;
+error:
+    Py_DECREF(items);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* Deep copy of containers with tensors cast, as torch's _cast does
+ * (strings are kept as they are; torch would iterate them). */
+static PyObject *
+cast_value(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
+{
+    PyObject *result = NULL;
+    if (Py_EnterRecursiveCall(" while loading optimizer state")) {
+        return NULL;
+    }
+    int is_tensor = PyObject_IsInstance(value, c->ctx->tensor_type);
+    if (is_tensor < 0) {
+        goto done;
+    }
+    if (is_tensor) {
+        result = cast_tensor(c, value, key, live);
+    }
+    else if (PyDict_Check(value)) {
+        result = cast_dict(c, value, live);
+    }
+    else if (PyList_Check(value) || PyTuple_Check(value)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+        PyObject *list = PyList_New(n);
+        if (list == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = cast_value(
+                c, PySequence_Fast_GET_ITEM(value, i), NULL, NULL);
+            if (item == NULL) {
+                Py_DECREF(list);
+                goto done;
+            }
+            PyList_SET_ITEM(list, i, item);
+        }
+        if (PyTuple_CheckExact(value)) {
+            result = PyList_AsTuple(list);
+            Py_DECREF(list);
+        }
+        else if (PyList_CheckExact(value)) {
+            result = list;
+        }
+        else {
+            /* namedtuple or list subclass: rebuild through the type */
+            result = PyObject_CallOneArg((PyObject *)Py_TYPE(value), list);
+            Py_DECREF(list);
+        }
+    }
+    else {
+        result = Py_NewRef(value);
+    }
+done:
+    Py_LeaveRecursiveCall();
+    return result;
+}
+
+/* Whether a group places `step` on the param's device. */
+static int
+group_step_on_device(dcp_state *st, PyObject *group)
+{
+    PyObject *names[2] = {st->str_capturable, st->str_fused};
+    for (int i = 0; i < 2; i++) {
+        PyObject *flag = NULL;
+        int rc = dcp_dict_get_ref(group, names[i], &flag);
+        if (rc < 0) {
+            return -1;
+        }
+        if (rc) {
+            int on = PyObject_IsTrue(flag);
+            Py_DECREF(flag);
+            if (on != 0) {
+                return on;
+            }
+        }
+    }
+    return 0;
+}
+
+/* prepare_install(ctx, optimizer, split_dict, deepcopy_groups)
+ *   -> (state defaultdict, param_groups list)
+ *
+ * Exactly what Optimizer.load_state_dict would pass to __setstate__ for
+ * `split_dict` (whose "params" are FQNs aligned with the live groups),
+ * except the cast policy above.  Nothing is modified; the caller commits
+ * with optimizer.__setstate__({"state": ..., "param_groups": ...}) once
+ * every optimizer of the call has been prepared. */
+PyObject *
+dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *groups = NULL, *plists = NULL, *saved_state = NULL;
+    PyObject *saved_groups = NULL, *id_map = NULL, *new_groups = NULL;
+    PyObject *state = NULL, *live_items = NULL, *items = NULL;
+    PyObject *result = NULL;
+    dcp_ptrmap live_map = {NULL, 0, 0};
+
+    if (dcp_check_nargs("prepare_install", nargs, 3) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_Context *ctx = (dcp_Context *)args[0];
+    PyObject *optim = args[1], *sd = args[2];
+    if (list_of_params(st, optim, 0, &groups, &plists) < 0) {
+        goto done;
+    }
+    if (!PyDict_Check(sd) ||
+        dcp_dict_get_ref(sd, st->str_state, &saved_state) <= 0 ||
+        dcp_dict_get_ref(sd, st->str_param_groups, &saved_groups) <= 0 ||
+        !PyDict_Check(saved_state) || !PyList_Check(saved_groups)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError,
+                            "prepare_install needs a split optimizer dict");
+        }
+        goto done;
+    }
+    Py_ssize_t ngroups = PyList_GET_SIZE(groups);
+    if (PyList_GET_SIZE(saved_groups) != ngroups) {
+        PyErr_SetString(PyExc_ValueError,
+                        "loaded state dict has a different number of "
+                        "parameter groups");
+        goto done;
+    }
+    /* fqn -> (param, group index); str keys hash in C. */
+    id_map = PyDict_New();
+    new_groups = PyList_New(ngroups);
+    if (id_map == NULL || new_groups == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        PyObject *sgroup = PyList_GET_ITEM(saved_groups, g);
+        PyObject *live_group = PyList_GET_ITEM(groups, g);
+        PyObject *params = PyList_GET_ITEM(plists, g);
+        PyObject *fqns = NULL, *copy = NULL, *rest = NULL, *gi = NULL;
+        if (!PyDict_Check(sgroup) ||
+            dcp_dict_get_ref(sgroup, st->str_params, &fqns) <= 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_KeyError,
+                             "split param group %zd has no 'params'", g);
+            }
+            goto done;
+        }
+        if (!PyList_Check(fqns) ||
+            PyList_GET_SIZE(fqns) != PyList_GET_SIZE(params)) {
+            Py_DECREF(fqns);
+            PyErr_SetString(PyExc_ValueError,
+                            "loaded state dict contains a parameter group "
+                            "that doesn't match the size of optimizer's "
+                            "group");
+            goto done;
+        }
+        gi = PyLong_FromSsize_t(g);
+        for (Py_ssize_t i = 0; gi != NULL && i < PyList_GET_SIZE(fqns); i++) {
+            PyObject *pair = PyTuple_Pack(2, PyList_GET_ITEM(params, i), gi);
+            if (pair == NULL ||
+                PyDict_SetItem(id_map, PyList_GET_ITEM(fqns, i), pair) < 0) {
+                Py_XDECREF(pair);
+                Py_CLEAR(gi);
+                break;
+            }
+            Py_DECREF(pair);
+        }
+        Py_DECREF(fqns);
+        if (gi == NULL) {
+            goto done;
+        }
+        Py_DECREF(gi);
+        /* Groups are deep-copied (a tensor lr must not alias the
+         * checkpoint), with the live params list in "params". */
+        rest = PyDict_Copy(sgroup);
+        if (rest == NULL || PyDict_DelItem(rest, st->str_params) < 0) {
+            Py_XDECREF(rest);
+            goto done;
+        }
+        copy = PyObject_CallOneArg(ctx->deepcopy, rest);
+        Py_DECREF(rest);
+        if (copy == NULL) {
+            goto done;
+        }
+        PyObject *new_group = PyDict_New();
+        PyObject *live_params = NULL;
+        if (new_group == NULL ||
+            dcp_dict_get_ref(live_group, st->str_params, &live_params) <= 0 ||
+            PyDict_SetItem(new_group, st->str_params, live_params) < 0 ||
+            PyDict_Update(new_group, copy) < 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_KeyError, "params");
+            }
+            Py_XDECREF(new_group);
+            Py_XDECREF(live_params);
+            Py_DECREF(copy);
+            goto done;
+        }
+        Py_DECREF(live_params);
+        Py_DECREF(copy);
+        PyList_SET_ITEM(new_groups, g, new_group);
+    }
+    /* Live state by parameter identity, for the dtype policy. */
+    PyObject *live_state = PyObject_GetAttr(optim, st->str_state);
+    live_items = live_state ? dcp_items_list(live_state) : NULL;
+    Py_XDECREF(live_state);
+    if (live_items == NULL ||
+        dcp_ptrmap_init(&live_map, PyList_GET_SIZE(live_items)) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(live_items); i++) {
+        PyObject *pair = PyList_GET_ITEM(live_items, i);
+        if (dcp_ptrmap_setdefault(&live_map, PyTuple_GET_ITEM(pair, 0), i) ==
+            -2) {
+            goto done;
+        }
+    }
+    PyObject *factory_args[1] = {ctx->dict_type};
+    state = PyObject_Vectorcall(ctx->defaultdict_type, factory_args, 1, NULL);
+    items = state ? dcp_items_list(saved_state) : NULL;
+    if (items == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        PyObject *target = NULL;
+        int found = dcp_dict_get_ref(id_map, key, &target);
+        if (found < 0) {
+            goto done;
+        }
+        if (!found) {
+            /* torch keeps state it cannot attribute, as is */
+            if (PyObject_SetItem(state, key, value) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        PyObject *param = PyTuple_GET_ITEM(target, 0);
+        Py_ssize_t g = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
+        dcp_cast_ctx c = {st, ctx, param, NULL, 0, 0, NULL};
+        PyObject *cast = NULL;
+        int step_dev = group_step_on_device(st, PyList_GET_ITEM(groups, g));
+        PyObject *fp = step_dev >= 0 ? PyObject_CallMethodNoArgs(
+                                           param, st->str_is_floating_point)
+                                     : NULL;
+        c.device = fp ? PyObject_GetAttr(param, st->str_device) : NULL;
+        if (c.device != NULL) {
+            c.floating = PyObject_IsTrue(fp);
+            c.step_on_device = step_dev;
+            Py_ssize_t li = dcp_ptrmap_get(&live_map, param);
+            PyObject *live =
+                li >= 0 ? PyTuple_GET_ITEM(PyList_GET_ITEM(live_items, li), 1)
+                        : NULL;
+            if (c.floating >= 0) {
+                cast = cast_value(&c, value, NULL, live);
+            }
+        }
+        Py_XDECREF(fp);
+        Py_XDECREF(c.device);
+        if (cast == NULL) {
+            dcp_note_key(key);
+            Py_DECREF(target);
+            goto done;
+        }
+        int rc = PyObject_SetItem(state, param, cast);
+        Py_DECREF(cast);
+        Py_DECREF(target);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(2, state, new_groups);
+done:
+    dcp_ptrmap_free(&live_map);
+    Py_XDECREF(groups);
+    Py_XDECREF(plists);
+    Py_XDECREF(saved_state);
+    Py_XDECREF(saved_groups);
+    Py_XDECREF(id_map);
+    Py_XDECREF(new_groups);
+    Py_XDECREF(state);
+    Py_XDECREF(live_items);
+    Py_XDECREF(items);
+    return result;
+}

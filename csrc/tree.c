@@ -1,0 +1,303 @@
+/* State-dict trees: collect the tensor leaves, then rebuild the containers
+ * around replacement leaves.
+ *
+ * Upstream's _iterate_state_dict walks the tree in Python and calls a
+ * per-tensor function (one blocking collective per DTensor for a full
+ * gather, one .to("cpu") per tensor for offloading).  Splitting the walk
+ * into "collect leaves" and "rebuild" lets the Python layer process all
+ * tensors of the tree at once -- bucketed gathers, batched copies --
+ * while the per-node container work stays native.
+ *
+ * Container rules are upstream's: dict (any dict subclass) -> new dict in
+ * the same key order; list -> list; tuple (including named tuples) ->
+ * tuple; int/float/str/bytes/io.BytesIO/None stay as they are; anything
+ * else raises ValueError("Unexpected value type ...") when type checking,
+ * or is deep-copied otherwise.
+ */
+#include "dcp.h"
+
+typedef struct {
+    dcp_Context *ctx;
+    int type_check;
+    PyObject *leaves;     /* collect: output list */
+    PyObject *new_leaves; /* rebuild: replacement list */
+    Py_ssize_t next;      /* rebuild: next replacement */
+} dcp_tree;
+
+/* 1 for values kept as they are, 0 otherwise, -1 on error. */
+static int
+is_plain_leaf(dcp_tree *t, PyObject *obj)
+{
+    if (obj == Py_None || PyLong_Check(obj) || PyFloat_Check(obj) ||
+        PyUnicode_Check(obj) || PyBytes_Check(obj)) {
+        return 1;
+    }
+    if (t->ctx->bytesio_type == Py_None) {
+        return 0;
+    }
+    return PyObject_IsInstance(obj, t->ctx->bytesio_type);
+}
+
+/* Collect (t->leaves != NULL): returns a new reference to Py_None.
+ * Rebuild: returns the rebuilt object.  NULL on error. */
+static PyObject *
+tree_visit(dcp_tree *t, PyObject *obj)
+{
+    PyObject *result = NULL;
+    int rc = PyObject_IsInstance(obj, t->ctx->tensor_type);
+    if (rc < 0) {
+        return NULL;
+    }
+    if (rc) {
+        if (t->leaves != NULL) {
+            return PyList_Append(t->leaves, obj) < 0 ? NULL
+                                                     : Py_NewRef(Py_None);
+        }
+        if (t->next >= PyList_GET_SIZE(t->new_leaves)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "tree_rebuild: fewer replacement tensors than "
+                            "tensor leaves");
+            return NULL;
+        }
+        return Py_NewRef(PyList_GET_ITEM(t->new_leaves, t->next++));
+    }
+    rc = is_plain_leaf(t, obj);
+    if (rc < 0) {
+        return NULL;
+    }
+    if (rc) {
+        return Py_NewRef(t->leaves != NULL ? Py_None : obj);
+    }
+    if (Py_EnterRecursiveCall(" while walking a state dict")) {
+        return NULL;
+    }
+    if (PyDict_Check(obj)) {
+        PyObject *items = dcp_items_list(obj);
+        PyObject *out = NULL;
+        if (items == NULL) {
+            goto done;
+        }
+        if (t->leaves == NULL && (out = PyDict_New()) == NULL) {
+            Py_DECREF(items);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+            PyObject *pair = PyList_GET_ITEM(items, i);
+            PyObject *sub = tree_visit(t, PyTuple_GET_ITEM(pair, 1));
+            if (sub == NULL ||
+                (out != NULL &&
+                 PyDict_SetItem(out, PyTuple_GET_ITEM(pair, 0), sub) < 0)) {
+                if (sub == NULL) {
+                    dcp_note_key(PyTuple_GET_ITEM(pair, 0));
+                }
+                Py_XDECREF(sub);
+                Py_DECREF(items);
+                Py_XDECREF(out);
+                goto done;
+            }
+            Py_DECREF(sub);
+        }
+        Py_DECREF(items);
+        result = out != NULL ? out : Py_NewRef(Py_None);
+    }
+    else if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        /* Snapshot: visiting may run user code (isinstance hooks). */
+        PyObject *seq = PySequence_List(obj);
+        PyObject *out = NULL;
+        if (seq == NULL) {
+            goto done;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(seq);
+        if (t->leaves == NULL && (out = PyList_New(n)) == NULL) {
+            Py_DECREF(seq);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *sub = tree_visit(t, PyList_GET_ITEM(seq, i));
+            if (sub == NULL) {
+                Py_DECREF(seq);
+                Py_XDECREF(out);
+                goto done;
+            }
+            if (out != NULL) {
+                PyList_SET_ITEM(out, i, sub);
+            }
+            else {
+                Py_DECREF(sub);
+            }
+        }
+        Py_DECREF(seq);
+        if (out == NULL) {
+            result = Py_NewRef(Py_None);
+        }
+        else if (PyTuple_Check(obj)) {
+            result = PyList_AsTuple(out);
+            Py_DECREF(out);
+        }
+        else {
+            result = out;
+        }
+    }
+    else if (t->type_check) {
+        PyErr_Format(PyExc_ValueError, "Unexpected value type %R",
+                     (PyObject *)Py_TYPE(obj));
+    }
+    else if (t->leaves != NULL) {
+        result = Py_NewRef(Py_None);
+    }
+    else {
+        result = PyObject_CallOneArg(t->ctx->deepcopy, obj);
+    }
+done:
+    Py_LeaveRecursiveCall();
+    return result;
+}
+
+/* tree_leaves(ctx, obj, type_check) -> list of tensor leaves */
+PyObject *
+dcp_tree_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("tree_leaves", nargs, 3) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    int type_check = PyObject_IsTrue(args[2]);
+    if (type_check < 0) {
+        return NULL;
+    }
+    dcp_tree t = {(dcp_Context *)args[0], type_check, PyList_New(0), NULL,
+                  0};
+    if (t.leaves == NULL) {
+        return NULL;
+    }
+    PyObject *none = tree_visit(&t, args[1]);
+    if (none == NULL) {
+        Py_DECREF(t.leaves);
+        return NULL;
+    }
+    Py_DECREF(none);
+    return t.leaves;
+}
+
+/* tree_rebuild(ctx, obj, new_leaves, type_check) -> rebuilt tree */
+PyObject *
+dcp_tree_fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("tree_rebuild", nargs, 4) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    if (!PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "tree_rebuild(): new_leaves must be a list");
+        return NULL;
+    }
+    int type_check = PyObject_IsTrue(args[3]);
+    if (type_check < 0) {
+        return NULL;
+    }
+    dcp_tree t = {(dcp_Context *)args[0], type_check, NULL, args[2], 0};
+    PyObject *out = tree_visit(&t, args[1]);
+    if (out != NULL && t.next != PyList_GET_SIZE(args[2])) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_ValueError,
+                        "tree_rebuild: more replacement tensors than tensor "
+                        "leaves");
+        return NULL;
+    }
+    return out;
+}
+
+/* tensors_to(tensors, device) -> [t.to(device) for t in tensors]
+ * (the per-tensor loop of cpu_offload, kept native). */
+PyObject *
+dcp_tensors_to(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("tensors_to", nargs, 2) < 0) {
+        return NULL;
+    }
+    PyObject *seq = dcp_as_list(args[0], "tensors");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *call[2] = {PyList_GET_ITEM(seq, i), args[1]};
+        PyObject *moved = PyObject_VectorcallMethod(
+            st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (moved == NULL) {
+            Py_DECREF(seq);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, moved);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* tensor_devices(ctx, values) -> list of distinct devices of the tensors
+ * with dim() > 0 among `values`, in first-seen order (upstream's device
+ * detection for full and broadcast model loads). */
+PyObject *
+dcp_tensor_devices(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("tensor_devices", nargs, 2) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_Context *ctx = (dcp_Context *)args[0];
+    PyObject *values = dcp_as_list(args[1], "values");
+    PyObject *out = values ? PyList_New(0) : NULL;
+    if (out == NULL) {
+        Py_XDECREF(values);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
+        PyObject *v = PyList_GET_ITEM(values, i);
+        int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
+        if (is_tensor < 0) {
+            goto error;
+        }
+        if (!is_tensor) {
+            continue;
+        }
+        PyObject *dim = PyObject_CallMethodNoArgs(v, st->str_dim);
+        if (dim == NULL) {
+            goto error;
+        }
+        long d = PyLong_AsLong(dim);
+        Py_DECREF(dim);
+        if (d == -1 && PyErr_Occurred()) {
+            goto error;
+        }
+        if (d <= 0) {
+            continue;
+        }
+        PyObject *device = PyObject_GetAttr(v, st->str_device);
+        if (device == NULL) {
+            goto error;
+        }
+        int seen = PySequence_Contains(out, device);
+        if (seen < 0 || (!seen && PyList_Append(out, device) < 0)) {
+            Py_DECREF(device);
+            goto error;
+        }
+        Py_DECREF(device);
+    }
+    Py_DECREF(values);
+    return out;
+error:
+    Py_DECREF(values);
+    Py_DECREF(out);
+    return NULL;
+}

@@ -1,0 +1,44 @@
+"""dcp_optim: a faster, corrected drop-in for
+``torch.distributed.checkpoint.state_dict``.
+
+Switch by changing one import::
+
+    from dcp_optim import get_state_dict, set_state_dict, StateDictOptions
+
+The functions have upstream's exact signatures and accept upstream's
+``StateDictOptions`` objects too.  The per-parameter work runs in the
+compiled core ``dcp_optim._dcp_optim``, which is required.
+"""
+
+from . import errors, schema
+from ._core import C as _C
+from .options import StateDictOptions
+from .schema import register_optimizer_schema
+from .state_dict import (
+    _patch_model_state_dict,
+    _patch_optimizer_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+__version__ = "0.1.0"
+
+#: "c" -- the compiled core is the only backend (there is no fallback).
+BACKEND = _C.BACKEND
+
+__all__ = [
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+    "register_optimizer_schema",
+    "errors",
+    "schema",
+]

@@ -1,0 +1,137 @@
+"""Model state dicts: get (canonical FQNs) and set (wrapper keys restored).
+
+Per-key work -- canonicalising every key of ``model.state_dict()``,
+dropping frozen parameters, re-keying for ``load_state_dict``, merging a
+full state dict -- runs in the C core; this module sequences it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from . import errors
+from ._core import C, context
+from ._tree import maybe_full_or_cpu_state_dict
+
+__all__ = ["get_model", "load_model", "state_dict_fn", "unflatten_model_state_dict"]
+
+# Marks the closures _patch_*_state_dict installs (SPEC D17: a marker on the
+# function instead of upstream's ever-growing registry of closures, which
+# keeps every patched model alive).
+PATCH_MARK = "_dcp_optim_patched"
+
+
+def _is_patched(call: Any) -> bool:
+    if getattr(call, PATCH_MARK, False):
+        return True
+    # Closures installed by upstream's own _patch_*_state_dict.
+    try:
+        from torch.distributed.checkpoint import state_dict as upstream
+    except ImportError:  # pragma: no cover
+        return False
+    return call in upstream._patched_state_dict
+
+
+def state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable:
+    """``obj.<api>``, or the class's method when it was patched by us or by
+    upstream (so a patched object does not call itself recursively)."""
+    call = getattr(obj, api)
+    if _is_patched(call):
+        call = functools.partial(getattr(type(obj), api), self=obj)
+    return call
+
+
+@torch.no_grad()
+def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
+    if not info.handle_model:
+        return {}
+    with info.fsdp_context():
+        state_dict = state_dict_fn(model, "state_dict")()
+    C.canonicalize_model_keys(context(), model, state_dict, info.dsd_fqn_modifiers)
+    if info.submodule_prefixes:
+        state_dict = C.filter_prefixes(
+            state_dict, list(info.submodule_prefixes), info.keep_submodule_prefixes
+        )
+    if info.ignore_frozen_params:
+        C.drop_frozen(info.index, state_dict)
+    return maybe_full_or_cpu_state_dict(state_dict, info)
+
+
+def unflatten_model_state_dict(
+    model: nn.Module, state_dict: dict[Any, Any]
+) -> dict[str, Any]:
+    """The deprecated ``{submodule: state_dict}`` form, flattened (W2, E25)."""
+    if not state_dict:
+        return {}
+    if isinstance(next(iter(state_dict.keys())), nn.Module):
+        warnings.warn(errors.W2_MODULE_KEYED, FutureWarning, stacklevel=3)
+        ctx = context()
+        new_state_dict: dict[str, Any] = {}
+        for submodule, sub_state_dict in state_dict.items():
+            for name, module in model.named_modules():
+                if module != submodule:
+                    continue
+                fqns = C.get_fqns(ctx, model, name, "_fqn_modifiers", True, True)
+                if len(fqns) != 1:
+                    raise AssertionError(errors.E25_SUBMODULE_FQNS)
+                prefix = f"{next(iter(fqns))}."
+                new_state_dict.update(
+                    {prefix + subfqn: value for subfqn, value in sub_state_dict.items()}
+                )
+        return new_state_dict
+    return cast(dict[str, Any], state_dict)
+
+
+def _load_device(info: Any, local: dict[str, Any]) -> tuple[torch.device, bool]:
+    """Upstream's device choice for full/broadcast loads: the one device of
+    the local tensors with dim() > 0 (meta dropped, then ``assign=True``)."""
+    devices = C.tensor_devices(context(), list(local.values()))
+    assign = False
+    meta = torch.device("meta")
+    if meta in devices:
+        devices.remove(meta)
+        assign = True
+    if not devices:
+        devices.append(dist.distributed_c10d._get_pg_default_device())
+    elif len(devices) > 1:
+        raise ValueError(errors.E14_MULTIPLE_DEVICES)
+    return devices[0], assign
+
+
+@torch.no_grad()
+def load_model(
+    model: nn.Module, state_dict: dict[str, Any], info: Any
+) -> _IncompatibleKeys:
+    if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
+        return _IncompatibleKeys({}, {})
+    full_path = info.broadcast_from_rank0 or info.full_state_dict
+    rename = not info.broadcast_from_rank0 or dist.get_rank() == 0
+    # A private, re-keyed view: the caller's dict is never mutated (D11).
+    load_sd, local = C.rename_for_load(
+        info.index, state_dict, info.strict, rename, full_path
+    )
+    assign = False
+    if full_path:
+        device, assign = _load_device(info, local)
+        from ._distribute import broadcast_model_state_dict, distribute_model_state_dict
+
+        if info.broadcast_from_rank0:
+            load_sd = broadcast_model_state_dict(
+                load_sd, local, device, strict=info.strict, cpu_offload=info.cpu_offload
+            )
+        else:
+            load_sd = distribute_model_state_dict(load_sd, local, device)
+    with info.fsdp_context():
+        return cast(
+            _IncompatibleKeys,
+            state_dict_fn(model, "load_state_dict")(
+                state_dict=load_sd, strict=info.strict, assign=assign
+            ),
+        )

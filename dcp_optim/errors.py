@@ -1,0 +1,98 @@
+"""Exception types and the message texts dcp_optim shares with upstream.
+
+Every error dcp_optim raises on its own is one of the classes below: each
+subclasses both :class:`DcpOptimError` and the built-in exception a caller
+of upstream's API would already catch (``KeyError`` for a key that is not
+there, ``ValueError`` for a bad value, ``TypeError`` for a wrong type,
+``RuntimeError`` for an inconsistent state dict), so drop-in code keeps
+working and new code can catch ``DcpOptimError``.
+
+Texts that must equal upstream's (tests match them verbatim) are the
+``E*``/``W*`` constants; the ids follow SPEC.md section 4.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DcpOptimError",
+    "StateDictKeyError",
+    "StateDictValueError",
+    "StateDictTypeError",
+    "StateDictRuntimeError",
+    "MissingOptimizerStateError",
+]
+
+
+class DcpOptimError(Exception):
+    """Base class of the errors dcp_optim raises itself."""
+
+
+class StateDictKeyError(DcpOptimError, KeyError):
+    """A key (FQN, state name, parameter) is missing or unknown."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StateDictValueError(DcpOptimError, ValueError):
+    """A value in a state dict or an option is not acceptable."""
+
+
+class StateDictTypeError(DcpOptimError, TypeError):
+    """A value has the wrong type."""
+
+
+class StateDictRuntimeError(DcpOptimError, RuntimeError):
+    """A state dict does not fit the model or optimizer it is loaded into."""
+
+
+class MissingOptimizerStateError(StateDictRuntimeError):
+    """``strict=True`` and trainable parameters have no saved state (E18)."""
+
+    def __init__(self, message: str, missing: list[str]):
+        super().__init__(message)
+        self.missing = missing
+
+
+# --- upstream texts (SPEC.md section 4) -----------------------------------
+
+E4_NO_OPTIMIZERS = "Optimizers are not passed in but optim_only is set to True."
+E5_SUBMODULE_FQN = "Submodule FQN should only have 1 instance"
+E6_BROADCAST_NEEDS_FULL = (
+    "full_state_dict must be True when broadcast_from_rank0 is True."
+)
+E7_FSDP_STATE = "Expected a fsdp_state with a fsdp module."
+E8_EMPTY_MODEL = (
+    "The option indicates that model state_dict is required to save "
+    "or load, but model state_dict is empty."
+)
+# D14: upstream blames the model dict; the text keeps upstream's fragments
+# ("state_dict is required", "optim state_dict is empty").
+E9_EMPTY_OPTIM = (
+    "The option indicates that optimizer state_dict is required to save "
+    "or load, but optim state_dict is empty. {osd}"
+)
+E10_FLAT_PARAM = (
+    "{key} contains _flat_param. This can happen if the model is not the "
+    "root module."
+)
+E18_MISSING_OPTIM_STATE = (
+    "Missing optimizer state for parameter '{fqn}' in checkpoint. The "
+    "parameter requires gradients but has no saved optimizer state. To load "
+    "anyway, use StateDictOptions(strict=False)."
+)
+E22_DEVICE_MISMATCH = "Device mismatch"
+E14_MULTIPLE_DEVICES = "Multiple devices found"
+E25_SUBMODULE_FQNS = "FQNs for a submodule should only have 1 element"
+
+W1_SUBMODULES = (
+    "Getting submodules only model/optim state_dict is deprecated and "
+    "will be removed in 2.5. This feature can be achieved by manually "
+    "filtering out the state_dict returned from get_state_dict."
+)
+W2_MODULE_KEYED = (
+    "Passing model_state_dict as a ``Dict[nn.Module, Dict[str, Any]]``"
+    "is deprecated and will be removed in 2.5. If you need this "
+    "feature, please preprocess the model_state_dict to achieve the "
+    "same functionality."
+)
