@@ -129,6 +129,32 @@ done:
     return result;
 }
 
+/* 1 if `name` is in the _parameters, _buffers or _modules dict of
+ * `module`, 0 if not (or `module` has no such dicts), -1 on error. */
+static int
+registered_member(dcp_state *st, PyObject *module, PyObject *name)
+{
+    PyObject *attrs[3] = {st->str_parameters, st->str_buffers,
+                          st->str_modules};
+    for (int i = 0; i < 3; i++) {
+        PyObject *container = PyObject_GetAttr(module, attrs[i]);
+        if (container == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                return -1;
+            }
+            PyErr_Clear();
+            return 0;
+        }
+        int has = PyDict_Check(container) ? PyDict_Contains(container, name)
+                                          : 0;
+        Py_DECREF(container);
+        if (has != 0) {
+            return has;
+        }
+    }
+    return 0;
+}
+
 /* Processes one token.  On entry *curr and *emitted (an owned list of
  * emitted tokens) describe the walk so far; both are updated in place.
  * `next` is the following token or NULL.  Sets *flat to a new set when
@@ -312,9 +338,15 @@ resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
             return 0;
         }
         if (next == NULL) {
-            /* Upstream also getattr()s the last token and discards the
-             * result; skipping it saves a __getattr__ call per key. */
-            return 0;
+            /* Upstream getattr()s the last token too (an unresolvable
+             * name raises AttributeError).  A name registered in the
+             * module's own containers resolves for sure, so only other
+             * names pay for a real getattr (nn.Module.__getattr__ is
+             * Python code). */
+            int found = registered_member(st, obj, tok);
+            if (found != 0) {
+                return found < 0 ? -1 : 0;
+            }
         }
         child = PyObject_GetAttr(obj, tok);
         if (child == NULL) {

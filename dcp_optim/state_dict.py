@@ -357,11 +357,16 @@ def set_state_dict(
         )
         _verify_state_dict(model_state_dict, optim_state_dict, info)
         optim_report = load_optim(model, optimizers, optim_state_dict, info)
-        result = load_model(model, model_state_dict, info)
-        if optim_report is not None:
-            result.optim_missing_keys = optim_report.missing_keys
-            result.optim_unexpected_keys = optim_report.unexpected_keys
+        model_report = load_model(model, model_state_dict, info)
+        result = _LoadResult(*model_report)
+        result.optim_missing_keys = optim_report.missing_keys if optim_report else []
+        result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
         return result
+
+
+class _LoadResult(_IncompatibleKeys):
+    """``_IncompatibleKeys`` of the model, with the optimizer's report
+    attached as ``optim_missing_keys`` / ``optim_unexpected_keys``."""
 
 
 def _mark_patched(fn: Callable) -> Callable:

@@ -59,6 +59,8 @@ def assert_same_tree(a: Any, b: Any, path: str = "$") -> None:
 
 def live_storage(model: torch.nn.Module, optimizers=()) -> set[int]:
     """data_ptrs of every live parameter, buffer and optimizer state tensor."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = (optimizers,)
     ptrs = set()
     for t in list(model.parameters()) + list(model.buffers()):
         ptrs.add(t.data_ptr())
@@ -103,6 +105,8 @@ def optimizer_snapshot(optimizers, skip_frozen: bool = False) -> list:
     """A deep, comparable snapshot of optimizer state and groups keyed by
     parameter position.  ``skip_frozen`` leaves out the state of parameters
     with requires_grad=False (upstream drops it on load: SPEC D10)."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = (optimizers,)
     snap = []
     for o in optimizers:
         params = [p for g in o.param_groups for p in g["params"]]
