@@ -68,6 +68,9 @@
     X(dim, "dim")                                                      \
     X(detach, "detach")                                                \
     X(cpu, "cpu")                                                      \
+    X(view, "view")                                                    \
+    X(reshape, "reshape")                                              \
+    X(copy_, "copy_")                                                  \
     X(fused, "fused")                                                  \
     X(capturable, "capturable")                                        \
     X(add_note, "add_note")                                            \
@@ -261,6 +264,14 @@ DCP_DECLARE_FASTCALL(dcp_materialize_state)
 DCP_DECLARE_FASTCALL(dcp_first_key_containing)
 DCP_DECLARE_FASTCALL(dcp_filter_prefixes)
 DCP_DECLARE_FASTCALL(dcp_tensor_devices)
+DCP_DECLARE_FASTCALL(dcp_shard_layouts)
+DCP_DECLARE_FASTCALL(dcp_plan_buckets)
+DCP_DECLARE_FASTCALL(dcp_copy_blocks)
+DCP_DECLARE_FASTCALL(dcp_pack_bytes)
+DCP_DECLARE_FASTCALL(dcp_unpack_gathered)
+DCP_DECLARE_FASTCALL(dcp_extract_rows)
+DCP_DECLARE_FASTCALL(dcp_plan_gather)
+DCP_DECLARE_FASTCALL(dcp_indices_of)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -266,6 +266,31 @@ static PyMethodDef dcp_methods[] = {
     {"tensor_devices", DCP_FASTCALL(dcp_tensor_devices), METH_FASTCALL,
      "tensor_devices(ctx, values, /)\n--\n\n"
      "Distinct devices of the tensors with dim() > 0 among values."},
+    {"shard_layouts", DCP_FASTCALL(dcp_shard_layouts), METH_FASTCALL,
+     "shard_layouts(global_shape, mesh_shape, placements, coords, /)\n--\n\n"
+     "(local_shape, blocks) of the shard at each mesh coordinate."},
+    {"plan_buckets", DCP_FASTCALL(dcp_plan_buckets), METH_FASTCALL,
+     "plan_buckets(segment_bytes, copies, budget, /)\n--\n\n"
+     "Pack segments into byte buckets within a budget."},
+    {"copy_blocks", DCP_FASTCALL(dcp_copy_blocks), METH_FASTCALL,
+     "copy_blocks(dst, src, blocks, direction, row_window, /)\n--\n\n"
+     "Copy the sub-boxes of a shard layout between shard and full tensor."},
+    {"pack_bytes", DCP_FASTCALL(dcp_pack_bytes), METH_FASTCALL,
+     "pack_bytes(buffer, items, uint8, /)\n--\n\n"
+     "Copy tensors' bytes into a bucket buffer at given offsets."},
+    {"unpack_gathered", DCP_FASTCALL(dcp_unpack_gathered), METH_FASTCALL,
+     "unpack_gathered(buffer, segment, items, empty, /)\n--\n\n"
+     "Assemble full tensors from an all-gathered bucket."},
+    {"extract_rows", DCP_FASTCALL(dcp_extract_rows), METH_FASTCALL,
+     "extract_rows(buffer, items, /)\n--\n\n"
+     "Keep this rank's part of broadcast row chunks."},
+    {"plan_gather", DCP_FASTCALL(dcp_plan_gather), METH_FASTCALL,
+     "plan_gather(leaves, dtensor_cls, placement_classes, budget, /)"
+     "\n--\n\n"
+     "Bucketed all-gather plans for the DTensor leaves, per mesh."},
+    {"indices_of", DCP_FASTCALL(dcp_indices_of), METH_FASTCALL,
+     "indices_of(values, cls, /)\n--\n\n"
+     "Positions of the values that are instances of cls."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -301,3 +301,30 @@ error:
     Py_DECREF(out);
     return NULL;
 }
+
+/* indices_of(values, cls) -> [i for i, v in enumerate(values) if
+ * isinstance(v, cls)] */
+PyObject *
+dcp_indices_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dcp_check_nargs("indices_of", nargs, 2) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "values must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(seq);
+         i++) {
+        int rc = PyObject_IsInstance(PySequence_Fast_GET_ITEM(seq, i), args[1]);
+        PyObject *index = rc > 0 ? PyLong_FromSsize_t(i) : NULL;
+        if (rc < 0 || (rc > 0 && (index == NULL ||
+                                  PyList_Append(out, index) < 0))) {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(index);
+    }
+    Py_DECREF(seq);
+    return out;
+}
