@@ -272,6 +272,13 @@ DCP_DECLARE_FASTCALL(dcp_unpack_gathered)
 DCP_DECLARE_FASTCALL(dcp_extract_rows)
 DCP_DECLARE_FASTCALL(dcp_plan_gather)
 DCP_DECLARE_FASTCALL(dcp_indices_of)
+DCP_DECLARE_FASTCALL(dcp_plan_full_load)
+DCP_DECLARE_FASTCALL(dcp_pack_rows)
+DCP_DECLARE_FASTCALL(dcp_finish_full_load)
+DCP_DECLARE_FASTCALL(dcp_to_metadata)
+DCP_DECLARE_FASTCALL(dcp_optim_state_jobs)
+DCP_DECLARE_FASTCALL(dcp_write_slots)
+DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -291,6 +291,31 @@ static PyMethodDef dcp_methods[] = {
     {"indices_of", DCP_FASTCALL(dcp_indices_of), METH_FASTCALL,
      "indices_of(values, cls, /)\n--\n\n"
      "Positions of the values that are instances of cls."},
+    {"plan_full_load", DCP_FASTCALL(dcp_plan_full_load), METH_FASTCALL,
+     "plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream, /)"
+     "\n--\n\n"
+     "Destinations, layouts and stream buckets for a full -> local load."},
+    {"pack_rows", DCP_FASTCALL(dcp_pack_rows), METH_FASTCALL,
+     "pack_rows(buffer, src_items, values, uint8, /)\n--\n\n"
+     "Pack row chunks of full tensors into a stream bucket."},
+    {"finish_full_load", DCP_FASTCALL(dcp_finish_full_load), METH_FASTCALL,
+     "finish_full_load(jobs, dests, layouts, from_local, offload, /)"
+     "\n--\n\n"
+     "Wrap loaded shards as DTensors like their templates."},
+    {"to_metadata", DCP_FASTCALL(dcp_to_metadata), METH_FASTCALL,
+     "to_metadata(leaves, meta_cls, tensor_cls, /)\n--\n\n"
+     "What a stream sends ahead of tensor data."},
+    {"optim_state_jobs", DCP_FASTCALL(dcp_optim_state_jobs), METH_FASTCALL,
+     "optim_state_jobs(index, state, dtensor_cls, mode, from_local, /)"
+     "\n--\n\n"
+     "Copy loaded optimizer state and list the tensors to localise."},
+    {"write_slots", DCP_FASTCALL(dcp_write_slots), METH_FASTCALL,
+     "write_slots(slots, values, /)\n--\n\n"
+     "container[key] = value for each slot."},
+    {"broadcast_jobs", DCP_FASTCALL(dcp_broadcast_jobs), METH_FASTCALL,
+     "broadcast_jobs(meta, full, local, device, dtensor_cls, tensor_cls, /)"
+     "\n--\n\n"
+     "The work list of a model broadcast."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -870,19 +870,24 @@ error:
     return NULL;
 }
 
-/* extract_rows(buffer, items)
+/* extract_rows(buffer, items, dests)
  *
- * Broadcast receive side.  items: [(offset, nbytes, dtype, chunk_shape,
- * row_start, dest, blocks), ...]: the chunk of rows [row_start,
+ * Stream receive side.  items: [(offset, nbytes, dtype, chunk_shape,
+ * row_start, job, blocks), ...]: the chunk of rows [row_start,
  * row_start + chunk_shape[0]) of a full tensor sits at buffer[offset:];
- * blocks None means `dest` is the full tensor (the rows are copied to the
- * same rows of dest), else `dest` is a local shard and the blocks (local
- * <- global) are clipped to the rows. */
+ * dests[job] is where it goes (None: not needed on this rank); blocks
+ * None means dest is the full tensor (the rows are copied to the same
+ * rows), else dest is a local shard and the blocks (local <- global) are
+ * clipped to the rows. */
 PyObject *
 dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("extract_rows", nargs, 2) < 0) {
+    if (dcp_check_nargs("extract_rows", nargs, 3) < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "dests must be a list");
         return NULL;
     }
     PyObject *seq = PySequence_Fast(args[1], "items must be a sequence");
@@ -890,14 +895,19 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        Py_ssize_t offset, nbytes, row_start;
-        PyObject *dtype, *cshape, *dest, *blocks;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnOOnOO",
+        Py_ssize_t offset, nbytes, row_start, job;
+        PyObject *dtype, *cshape, *blocks;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnOOnnO",
                               &offset, &nbytes, &dtype, &cshape, &row_start,
-                              &dest, &blocks)) {
+                              &job, &blocks)) {
             goto error;
         }
-        if (nbytes == 0) {
+        if (job < 0 || job >= PyList_GET_SIZE(args[2])) {
+            PyErr_SetString(PyExc_IndexError, "job out of range");
+            goto error;
+        }
+        PyObject *dest = PyList_GET_ITEM(args[2], job);
+        if (nbytes == 0 || dest == Py_None) {
             continue;
         }
         PyObject *win = byte_window(args[0], offset, nbytes);
@@ -1300,5 +1310,870 @@ done:
     Py_DECREF(leaves);
     Py_XDECREF(meshes);
     Py_XDECREF(members);
+    return result;
+}
+
+/* ----------------------------------------------------------------------
+ * Full -> local loads (every rank holds the full tensors, or rank 0
+ * streams them in buckets)
+ */
+
+/* My coordinate in `mesh` (cached per mesh in `cache`, a dict keyed by
+ * the mesh object), as a tuple; also the mesh shape.  0 / -1. */
+static int
+mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord,
+          PyObject **shape)
+{
+    PyObject *entry = NULL;
+    int found = dcp_dict_get_ref(cache, mesh, &entry);
+    if (found < 0) {
+        return -1;
+    }
+    if (!found) {
+        PyObject *c = PyObject_CallMethod(mesh, "get_coordinate", NULL); /* cpylint-ignore: once per mesh */
+        PyObject *s = c ? PyObject_GetAttrString(mesh, "shape") : NULL; /* cpylint-ignore: once per mesh */
+        if (c != NULL && c == Py_None) {
+            PyErr_SetString(PyExc_ValueError,
+                            "this rank is not part of the tensor's device "
+                            "mesh");
+        }
+        entry = (c && s && c != Py_None) ? PyTuple_Pack(2, c, s) : NULL;
+        Py_XDECREF(c);
+        Py_XDECREF(s);
+        if (entry == NULL || PyDict_SetItem(cache, mesh, entry) < 0) {
+            Py_XDECREF(entry);
+            return -1;
+        }
+    }
+    *coord = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+    *shape = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    Py_DECREF(entry);
+    return 0;
+}
+
+/* Layout (local_shape, blocks) of DTensor `tmpl` on this rank, for a
+ * full tensor of shape `gshape_obj`. */
+static PyObject *
+my_layout(PyObject *cache, PyObject *tmpl, PyObject *gshape_obj,
+          PyObject *classes)
+{
+    PyObject *mesh = PyObject_GetAttrString(tmpl, "device_mesh"); /* cpylint-ignore: per tensor, DTensor property */
+    PyObject *pls = mesh ? PyObject_GetAttrString(tmpl, "placements") /* cpylint-ignore: per tensor */
+                         : NULL;
+    PyObject *coord = NULL, *mshape_obj = NULL, *result = NULL;
+    if (pls == NULL || mesh_info(cache, mesh, &coord, &mshape_obj) < 0) {
+        goto done;
+    }
+    Py_ssize_t gshape[DCP_MAX_DIMS], mshape[DCP_MAX_DIMS], c[DCP_MAX_DIMS];
+    Py_ssize_t ndim, mdim, cdim;
+    placement_t pl[DCP_MAX_DIMS];
+    if (parse_shape(gshape_obj, gshape, &ndim, "shape") < 0 ||
+        parse_shape(mshape_obj, mshape, &mdim, "mesh shape") < 0 ||
+        parse_shape(coord, c, &cdim, "coordinate") < 0) {
+        goto done;
+    }
+    PyObject *seq = PySequence_Fast(pls, "placements");
+    if (seq == NULL) {
+        goto done;
+    }
+    if (PySequence_Fast_GET_SIZE(seq) != mdim || cdim != mdim) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError,
+                        "DTensor placements do not match its mesh");
+        goto done;
+    }
+    int ok = 1;
+    for (Py_ssize_t m = 0; ok && m < mdim; m++) {
+        ok = encode_placement(PySequence_Fast_GET_ITEM(seq, m), classes,
+                              &pl[m]) == 0;
+    }
+    Py_DECREF(seq);
+    if (ok) {
+        for (Py_ssize_t m = 0; m < mdim; m++) {
+            if (pl[m].kind == PL_PARTIAL) {
+                pl[m].kind = PL_REPLICATE; /* loads hold full values */
+            }
+        }
+        result = shard_layout(gshape, ndim, mshape, mdim, c, pl);
+    }
+done:
+    Py_XDECREF(mesh);
+    Py_XDECREF(pls);
+    Py_XDECREF(coord);
+    Py_XDECREF(mshape_obj);
+    return result;
+}
+
+/* plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream)
+ *   -> (dests, layouts, buckets)
+ *
+ * jobs: [(value, template, device)] -- value is the full tensor (or, on
+ * receiving ranks of a stream, any object with .shape and .dtype);
+ * template is a DTensor (keep this rank's shard of it), or None (keep the
+ * full value); device is where the result lives.
+ * dests[i]: the tensor job i's data lands in (a fresh local shard or full
+ * tensor), or None for jobs a receiver does not need (template None and
+ * stream=False never happens: those are the value itself).
+ * stream=False: every rank holds the full values; dests are filled here
+ * by local slicing and buckets is empty.
+ * stream=True: buckets = [(nbytes, src_items, dst_items)] with
+ *   src_items [(job, row_start, rows, offset)] to pack on the source and
+ *   dst_items (offset, nbytes, dtype, chunk_shape, row_start, job,
+ *   blocks|None) for extract_rows once `job` is replaced by dests[job]. */
+PyObject *
+dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("plan_full_load", nargs, 6) < 0) {
+        return NULL;
+    }
+    PyObject *dtensor_cls = args[1], *classes = args[2], *empty = args[4];
+    Py_ssize_t budget = PyLong_AsSsize_t(args[3]);
+    int stream = PyObject_IsTrue(args[5]);
+    if ((budget == -1 && PyErr_Occurred()) || stream < 0) {
+        return NULL;
+    }
+    if (!PyTuple_Check(classes) || PyTuple_GET_SIZE(classes) != 3) {
+        PyErr_SetString(PyExc_TypeError, "bad placement classes");
+        return NULL;
+    }
+    PyObject *jobs = PySequence_Fast(args[0], "jobs must be a sequence");
+    if (jobs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(jobs);
+    PyObject *dests = PyList_New(n), *layouts = PyList_New(n);
+    PyObject *buckets = PyList_New(0), *cache = PyDict_New();
+    PyObject *src_items = NULL, *dst_items = NULL, *result = NULL;
+    Py_ssize_t used = 0;
+    if (!dests || !layouts || !buckets || !cache) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyList_SET_ITEM(dests, i, Py_NewRef(Py_None));
+        PyList_SET_ITEM(layouts, i, Py_NewRef(Py_None));
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value, *tmpl, *device;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(jobs, i), "OOO",
+                              &value, &tmpl, &device)) {
+            goto done;
+        }
+        PyObject *shape = PyObject_GetAttr(value, st->str_shape);
+        PyObject *dtype = shape ? PyObject_GetAttr(value, st->str_dtype)
+                                : NULL;
+        PyObject *isz = dtype ? PyObject_GetAttrString(dtype, "itemsize") /* cpylint-ignore: per job */
+                              : NULL;
+        Py_ssize_t itemsize = isz ? PyLong_AsSsize_t(isz) : -1;
+        Py_XDECREF(isz);
+        PyObject *shape_t = shape ? PySequence_Tuple(shape) : NULL;
+        Py_XDECREF(shape);
+        int ok = shape_t != NULL && itemsize > 0;
+        int is_dt = 0;
+        int needed = tmpl != Py_False;
+        if (ok && needed && tmpl != Py_None) {
+            is_dt = PyObject_IsInstance(tmpl, dtensor_cls);
+            ok = is_dt >= 0;
+        }
+        PyObject *layout = NULL, *dest_shape = NULL, *blocks = Py_None;
+        if (ok && is_dt) {
+            layout = my_layout(cache, tmpl, shape_t, classes);
+            ok = layout != NULL;
+            if (ok) {
+                dest_shape = PyTuple_GET_ITEM(layout, 0);
+                blocks = PyTuple_GET_ITEM(layout, 1);
+                PyList_SetItem(layouts, i, Py_NewRef(layout));
+            }
+        }
+        else if (ok) {
+            dest_shape = shape_t;
+        }
+        /* allocate the destination */
+        PyObject *dest = NULL;
+        if (ok && needed) {
+            PyObject *kw = Py_BuildValue("{sOsO}", "dtype", dtype, "device",
+                                         device);
+            PyObject *a = kw ? PyTuple_Pack(1, dest_shape) : NULL;
+            dest = a ? PyObject_Call(empty, a, kw) : NULL;
+            Py_XDECREF(kw);
+            Py_XDECREF(a);
+            ok = dest != NULL;
+        }
+        if (ok && needed && !stream) {
+            /* local slicing from the full value this rank holds */
+            PyObject *none = NULL;
+            if (is_dt) {
+                PyObject *dir = PyLong_FromLong(1);
+                PyObject *cb[5] = {dest, value, blocks, dir, Py_None};
+                none = dir ? dcp_copy_blocks(module, cb, 5) : NULL;
+                Py_XDECREF(dir);
+            }
+            else {
+                none = copy_into(st, dest, value) == 0 ? Py_NewRef(Py_None)
+                                                       : NULL;
+            }
+            ok = none != NULL;
+            Py_XDECREF(none);
+        }
+        if (ok && needed) {
+            PyList_SetItem(dests, i, dest);
+            dest = NULL;
+        }
+        Py_XDECREF(dest);
+        /* stream plan: row chunks in buckets */
+        Py_ssize_t nd = ok ? PyTuple_GET_SIZE(shape_t) : 0;
+        Py_ssize_t rows = nd ? PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_t, 0))
+                             : 1;
+        Py_ssize_t row_bytes = itemsize;
+        for (Py_ssize_t d = 1; ok && d < nd; d++) {
+            row_bytes *= PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_t, d));
+        }
+        Py_ssize_t per_chunk = row_bytes > 0 ? budget / row_bytes : rows;
+        if (per_chunk < 1) {
+            per_chunk = 1; /* a row larger than a bucket travels alone */
+        }
+        for (Py_ssize_t r0 = 0; ok && stream && r0 < rows; r0 += per_chunk) {
+            Py_ssize_t nr = rows - r0 < per_chunk ? rows - r0 : per_chunk;
+            Py_ssize_t nbytes = nr * row_bytes;
+            Py_ssize_t need = align_up(nbytes);
+            if (src_items != NULL && used + need > budget &&
+                PyList_GET_SIZE(src_items) > 0) {
+                PyObject *b = Py_BuildValue("(nOO)", used, src_items,
+                                            dst_items);
+                ok = b != NULL && PyList_Append(buckets, b) == 0;
+                Py_XDECREF(b);
+                Py_CLEAR(src_items);
+                Py_CLEAR(dst_items);
+                used = 0;
+            }
+            if (ok && src_items == NULL) {
+                src_items = PyList_New(0);
+                dst_items = PyList_New(0);
+                ok = src_items && dst_items;
+            }
+            PyObject *cshape = NULL;
+            if (ok) {
+                if (nd) {
+                    PyObject *l = PySequence_List(shape_t);
+                    PyObject *nro = l ? PyLong_FromSsize_t(nr) : NULL;
+                    ok = nro && PyList_SetItem(l, 0, nro) == 0;
+                    cshape = ok ? PyList_AsTuple(l) : NULL;
+                    Py_XDECREF(l);
+                }
+                else {
+                    cshape = PyTuple_New(0);
+                }
+                ok = cshape != NULL;
+            }
+            if (ok) {
+                PyObject *si = Py_BuildValue("(nnnn)", i, nd ? r0 : (Py_ssize_t)-1,
+                                             nr, used);
+                PyObject *di = Py_BuildValue("(nnOOnnO)", used, nbytes, dtype,
+                                             cshape, r0, i, blocks);
+                ok = si && di && PyList_Append(src_items, si) == 0 &&
+                     PyList_Append(dst_items, di) == 0;
+                Py_XDECREF(si);
+                Py_XDECREF(di);
+            }
+            Py_XDECREF(cshape);
+            used += need;
+        }
+        Py_XDECREF(layout);
+        Py_XDECREF(shape_t);
+        Py_XDECREF(dtype);
+        if (!ok) {
+            dcp_note_format("while planning the load of tensor %zd", i);
+            goto done;
+        }
+    }
+    if (src_items != NULL && PyList_GET_SIZE(src_items) > 0) {
+        PyObject *b = Py_BuildValue("(nOO)", used, src_items, dst_items);
+        if (b == NULL || PyList_Append(buckets, b) < 0) {
+            Py_XDECREF(b);
+            goto done;
+        }
+        Py_DECREF(b);
+    }
+    result = PyTuple_Pack(3, dests, layouts, buckets);
+done:
+    Py_DECREF(jobs);
+    Py_XDECREF(dests);
+    Py_XDECREF(layouts);
+    Py_XDECREF(buckets);
+    Py_XDECREF(cache);
+    Py_XDECREF(src_items);
+    Py_XDECREF(dst_items);
+    return result;
+}
+
+/* pack_rows(buffer, src_items, values, uint8): the source side of a
+ * stream bucket; src_items as plan_full_load returns them. */
+PyObject *
+dcp_pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("pack_rows", nargs, 4) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[1], "items");
+    PyObject *values = seq ? PySequence_Fast(args[2], "values") : NULL;
+    if (values == NULL) {
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        Py_ssize_t job, r0, nr, offset;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnnn", &job,
+                              &r0, &nr, &offset)) {
+            goto error;
+        }
+        if (job < 0 || job >= PySequence_Fast_GET_SIZE(values)) {
+            PyErr_SetString(PyExc_IndexError, "job out of range");
+            goto error;
+        }
+        PyObject *value = PySequence_Fast_GET_ITEM(values, job);
+        if (PyTuple_Check(value) && PyTuple_GET_SIZE(value) == 3) {
+            value = PyTuple_GET_ITEM(value, 0); /* a job: (value, ...) */
+        }
+        PyObject *rows;
+        if (r0 < 0) {
+            rows = Py_NewRef(value);
+        }
+        else {
+            PyObject *a = PyLong_FromSsize_t(r0);
+            PyObject *b = a ? PyLong_FromSsize_t(r0 + nr) : NULL;
+            PyObject *sl = b ? PySlice_New(a, b, NULL) : NULL;
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            rows = sl ? PyObject_GetItem(value, sl) : NULL;
+            Py_XDECREF(sl);
+        }
+        PyObject *bytes = rows ? tensor_bytes(st, rows, args[3]) : NULL;
+        Py_XDECREF(rows);
+        if (bytes == NULL) {
+            goto error;
+        }
+        Py_ssize_t nbytes = PyObject_Length(bytes);
+        int rc = nbytes < 0 ? -1 : 0;
+        if (nbytes > 0) {
+            PyObject *win = byte_window(args[0], offset, nbytes);
+            rc = win ? copy_into(st, win, bytes) : -1;
+            Py_XDECREF(win);
+        }
+        Py_DECREF(bytes);
+        if (rc < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(seq);
+    Py_DECREF(values);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(seq);
+    Py_DECREF(values);
+    return NULL;
+}
+
+/* finish_full_load(jobs, dests, layouts, from_local, offload) -> values
+ *
+ * The loaded value of each job: DTensor.from_local(dest, mesh,
+ * placements, shape=, stride=) for DTensor templates, else dest; moved to
+ * `offload` when it is not None (plain results only). */
+PyObject *
+dcp_finish_full_load(PyObject *module, PyObject *const *args,
+                     Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("finish_full_load", nargs, 5) < 0) {
+        return NULL;
+    }
+    PyObject *jobs = PySequence_Fast(args[0], "jobs");
+    PyObject *dests = jobs ? PySequence_Fast(args[1], "dests") : NULL;
+    PyObject *layouts = dests ? PySequence_Fast(args[2], "layouts") : NULL;
+    PyObject *from_local = args[3], *offload = args[4];
+    PyObject *out = NULL;
+    if (layouts == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(jobs);
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *job = PySequence_Fast_GET_ITEM(jobs, i);
+        PyObject *tmpl = PyTuple_Check(job) && PyTuple_GET_SIZE(job) == 3
+                             ? PyTuple_GET_ITEM(job, 1)
+                             : NULL;
+        PyObject *dest = PySequence_Fast_GET_ITEM(dests, i);
+        PyObject *value = NULL;
+        if (tmpl == NULL) {
+            PyErr_SetString(PyExc_TypeError, "jobs are (value, template, device)");
+        }
+        else if (dest == Py_None) {
+            value = Py_NewRef(Py_None);
+        }
+        else if (PySequence_Fast_GET_ITEM(layouts, i) != Py_None) {
+            PyObject *mesh = PyObject_GetAttrString(tmpl, "device_mesh"); /* cpylint-ignore: per tensor */
+            PyObject *pls = mesh ? PyObject_GetAttrString(tmpl, "placements") /* cpylint-ignore: per tensor */
+                                 : NULL;
+            PyObject *shape = pls ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
+            PyObject *stride = shape ? PyObject_CallMethod(tmpl, "stride", NULL) /* cpylint-ignore: per tensor */
+                                     : NULL;
+            PyObject *kw = stride ? Py_BuildValue("{sOsOsO}", "shape", shape,
+                                                  "stride", stride,
+                                                  "run_check", Py_False)
+                                  : NULL;
+            PyObject *a = kw ? PyTuple_Pack(3, dest, mesh, pls) : NULL;
+            value = a ? PyObject_Call(from_local, a, kw) : NULL;
+            if (value != NULL && offload != Py_None) {
+                PyObject *call[2] = {value, offload};
+                Py_SETREF(value, PyObject_VectorcallMethod(
+                                     st->str_to, call,
+                                     2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+            }
+            Py_XDECREF(mesh);
+            Py_XDECREF(pls);
+            Py_XDECREF(shape);
+            Py_XDECREF(stride);
+            Py_XDECREF(kw);
+            Py_XDECREF(a);
+        }
+        else if (offload != Py_None) {
+            PyObject *call[2] = {dest, offload};
+            value = PyObject_VectorcallMethod(
+                st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        else {
+            value = Py_NewRef(dest);
+        }
+        if (value == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, value);
+    }
+done:
+    Py_XDECREF(jobs);
+    Py_XDECREF(dests);
+    Py_XDECREF(layouts);
+    return out;
+}
+
+/* to_metadata(leaves, meta_cls, tensor_cls) -> what a stream sends ahead
+ * of the data: 0-dim tensors as CPU values, other tensors as
+ * meta_cls(shape tuple, dtype). */
+PyObject *
+dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("to_metadata", nargs, 3) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "leaves");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *v = NULL;
+        int is_tensor = PyObject_IsInstance(t, args[2]);
+        if (is_tensor == 0) {
+            v = Py_NewRef(t);
+        }
+        else if (is_tensor > 0) {
+            PyObject *shape = PyObject_GetAttr(t, st->str_shape);
+            PyObject *tup = shape ? PySequence_Tuple(shape) : NULL;
+            Py_XDECREF(shape);
+            if (tup != NULL && PyTuple_GET_SIZE(tup) == 0) {
+                v = PyObject_CallMethodNoArgs(t, st->str_cpu);
+            }
+            else if (tup != NULL) {
+                PyObject *dtype = PyObject_GetAttr(t, st->str_dtype);
+                v = dtype ? PyObject_CallFunctionObjArgs(args[1], tup, dtype,
+                                                         NULL)
+                          : NULL;
+                Py_XDECREF(dtype);
+            }
+            Py_XDECREF(tup);
+        }
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* optim_state_jobs(index, state, dtensor_cls, mode, from_local)
+ *   -> (new_state, jobs, slots)
+ *
+ * Copies the containers of a loaded optimizer `state` (fqn -> nested
+ * dict) and lists the tensor leaves to localise for the parameters they
+ * belong to:
+ *   mode 0 (full loads): every leaf with a shape (tensors and stream
+ *     metadata) except 0-dim ones; template = the parameter when it is a
+ *     DTensor of the leaf's shape, else None (kept full); device = the
+ *     parameter's (local) device.
+ *   mode 1 (SPEC D9 on sharded loads): only plain tensors of DTensor
+ *     parameters: of the parameter's global shape -> a slicing job; of
+ *     its local shape -> wrapped here with from_local; any other shape ->
+ *     ValueError naming the FQN and the state key.
+ * slots[i] = (container, key) where jobs[i]'s result is to be stored. */
+PyObject *
+dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
+                     Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("optim_state_jobs", nargs, 5) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    PyObject *state = args[1], *dtensor_cls = args[2], *from_local = args[4];
+    dcp_Context *ctx = (dcp_Context *)ix->ctx;
+    long mode = PyLong_AsLong(args[3]);
+    if (mode == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyDict_Check(state)) {
+        PyErr_SetString(PyExc_TypeError, "state must be a dict");
+        return NULL;
+    }
+    PyObject *by_fqn = PyDict_New(), *new_state = PyDict_New();
+    PyObject *jobs = PyList_New(0), *slots = PyList_New(0);
+    PyObject *items = NULL, *result = NULL, *stack = NULL;
+    if (!by_fqn || !new_state || !jobs || !slots) {
+        goto done;
+    }
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(ix->tensors); t++) {
+        PyObject *names = PyList_GET_ITEM(ix->tensor_fqns, t);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(names); j++) {
+            if (PyDict_SetItem(by_fqn, PyList_GET_ITEM(names, j),
+                               PyList_GET_ITEM(ix->tensors, t)) < 0) {
+                goto done;
+            }
+        }
+    }
+    items = dcp_items_list(state);
+    if (items == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *fqn = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        PyObject *entry = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
+        PyObject *param = NULL, *pshape = NULL, *lshape = NULL;
+        PyObject *device = NULL;
+        int param_dt = 0, ok = 1;
+        if (!PyDict_Check(entry)) {
+            if (PyDict_SetItem(new_state, fqn, entry) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        int found = dcp_dict_get_ref(by_fqn, fqn, &param);
+        if (found < 0) {
+            goto done;
+        }
+        if (found) {
+            param_dt = PyObject_IsInstance(param, dtensor_cls);
+            pshape = param_dt >= 0 ? PyObject_GetAttr(param, st->str_shape)
+                                   : NULL;
+            device = pshape ? PyObject_GetAttr(param, st->str_device) : NULL;
+            ok = device != NULL;
+            if (ok && param_dt) {
+                PyObject *local = PyObject_GetAttrString(param, "_local_tensor"); /* cpylint-ignore: DTensor params only */
+                lshape = local ? PyObject_GetAttr(local, st->str_shape) : NULL;
+                Py_XDECREF(local);
+                ok = lshape != NULL;
+            }
+        }
+        /* walk the entry (nested dicts), copying containers */
+        PyObject *copy = ok ? PyDict_New() : NULL;
+        ok = copy != NULL && PyDict_SetItem(new_state, fqn, copy) == 0;
+        stack = ok ? Py_BuildValue("[(OO)]", entry, copy) : NULL;
+        ok = stack != NULL;
+        while (ok && PyList_GET_SIZE(stack) > 0) {
+            Py_ssize_t top = PyList_GET_SIZE(stack) - 1;
+            PyObject *pair = Py_NewRef(PyList_GET_ITEM(stack, top));
+            ok = PyList_SetSlice(stack, top, top + 1, NULL) == 0;
+            PyObject *src = PyTuple_GET_ITEM(pair, 0);
+            PyObject *dst = PyTuple_GET_ITEM(pair, 1);
+            PyObject *sub = ok ? dcp_items_list(src) : NULL;
+            ok = sub != NULL;
+            for (Py_ssize_t k = 0; ok && k < PyList_GET_SIZE(sub); k++) {
+                PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(sub, k), 0);
+                PyObject *val = PyTuple_GET_ITEM(PyList_GET_ITEM(sub, k), 1);
+                if (PyDict_Check(val)) {
+                    PyObject *c2 = PyDict_New();
+                    PyObject *p2 = c2 ? PyTuple_Pack(2, val, c2) : NULL;
+                    ok = p2 && PyDict_SetItem(dst, key, c2) == 0 &&
+                         PyList_Append(stack, p2) == 0;
+                    Py_XDECREF(c2);
+                    Py_XDECREF(p2);
+                    continue;
+                }
+                ok = PyDict_SetItem(dst, key, val) == 0;
+                if (!ok || !found) {
+                    continue;
+                }
+                int is_tensor = PyObject_IsInstance(val, ctx->tensor_type);
+                int is_meta = 0;
+                if (is_tensor == 0 && mode == 0) {
+                    /* stream metadata: anything with shape and dtype */
+                    is_meta = PyObject_HasAttr(val, st->str_shape) &&
+                              PyObject_HasAttr(val, st->str_dtype);
+                }
+                if (is_tensor < 0) {
+                    ok = 0;
+                    break;
+                }
+                if (!is_tensor && !is_meta) {
+                    continue;
+                }
+                int val_dt = is_tensor ? PyObject_IsInstance(val, dtensor_cls)
+                                       : 0;
+                if (val_dt < 0) {
+                    ok = 0;
+                    break;
+                }
+                if (val_dt) {
+                    continue; /* already sharded */
+                }
+                PyObject *vshape = PyObject_GetAttr(val, st->str_shape);
+                PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
+                PyObject *pt = (vt && pshape) ? PySequence_Tuple(pshape) : NULL;
+                Py_XDECREF(vshape);
+                if (pt == NULL) {
+                    Py_XDECREF(vt);
+                    ok = 0;
+                    break;
+                }
+                int global_match = PyObject_RichCompareBool(vt, pt, Py_EQ);
+                int zero_dim = PyTuple_GET_SIZE(vt) == 0;
+                PyObject *tmpl = NULL;
+                if (mode == 0 && !zero_dim) {
+                    tmpl = (param_dt && global_match == 1) ? param : Py_None;
+                }
+                else if (mode == 1 && param_dt && !zero_dim) {
+                    if (global_match == 1) {
+                        tmpl = param;
+                    }
+                    else {
+                        PyObject *lt = PySequence_Tuple(lshape);
+                        int local_match =
+                            lt ? PyObject_RichCompareBool(vt, lt, Py_EQ) : -1;
+                        Py_XDECREF(lt);
+                        if (local_match == 1) {
+                            PyObject *mesh = PyObject_GetAttrString(param, "device_mesh"); /* cpylint-ignore: rare path */
+                            PyObject *pls = mesh ? PyObject_GetAttrString(param, "placements") /* cpylint-ignore: rare path */
+                                                 : NULL;
+                            PyObject *kw = pls ? Py_BuildValue(
+                                                     "{sOsO}", "shape", pshape,
+                                                     "run_check", Py_False)
+                                               : NULL;
+                            PyObject *a = kw ? PyTuple_Pack(3, val, mesh, pls)
+                                             : NULL;
+                            PyObject *wrapped =
+                                a ? PyObject_Call(from_local, a, kw) : NULL;
+                            ok = wrapped != NULL &&
+                                 PyDict_SetItem(dst, key, wrapped) == 0;
+                            Py_XDECREF(wrapped);
+                            Py_XDECREF(mesh);
+                            Py_XDECREF(pls);
+                            Py_XDECREF(kw);
+                            Py_XDECREF(a);
+                        }
+                        else if (local_match == 0) {
+                            PyErr_Format(ctx->err_value != Py_None
+                                             ? ctx->err_value
+                                             : PyExc_ValueError,
+                                         "optimizer state '%U' of parameter "
+                                         "'%U' has shape %R, which is neither "
+                                         "the parameter's global shape %R "
+                                         "nor its local shard's %R",
+                                         key, fqn, vt, pt, lshape);
+                            ok = 0;
+                        }
+                        else {
+                            ok = 0;
+                        }
+                    }
+                }
+                if (ok && global_match < 0) {
+                    ok = 0;
+                }
+                if (ok && tmpl != NULL) {
+                    PyObject *job = PyTuple_Pack(3, val, tmpl, device);
+                    PyObject *slot = job ? PyTuple_Pack(2, dst, key) : NULL;
+                    ok = slot && PyList_Append(jobs, job) == 0 &&
+                         PyList_Append(slots, slot) == 0;
+                    Py_XDECREF(job);
+                    Py_XDECREF(slot);
+                }
+                Py_DECREF(vt);
+                Py_DECREF(pt);
+            }
+            Py_XDECREF(sub);
+            Py_DECREF(pair);
+        }
+        Py_CLEAR(stack);
+        Py_XDECREF(copy);
+        Py_XDECREF(param);
+        Py_XDECREF(pshape);
+        Py_XDECREF(lshape);
+        Py_XDECREF(device);
+        if (!ok) {
+            dcp_note_format("while loading optimizer state of '%U'", fqn);
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(3, new_state, jobs, slots);
+done:
+    Py_XDECREF(by_fqn);
+    Py_XDECREF(new_state);
+    Py_XDECREF(jobs);
+    Py_XDECREF(slots);
+    Py_XDECREF(items);
+    Py_XDECREF(stack);
+    return result;
+}
+
+/* write_slots(slots, values): container[key] = value for each pair. */
+PyObject *
+dcp_write_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dcp_check_nargs("write_slots", nargs, 2) < 0) {
+        return NULL;
+    }
+    PyObject *slots = PySequence_Fast(args[0], "slots");
+    PyObject *values = slots ? PySequence_Fast(args[1], "values") : NULL;
+    if (values == NULL) {
+        Py_XDECREF(slots);
+        return NULL;
+    }
+    int ok = PySequence_Fast_GET_SIZE(slots) == PySequence_Fast_GET_SIZE(values);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "one value per slot");
+    }
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(slots); i++) {
+        PyObject *slot = PySequence_Fast_GET_ITEM(slots, i);
+        PyObject *value = PySequence_Fast_GET_ITEM(values, i);
+        ok = PyTuple_Check(slot) && PyTuple_GET_SIZE(slot) == 2 &&
+             value != Py_None &&
+             PyObject_SetItem(PyTuple_GET_ITEM(slot, 0),
+                              PyTuple_GET_ITEM(slot, 1), value) == 0;
+        if (!ok && !PyErr_Occurred() && value != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "slots are (container, key)");
+        }
+        if (!ok && value == Py_None && !PyErr_Occurred()) {
+            ok = 1; /* not needed on this rank */
+        }
+    }
+    Py_DECREF(slots);
+    Py_DECREF(values);
+    if (!ok) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* broadcast_jobs(meta, full, local, device, dtensor_cls, tensor_cls)
+ *   -> (keys, jobs, non_tensor)
+ *
+ * A model broadcast's work list from the metadata every rank received:
+ * for each key whose metadata describes a tensor with a shape, the job
+ * (full tensor on the source / metadata elsewhere, template, device):
+ * template is the local DTensor (keep my shard), None (keep the full
+ * tensor) or False (this rank has no such key: receive, do not keep).
+ * Other values (and 0-dim tensors, which travel in the metadata) are
+ * returned in non_tensor as (key, value). */
+PyObject *
+dcp_broadcast_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("broadcast_jobs", nargs, 6) < 0) {
+        return NULL;
+    }
+    PyObject *meta = args[0], *full = args[1], *local = args[2];
+    PyObject *device = args[3], *dtensor_cls = args[4], *tensor_cls = args[5];
+    if (!PyDict_Check(meta) || !PyDict_Check(local) ||
+        (full != Py_None && !PyDict_Check(full))) {
+        PyErr_SetString(PyExc_TypeError, "broadcast_jobs needs dicts");
+        return NULL;
+    }
+    PyObject *items = dcp_items_list(meta);
+    PyObject *keys = PyList_New(0), *jobs = PyList_New(0);
+    PyObject *plain = PyList_New(0), *result = NULL;
+    if (!items || !keys || !jobs || !plain) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        PyObject *v = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
+        int is_tensor = PyObject_IsInstance(v, tensor_cls);
+        if (is_tensor < 0) {
+            goto done;
+        }
+        int is_meta = !is_tensor && PyTuple_Check(v) &&
+                      PyObject_HasAttr(v, st->str_shape) &&
+                      PyObject_HasAttr(v, st->str_dtype);
+        if (!is_meta) {
+            PyObject *pair = PyTuple_Pack(2, key, v);
+            if (pair == NULL || PyList_Append(plain, pair) < 0) {
+                Py_XDECREF(pair);
+                goto done;
+            }
+            Py_DECREF(pair);
+            continue;
+        }
+        PyObject *value = v, *lv = NULL, *tmpl, *dev;
+        if (full != Py_None) {
+            int found = dcp_dict_get_ref(full, key, &value);
+            if (found <= 0) {
+                if (found == 0) {
+                    PyErr_SetObject(PyExc_KeyError, key);
+                }
+                goto done;
+            }
+        }
+        else {
+            Py_INCREF(value);
+        }
+        int has = dcp_dict_get_ref(local, key, &lv);
+        int is_dt = has > 0 ? PyObject_IsInstance(lv, dtensor_cls) : 0;
+        if (has < 0 || is_dt < 0) {
+            Py_DECREF(value);
+            Py_XDECREF(lv);
+            goto done;
+        }
+        if (has == 0 || lv == Py_None) {
+            tmpl = Py_False;
+            dev = Py_NewRef(device);
+        }
+        else {
+            int lv_tensor = PyObject_IsInstance(lv, tensor_cls);
+            tmpl = is_dt ? lv : (lv_tensor > 0 ? Py_None : Py_False);
+            dev = lv_tensor > 0 ? PyObject_GetAttr(lv, st->str_device)
+                                : Py_NewRef(device);
+        }
+        PyObject *job = dev ? PyTuple_Pack(3, value, tmpl, dev) : NULL;
+        Py_XDECREF(dev);
+        Py_DECREF(value);
+        Py_XDECREF(lv);
+        if (job == NULL || PyList_Append(jobs, job) < 0 ||
+            PyList_Append(keys, key) < 0) {
+            Py_XDECREF(job);
+            goto done;
+        }
+        Py_DECREF(job);
+    }
+    result = PyTuple_Pack(3, keys, jobs, plain);
+done:
+    Py_XDECREF(items);
+    Py_XDECREF(keys);
+    Py_XDECREF(jobs);
+    Py_XDECREF(plain);
     return result;
 }

@@ -1,51 +1,136 @@
-"""Loading full state dicts into (possibly sharded) models.
+"""Loading full state dicts into (possibly sharded) models and optimizers.
 
-``distribute_model_state_dict``: every rank holds the full dict; each rank
-slices its own shard locally, with no communication.
-``broadcast_model_state_dict``: only rank 0 holds it; the data is streamed
-to the other ranks.
+Two modes, both planned natively (``plan_full_load``):
+
+* every rank holds the full dict (``full_state_dict=True``): each rank
+  copies out its own shard locally -- no communication at all;
+* only the source holds it (``broadcast_from_rank0=True``): metadata goes
+  first in one object broadcast, then the tensors travel in byte buckets
+  (large tensors in row chunks), and each rank keeps only its shard of
+  each bucket before the next one arrives.  Peak memory on a receiving
+  rank is its local shards plus one bucket.
+
+The "rank 0" of a broadcast is the first rank of the model's device mesh
+(global rank 0 whenever the mesh spans all ranks; SPEC D18): for a model
+sharded on a sub-mesh the data travels within that mesh.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from . import errors
+from ._collectives import bucket_bytes
 from ._core import C, context
 
+_CLASSES = (Shard, _StridedShard, Replicate)
+_CPU = torch.device("cpu")
 
-def _local_slice(full: torch.Tensor, local: DTensor) -> DTensor:
-    """The shard of ``full`` that ``local`` (a DTensor) holds on this rank."""
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, local.device_mesh, local.placements
+
+class TensorMeta(NamedTuple):
+    """What a receiving rank learns about a tensor before its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Route:
+    """How data travels from the source rank to every rank of a model.
+
+    Without sharded tensors, or when their mesh spans the world: the default
+    group, source global rank 0.  For a mesh on a subset of the ranks: one
+    broadcast per mesh dimension, last dimension first, each from
+    coordinate 0 (the source is the mesh's rank at coordinate (0, ..., 0)).
+    """
+
+    def __init__(self, mesh: Any | None, device: torch.device):
+        self.device = device
+        if mesh is None or mesh.size() == dist.get_world_size():
+            self.stages = [(None, 0)]
+            self.is_source = dist.get_rank() == 0
+            self.source = 0
+            return
+        coord = list(mesh.get_coordinate())
+        grid = mesh.mesh
+        self.stages = []
+        for d in reversed(range(mesh.ndim)):
+            if mesh.size(d) == 1:
+                continue
+            at_zero = list(coord)
+            at_zero[d] = 0
+            self.stages.append((mesh.get_group(d), int(grid[tuple(at_zero)])))
+        self.source = int(grid[(0,) * mesh.ndim])
+        self.is_source = all(c == 0 for c in coord)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        for group, src in self.stages:
+            dist.broadcast(tensor, src=src, group=group)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        for group, src in self.stages:
+            box = [obj]
+            dist.broadcast_object_list(box, src=src, group=group)
+            obj = box[0]
+        return obj
+
+
+def route_for(index: Any, device: torch.device) -> Route:
+    """The broadcast route of the model an index describes."""
+    meshes = []
+    for i in C.indices_of(index.tensors, DTensor):
+        mesh = index.tensors[i].device_mesh
+        if not any(mesh is m for m in meshes):
+            meshes.append(mesh)
+        if len(meshes) > 1:
+            break
+    if len(meshes) == 1:
+        return Route(meshes[0], device)
+    return Route(None, device)
+
+
+def run_full_load(
+    jobs: list[tuple[Any, Any, Any]],
+    *,
+    route: Route | None,
+    offload: torch.device | None = None,
+) -> list[Any]:
+    """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
+    local slicing when ``route`` is None, else a bucketed broadcast stream.
+    Returns the loaded value of each job (None where not needed)."""
+    stream = route is not None
+    dests, layouts, buckets = C.plan_full_load(
+        jobs, DTensor, _CLASSES, bucket_bytes(), torch.empty, stream
     )
-    slices = tuple(slice(o, o + s) for s, o in zip(shape, offset))
-    piece = full[slices].detach()
-    if local.is_meta:
-        # assign=True will install the piece itself: do not let it keep
-        # the whole full tensor alive through a view.
-        piece = piece.clone()
-    # A new DTensor, not a copy into the live one: nothing is written to
-    # the model before load_state_dict validated the whole dict.
-    return DTensor.from_local(
-        piece,
-        local.device_mesh,
-        local.placements,
-        shape=local.shape,
-        stride=local.stride(),
-        run_check=False,
-    )
+    if stream:
+        for nbytes, src_items, dst_items in buckets:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=route.device)
+            if route.is_source:
+                C.pack_rows(buf, src_items, jobs, torch.uint8)
+            route.broadcast(buf)
+            C.extract_rows(buf, dst_items, dests)
+            del buf
+    return C.finish_full_load(jobs, dests, layouts, DTensor.from_local, offload)
+
+
+# --- model ---------------------------------------------------------------------
 
 
 def distribute_model_state_dict(
     full: dict[str, Any], local: dict[str, Any], device: torch.device
 ) -> dict[str, Any]:
+    """Every rank holds ``full``: upstream's _distribute_state_dict +
+    update(local), with DTensors sliced locally into new DTensors (nothing
+    is written to the model before load_state_dict validates the dict)."""
     merged, jobs = C.full_load_merge(context(), full, local, device)
-    for key, full_tensor, local_tensor in jobs:
-        merged[key] = _local_slice(full_tensor.detach().to(device), local_tensor)
+    if jobs:
+        job_list = [(full_t, local_t, local_t.device) for _, full_t, local_t in jobs]
+        values = run_full_load(job_list, route=None)
+        C.write_slots([(merged, key) for key, _, _ in jobs], values)
     return merged
 
 
@@ -56,28 +141,139 @@ def broadcast_model_state_dict(
     *,
     strict: bool,
     cpu_offload: bool,
+    route: Route,
 ) -> dict[str, Any]:
-    from torch.distributed._state_dict_utils import _broadcast_state_dict
+    """Only the route's source holds ``full``; everyone ends with its
+    local dict updated (upstream's _broadcast_state_dict semantics)."""
+    ctx = context()
+    if route.is_source:
+        leaves = C.tree_leaves(ctx, full, False)
+        meta = C.tree_rebuild(ctx, full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+    else:
+        meta = None
+    meta = route.broadcast_object(meta)
+    if not isinstance(meta, dict):
+        raise errors.StateDictValueError(
+            "broadcast_from_rank0=True: the source rank "
+            f"({route.source}) did not provide a model state dict"
+        )
+    keys, jobs, non_tensor = _broadcast_jobs(meta, full if route.is_source else None, local, device)
+    values = run_full_load(jobs, route=route, offload=_CPU if cpu_offload else None)
+    out = dict(local)
+    for key, value in non_tensor:
+        if key in out:
+            out[key] = value
+    C.write_slots([(out, k) for k in keys], values)
+    if strict:
+        for key in [k for k in out if k not in meta]:
+            del out[key]
+    if route.is_source:
+        merged = dict(full)
+        merged.update(out)
+        return merged
+    return out
 
-    private = dict(full)
-    _broadcast_state_dict(
-        private, local, device=device, strict=strict, cpu_offload=cpu_offload
+
+def _broadcast_jobs(meta, full, local, device):
+    return C.broadcast_jobs(meta, full, local, device, DTensor, torch.Tensor)
+
+
+def collective_device(device: torch.device, index: Any) -> torch.device:
+    """Where broadcast buffers live: the DTensors' mesh device type, else
+    ``device`` when the default group's backend supports it (upstream's
+    rule), else the group's default device (a CPU model over NCCL)."""
+    dts = C.indices_of(index.tensors, DTensor)
+    if dts:
+        return torch.device(index.tensors[dts[0]].device_mesh.device_type)
+    group = dist.distributed_c10d._get_default_group()
+    types = {d.type for d in group._device_types}
+    return device if device.type in types else group._device_types[0]
+
+
+def require_full_dict_everywhere(has_data: bool, index: Any, what: str) -> None:
+    """SPEC D15: a full load without broadcast needs the full dict on
+    every rank.  Upstream hangs when only some ranks pass it; one small
+    agreement collective makes every rank raise the same clear error."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    route = route_for(index, None)
+    group = route.stages[0][0] if len(route.stages) == 1 else None
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    flags: list[Any] = [None] * size
+    dist.all_gather_object(flags, bool(has_data), group=group)
+    if all(flags) or not any(flags):
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    empty = [r for r, f in zip(ranks, flags) if not f]
+    raise errors.StateDictValueError(
+        f"full_state_dict=True loads need the full {what} state dict on every "
+        f"rank, but rank(s) {empty} passed an empty one. To load a dict that "
+        "only rank 0 holds, use StateDictOptions(full_state_dict=True, "
+        "broadcast_from_rank0=True)."
     )
-    private.update(local)
-    return private
 
 
-def full_optim_to_local(model, optimizers, osd, info):
-    """A full optimizer state dict as the local optimizers need it.
+# --- optimizer -----------------------------------------------------------------
 
-    Without sharded parameters and without broadcasting, full and local
-    state are the same; sharded and broadcast loads are handled by the
-    sharding layer."""
-    from torch.distributed.tensor import DTensor as _DT
 
-    sharded = any(isinstance(t, _DT) for t in info.index.tensors)
-    if not sharded and not info.broadcast_from_rank0:
-        return osd
-    from ._sharded_optim import full_optim_to_local as impl
+def localize_optim_view(view: tuple, info: Any, *, full: bool) -> tuple:
+    """Make the tensors of a loaded optimizer view local to this rank.
 
-    return impl(model, optimizers, osd, info)
+    full=True (full_state_dict loads): full tensors of DTensor parameters
+    become this rank's shard, as DTensors (D9); with broadcast_from_rank0
+    the view itself first travels from the source.
+    full=False (sharded loads): only plain tensors given for DTensor
+    parameters are converted (D9); everything else is left as is.
+    """
+    state, groups, fqn_group, empties, unexpected = view
+    route = None
+    if full and info.broadcast_from_rank0:
+        device = _state_device(info.index)
+        route = route_for(info.index, device)
+        ctx = context()
+        if route.is_source:
+            leaves = C.tree_leaves(ctx, state, False)
+            meta_state = C.tree_rebuild(
+                ctx, state, C.to_metadata(leaves, TensorMeta, torch.Tensor), False
+            )
+            payload = (meta_state, groups, fqn_group, empties, unexpected)
+        else:
+            payload = None
+        payload = route.broadcast_object(payload)
+        if payload is None:
+            raise errors.StateDictValueError(
+                "broadcast_from_rank0=True: the source rank "
+                f"({route.source}) did not provide an optimizer state dict"
+            )
+        if not route.is_source:
+            state, groups, fqn_group, empties, unexpected = payload
+    new_state, jobs, slots = C.optim_state_jobs(
+        info.index, state, DTensor, 0 if full else 1, DTensor.from_local
+    )
+    if jobs:
+        values = run_full_load(jobs, route=route)
+        C.write_slots(slots, values)
+    return (new_state, groups, fqn_group, empties, unexpected)
+
+
+def _state_device(index: Any) -> torch.device:
+    """Device of the collective buffers: the model's parameters' device
+    (for DTensors their mesh's device type)."""
+    dts = C.indices_of(index.tensors, DTensor)
+    if dts:
+        return torch.device(index.tensors[dts[0]].device_mesh.device_type)
+    devices = C.tensor_devices(context(), index.tensors)
+    devices = [d for d in devices if d.type != "meta"]
+    if devices:
+        return devices[0]
+    return dist.distributed_c10d._get_pg_default_device()
+
+
+def agree_with_source(index: Any, value: Any) -> Any:
+    """The source rank's ``value`` on every rank of the model's route (one
+    small object broadcast).  Used so that ranks holding ``{}`` in a
+    broadcast load take the same code path as the source: upstream's
+    set_state_dict skips the model load on them and hangs."""
+    return route_for(index, None).broadcast_object(value)

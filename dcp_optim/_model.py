@@ -111,8 +111,17 @@ def load_model(
 ) -> _IncompatibleKeys:
     if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
         return _IncompatibleKeys({}, {})
+    from ._distribute import (
+        broadcast_model_state_dict,
+        collective_device,
+        distribute_model_state_dict,
+        require_full_dict_everywhere,
+        route_for,
+    )
+
     full_path = info.broadcast_from_rank0 or info.full_state_dict
-    rename = not info.broadcast_from_rank0 or dist.get_rank() == 0
+    route = route_for(info.index, None) if info.broadcast_from_rank0 else None
+    rename = route is None or route.is_source
     # A private, re-keyed view: the caller's dict is never mutated (D11).
     load_sd, local = C.rename_for_load(
         info.index, state_dict, info.strict, rename, full_path
@@ -120,13 +129,14 @@ def load_model(
     assign = False
     if full_path:
         device, assign = _load_device(info, local)
-        from ._distribute import broadcast_model_state_dict, distribute_model_state_dict
-
-        if info.broadcast_from_rank0:
+        if route is not None:
+            route.device = collective_device(device, info.index)
             load_sd = broadcast_model_state_dict(
-                load_sd, local, device, strict=info.strict, cpu_offload=info.cpu_offload
+                load_sd, local, device, strict=info.strict,
+                cpu_offload=info.cpu_offload, route=route,
             )
         else:
+            require_full_dict_everywhere(bool(state_dict), info.index, "model")
             load_sd = distribute_model_state_dict(load_sd, local, device)
     with info.fsdp_context():
         return cast(

@@ -234,15 +234,18 @@ def load_optim(
         from ._fsdp1 import load_fsdp1_optim
 
         return load_fsdp1_optim(model, optimizers, osd, info)
-    if info.full_state_dict:
-        from ._distribute import full_optim_to_local
-
-        osd = full_optim_to_local(model, optimizers, osd, info)
-    if osd and _is_native_format(osd):
+    if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
         for optim in optimizers:
             state_dict_fn(optim, "load_state_dict")(state_dict=osd)
         return _IncompatibleKeys([], [])
+    from ._distribute import localize_optim_view, require_full_dict_everywhere
+
+    if info.full_state_dict and not info.broadcast_from_rank0:
+        require_full_dict_everywhere(bool(osd), info.index, "optimizer")
     view = _view(info.index, osd or {})
+    # Full tensors of sharded parameters become local shards (full loads);
+    # plain tensors given for DTensor parameters are sharded too (D9).
+    view = localize_optim_view(view, info, full=info.full_state_dict)
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
     if missing and info.strict:

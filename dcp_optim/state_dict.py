@@ -13,11 +13,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, no_type_check
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from . import errors
 from ._core import C, EXTRA_STATE as _EXTRA_STATE, context
 from ._model import PATCH_MARK, get_model, load_model, unflatten_model_state_dict
 from ._optim import get_optim, init_optim_state, load_optim
@@ -355,6 +357,15 @@ def set_state_dict(
         info = _prepare(
             model, optimizers, optim_only=not model_state_dict, options=options
         )
+        if info.broadcast_from_rank0 and dist.is_initialized():
+            # Receivers pass {}: whether the model is loaded is the
+            # source's decision, or ranks take different collective paths
+            # (upstream hangs here).
+            from ._distribute import agree_with_source
+
+            info.handle_model = agree_with_source(info.index, bool(model_state_dict))
+            if not info.handle_model and not optimizers:
+                raise RuntimeError(errors.E4_NO_OPTIMIZERS)
         _verify_state_dict(model_state_dict, optim_state_dict, info)
         optim_report = load_optim(model, optimizers, optim_state_dict, info)
         model_report = load_model(model, model_state_dict, info)
