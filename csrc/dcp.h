@@ -279,6 +279,8 @@ DCP_DECLARE_FASTCALL(dcp_to_metadata)
 DCP_DECLARE_FASTCALL(dcp_optim_state_jobs)
 DCP_DECLARE_FASTCALL(dcp_write_slots)
 DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
+DCP_DECLARE_FASTCALL(dcp_tree_paths)
+DCP_DECLARE_FASTCALL(dcp_shape_mismatches)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -316,6 +316,12 @@ static PyMethodDef dcp_methods[] = {
      "broadcast_jobs(meta, full, local, device, dtensor_cls, tensor_cls, /)"
      "\n--\n\n"
      "The work list of a model broadcast."},
+    {"tree_paths", DCP_FASTCALL(dcp_tree_paths), METH_FASTCALL,
+     "tree_paths(ctx, obj, /)\n--\n\n"
+     "Dotted paths of the tensor leaves, in tree_leaves order."},
+    {"shape_mismatches", DCP_FASTCALL(dcp_shape_mismatches), METH_FASTCALL,
+     "shape_mismatches(jobs, tensor_cls, /)\n--\n\n"
+     "Jobs whose template tensor has another shape than the value."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1145,7 +1145,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *coords = mesh_coords(mshape, mdim, &ncoord);
         PyObject *segs = PyList_New(nt), *packs = PyList_New(nt);
         PyObject *unpacks = PyList_New(nt), *buckets = NULL, *plan = NULL;
-        ok = coords && segs && packs && unpacks;
+        PyObject *signature = PyList_New(nt);
+        ok = coords && segs && packs && unpacks && signature;
         for (Py_ssize_t t = 0; ok && t < nt; t++) {
             Py_ssize_t li = PyLong_AsSsize_t(PyList_GET_ITEM(idxs, t));
             PyObject *leaf = PySequence_Fast_GET_ITEM(leaves, li);
@@ -1182,6 +1183,29 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 }
             }
             Py_XDECREF(plseq);
+            if (ok) {
+                /* (shape, placements, itemsize): what every rank of the
+                 * mesh must agree on before the collectives start */
+                PyObject *enc = PyTuple_New(npl);
+                for (Py_ssize_t m = 0; enc && m < npl; m++) {
+                    PyObject *e = Py_BuildValue("(inn)", pl[m].kind, pl[m].dim,
+                                                pl[m].split_factor);
+                    if (e == NULL) {
+                        Py_CLEAR(enc);
+                        break;
+                    }
+                    PyTuple_SET_ITEM(enc, m, e);
+                }
+                PyObject *gt = enc ? ssize_tuple(gshape, ndim) : NULL;
+                PyObject *sig = gt ? Py_BuildValue("(OOn)", gt, enc, itemsize)
+                                   : NULL;
+                Py_XDECREF(enc);
+                Py_XDECREF(gt);
+                ok = sig != NULL;
+                if (ok) {
+                    PyList_SET_ITEM(signature, t, sig);
+                }
+            }
             PyObject *layouts = ok ? PyList_New(ncoord) : NULL;
             Py_ssize_t seg = 0;
             for (Py_ssize_t r = 0; layouts && r < ncoord; r++) {
@@ -1291,13 +1315,14 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(entry);
         }
         if (bucket_list != NULL) {
-            plan = PyTuple_Pack(2, mesh, bucket_list);
+            plan = PyTuple_Pack(4, mesh, bucket_list, signature, idxs);
         }
         Py_XDECREF(bucket_list);
         Py_XDECREF(coords);
         Py_XDECREF(segs);
         Py_XDECREF(packs);
         Py_XDECREF(unpacks);
+        Py_XDECREF(signature);
         Py_XDECREF(buckets);
         if (plan == NULL || PyList_Append(result, plan) < 0) {
             Py_XDECREF(plan);
@@ -2176,4 +2201,54 @@ done:
     Py_XDECREF(jobs);
     Py_XDECREF(plain);
     return result;
+}
+
+/* shape_mismatches(jobs, tensor_cls) -> [(i, job shape, template shape)]
+ * for jobs whose template (a tensor) has another shape than the value. */
+PyObject *
+dcp_shape_mismatches(PyObject *module, PyObject *const *args,
+                     Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("shape_mismatches", nargs, 2) < 0) {
+        return NULL;
+    }
+    PyObject *jobs = PySequence_Fast(args[0], "jobs");
+    if (jobs == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out && i < PySequence_Fast_GET_SIZE(jobs); i++) {
+        PyObject *job = PySequence_Fast_GET_ITEM(jobs, i);
+        if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 3) {
+            PyErr_SetString(PyExc_TypeError, "jobs are (value, template, device)");
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *tmpl = PyTuple_GET_ITEM(job, 1);
+        int is_t = PyObject_IsInstance(tmpl, args[1]);
+        if (is_t <= 0) {
+            if (is_t < 0) {
+                Py_CLEAR(out);
+            }
+            continue;
+        }
+        PyObject *a = PyObject_GetAttr(PyTuple_GET_ITEM(job, 0), st->str_shape);
+        PyObject *b = a ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
+        PyObject *at = b ? PySequence_Tuple(a) : NULL;
+        PyObject *bt = at ? PySequence_Tuple(b) : NULL;
+        int eq = bt ? PyObject_RichCompareBool(at, bt, Py_EQ) : -1;
+        PyObject *entry = eq == 0 ? Py_BuildValue("(nOO)", i, at, bt) : NULL;
+        if (eq < 0 || (eq == 0 && (entry == NULL ||
+                                   PyList_Append(out, entry) < 0))) {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(entry);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(at);
+        Py_XDECREF(bt);
+    }
+    Py_DECREF(jobs);
+    return out;
 }

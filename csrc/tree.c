@@ -328,3 +328,84 @@ dcp_indices_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(seq);
     return out;
 }
+
+/* Appends the dotted paths of the tensor leaves under `obj` to `out`. */
+static int
+tree_paths_visit(dcp_Context *ctx, PyObject *obj, PyObject *prefix,
+                 PyObject *out)
+{
+    int rc = PyObject_IsInstance(obj, ctx->tensor_type);
+    if (rc != 0) {
+        return rc < 0 ? -1 : PyList_Append(out, prefix);
+    }
+    PyObject *items = NULL;
+    if (PyDict_Check(obj)) {
+        items = dcp_items_list(obj);
+    }
+    else if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        Py_ssize_t n = PySequence_Size(obj);
+        items = n >= 0 ? PyList_New(n) : NULL;
+        for (Py_ssize_t i = 0; items && i < n; i++) {
+            PyObject *v = PySequence_GetItem(obj, i);
+            PyObject *k = v ? PyLong_FromSsize_t(i) : NULL;
+            PyObject *pair = k ? PyTuple_Pack(2, k, v) : NULL;
+            Py_XDECREF(v);
+            Py_XDECREF(k);
+            if (pair == NULL) {
+                Py_CLEAR(items);
+                break;
+            }
+            PyList_SET_ITEM(items, i, pair);
+        }
+    }
+    else {
+        return 0;
+    }
+    if (items == NULL) {
+        return -1;
+    }
+    if (Py_EnterRecursiveCall(" while naming state-dict leaves")) {
+        Py_DECREF(items);
+        return -1;
+    }
+    rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyObject_Str(PyTuple_GET_ITEM(pair, 0));
+        PyObject *path = NULL;
+        if (key != NULL) {
+            path = PyUnicode_GET_LENGTH(prefix)
+                       ? PyUnicode_FromFormat("%U.%U", prefix, key)
+                       : Py_NewRef(key);
+        }
+        rc = path ? tree_paths_visit(ctx, PyTuple_GET_ITEM(pair, 1), path, out)
+                  : -1;
+        Py_XDECREF(key);
+        Py_XDECREF(path);
+    }
+    Py_LeaveRecursiveCall();
+    Py_DECREF(items);
+    return rc;
+}
+
+/* tree_paths(ctx, obj) -> dotted paths of the tensor leaves, in the order
+ * tree_leaves returns them (only error messages need them). */
+PyObject *
+dcp_tree_paths(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("tree_paths", nargs, 2) < 0 ||
+        !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    if (tree_paths_visit((dcp_Context *)args[0], args[1], st->str_empty,
+                         out) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}

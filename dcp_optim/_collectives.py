@@ -16,6 +16,7 @@ to 256 MiB and can be changed with :func:`set_bucket_bytes` or the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._consistency import check_agreement
 from ._core import C
 
 __all__ = ["bucket_bytes", "set_bucket_bytes", "gather_full_tensors"]
@@ -36,6 +38,13 @@ _bucket_bytes = int(float(os.environ.get("DCP_OPTIM_BUCKET_MB", "0")) * 2**20) o
 
 _PLACEMENT_CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
+
+def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (which now warns) to
+    # all_gather_single; older releases only have the former.  Looked up
+    # per call so that tools wrapping torch.distributed see the calls.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
 
 
 def bucket_bytes() -> int:
@@ -62,18 +71,30 @@ def gather_full_tensors(
     bucket_bytes: int | None = None,
     cpu_offload: bool = False,
     keep: bool = True,
+    options_key: Any = None,
+    names_fn: Callable[[], list[str]] | None = None,
 ) -> list[Any]:
     """Full tensors for a list of tensor leaves (plain tensors unchanged).
 
     Every rank holding a shard must call this with the same DTensors (same
-    meshes, shapes and placements, in the same order).  With ``keep=False``
-    this rank takes part in the collectives but assembles nothing (the
-    ``cpu_offload`` rank-0-only mode); its result is then meaningless.
+    meshes, shapes and placements, in the same order): that is checked
+    first, per mesh, with one small object all-gather (``options_key``
+    joins the check; ``names_fn`` names the leaves if it fails).  With
+    ``keep=False`` this rank takes part in the collectives but assembles
+    nothing (the ``cpu_offload`` rank-0-only mode).
     """
     results = list(leaves)
     budget = bucket_bytes or _bucket_bytes
     offload = _CPU if cpu_offload else None
-    for mesh, buckets in C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, budget):
+    plans = C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, budget)
+    for mesh, _, signature, leaf_indices in plans:
+        check_agreement(
+            mesh,
+            "sharded tensors to gather",
+            (options_key, budget, signature),
+            lambda: _details(signature, leaf_indices, names_fn, options_key, budget),
+        )
+    for mesh, buckets, _, _ in plans:
         device = _mesh_device(mesh)
         dims = [d for d, size in enumerate(mesh.shape) if size > 1]
         for segment, pack_items, unpack_items, indices in buckets:
@@ -83,7 +104,7 @@ def gather_full_tensors(
             # row-major mesh-coordinate order, which the plan assumes.
             for d in reversed(dims):
                 out = torch.empty(buf.numel() * mesh.size(d), dtype=torch.uint8, device=device)
-                dist.all_gather_into_tensor(out, buf, group=mesh.get_group(d))
+                _all_gather_flat(out, buf, group=mesh.get_group(d))
                 buf = out
             if keep:
                 C.unpack_gathered(
@@ -93,6 +114,17 @@ def gather_full_tensors(
     for i in C.indices_of(results, ShardedTensor):
         results[i] = _gather_sharded_tensor(results[i])
     return results
+
+
+def _details(signature, leaf_indices, names_fn, options_key, budget):
+    """Per-leaf description for the disagreement error (error path only)."""
+    names = names_fn() if names_fn is not None else None
+    out = [("options", f"options {options_key}, bucket {budget} bytes")]
+    for sig, i in zip(signature, leaf_indices):
+        name = names[i] if names is not None and i < len(names) else f"tensor #{i}"
+        shape, placements, itemsize = sig
+        out.append((name, f"shape {tuple(shape)}, placements {placements}, {itemsize}-byte dtype"))
+    return out
 
 
 def _gather_sharded_tensor(t: ShardedTensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ class Route:
 
     def __init__(self, mesh: Any | None, device: torch.device):
         self.device = device
+        self.mesh = mesh
         if mesh is None or mesh.size() == dist.get_world_size():
             self.stages = [(None, 0)]
             self.is_source = dist.get_rank() == 0
@@ -66,6 +67,12 @@ class Route:
             self.stages.append((mesh.get_group(d), int(grid[tuple(at_zero)])))
         self.source = int(grid[(0,) * mesh.ndim])
         self.is_source = all(c == 0 for c in coord)
+
+    def agree(self, what: str, summary: Any) -> None:
+        """Same error on every rank of the route when ``summary`` differs."""
+        from ._consistency import check_agreement
+
+        check_agreement(self.mesh, what, summary, lambda: [("options", repr(summary))])
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         for group, src in self.stages:
@@ -146,6 +153,7 @@ def broadcast_model_state_dict(
     """Only the route's source holds ``full``; everyone ends with its
     local dict updated (upstream's _broadcast_state_dict semantics)."""
     ctx = context()
+    route.agree("model load options", ("model", strict, cpu_offload, bucket_bytes()))
     if route.is_source:
         leaves = C.tree_leaves(ctx, full, False)
         meta = C.tree_rebuild(ctx, full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
@@ -158,6 +166,7 @@ def broadcast_model_state_dict(
             f"({route.source}) did not provide a model state dict"
         )
     keys, jobs, non_tensor = _broadcast_jobs(meta, full if route.is_source else None, local, device)
+    _check_broadcast_shapes(keys, jobs)
     values = run_full_load(jobs, route=route, offload=_CPU if cpu_offload else None)
     out = dict(local)
     for key, value in non_tensor:
@@ -172,6 +181,19 @@ def broadcast_model_state_dict(
         merged.update(out)
         return merged
     return out
+
+
+def _check_broadcast_shapes(keys: list[str], jobs: list[tuple]) -> None:
+    """Every rank sees the same metadata and model, so a shape mismatch is
+    found -- and raised, with torch's wording -- on every rank alike,
+    before the stream starts."""
+    bad = C.shape_mismatches(jobs, torch.Tensor)
+    if bad:
+        i, got, want = bad[0]
+        raise errors.StateDictRuntimeError(
+            f"size mismatch for {keys[i]}: copying a param with shape {torch.Size(got)} "
+            f"from checkpoint, the shape in current model is {torch.Size(want)}."
+        )
 
 
 def _broadcast_jobs(meta, full, local, device):
@@ -232,6 +254,7 @@ def localize_optim_view(view: tuple, info: Any, *, full: bool) -> tuple:
     if full and info.broadcast_from_rank0:
         device = _state_device(info.index)
         route = route_for(info.index, device)
+        route.agree("optimizer load options", ("optim", info.strict, bucket_bytes()))
         ctx = context()
         if route.is_source:
             leaves = C.tree_leaves(ctx, state, False)

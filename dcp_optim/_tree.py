@@ -34,8 +34,16 @@ def gather_state_dict(
     leaves = C.tree_leaves(ctx, state_dict, type_check)
     from ._collectives import gather_full_tensors
 
-    full = gather_full_tensors(leaves, bucket_bytes=bucket_bytes, cpu_offload=cpu_offload)
-    if ranks_only and dist.get_rank() not in ranks_only:
+    keep = not ranks_only or dist.get_rank() in ranks_only
+    full = gather_full_tensors(
+        leaves,
+        bucket_bytes=bucket_bytes,
+        cpu_offload=cpu_offload,
+        keep=keep,
+        options_key=(cpu_offload, tuple(ranks_only)),
+        names_fn=lambda: C.tree_paths(ctx, state_dict),
+    )
+    if not keep:
         return {}
     if cpu_offload:
         full = C.tensors_to(full, _CPU)
