@@ -95,22 +95,33 @@ def gather_full_tensors(
             lambda: _details(signature, leaf_indices, names_fn, options_key, budget),
         )
     for mesh, buckets, _, _ in plans:
+        if not buckets:
+            continue
         device = _mesh_device(mesh)
         dims = [d for d, size in enumerate(mesh.shape) if size > 1]
+        # Buffers allocated once per mesh and reused by every bucket (views
+        # of the first bytes): per-bucket allocations would let the
+        # allocator keep freed buckets resident.  Two gathered buffers
+        # alternate when a multi-dimensional mesh gathers in stages.
+        largest = max(b[0] for b in buckets)
+        send = torch.empty(largest, dtype=torch.uint8, device=device)
+        recv = [torch.empty(largest * mesh.size(), dtype=torch.uint8, device=device)]
+        if len(dims) > 1:
+            recv.append(torch.empty(largest * mesh.size(), dtype=torch.uint8, device=device))
         for segment, pack_items, unpack_items, indices in buckets:
-            buf = torch.empty(segment, dtype=torch.uint8, device=device)
+            buf = send[:segment]
             C.pack_bytes(buf, pack_items, torch.uint8)
             # Last mesh dimension first: the gathered segments end up in
             # row-major mesh-coordinate order, which the plan assumes.
-            for d in reversed(dims):
-                out = torch.empty(buf.numel() * mesh.size(d), dtype=torch.uint8, device=device)
+            for stage, d in enumerate(reversed(dims)):
+                out = recv[stage % len(recv)][: buf.numel() * mesh.size(d)]
                 _all_gather_flat(out, buf, group=mesh.get_group(d))
                 buf = out
             if keep:
                 C.unpack_gathered(
                     buf, segment, unpack_items, torch.empty, device, results, indices, offload
                 )
-            del buf
+        del send, recv, buf
     for i in C.indices_of(results, ShardedTensor):
         results[i] = _gather_sharded_tensor(results[i])
     return results

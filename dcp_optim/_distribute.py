@@ -113,14 +113,17 @@ def run_full_load(
     dests, layouts, buckets = C.plan_full_load(
         jobs, DTensor, _CLASSES, bucket_bytes(), torch.empty, stream
     )
-    if stream:
+    if stream and buckets:
+        # One buffer for the whole stream: re-allocating per bucket lets
+        # the allocator keep several freed buckets resident.
+        storage = torch.empty(max(b[0] for b in buckets), dtype=torch.uint8, device=route.device)
         for nbytes, src_items, dst_items in buckets:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=route.device)
+            buf = storage[:nbytes]
             if route.is_source:
                 C.pack_rows(buf, src_items, jobs, torch.uint8)
             route.broadcast(buf)
             C.extract_rows(buf, dst_items, dests)
-            del buf
+        del storage, buf
     return C.finish_full_load(jobs, dests, layouts, DTensor.from_local, offload)
 
 
@@ -212,23 +215,23 @@ def collective_device(device: torch.device, index: Any) -> torch.device:
     return device if device.type in types else group._device_types[0]
 
 
-def require_full_dict_everywhere(has_data: bool, index: Any, what: str) -> None:
+def require_full_dict_everywhere(has_data: Any, index: Any, what: str) -> None:
     """SPEC D15: a full load without broadcast needs the full dict on
-    every rank.  Upstream hangs when only some ranks pass it; one small
-    agreement collective makes every rank raise the same clear error."""
+    every rank.  Upstream hangs when only some ranks pass it (or raises on
+    the empty ones only); one small agreement collective, before any other
+    check, makes every rank raise the same clear error.
+
+    ``has_data`` is one bool, or a tuple of bools (one per dict of the
+    call), compared across the ranks of the model's mesh."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from ._consistency import mesh_all_gather_object
+
     route = route_for(index, None)
-    group = route.stages[0][0] if len(route.stages) == 1 else None
-    size = dist.get_world_size(group)
-    if size == 1:
+    flags, ranks = mesh_all_gather_object(route.mesh, has_data)
+    if all(f == flags[0] for f in flags):
         return
-    flags: list[Any] = [None] * size
-    dist.all_gather_object(flags, bool(has_data), group=group)
-    if all(flags) or not any(flags):
-        return
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    empty = [r for r, f in zip(ranks, flags) if not f]
+    empty = [r for r, f in zip(ranks, flags) if f != max(flags)]
     raise errors.StateDictValueError(
         f"full_state_dict=True loads need the full {what} state dict on every "
         f"rank, but rank(s) {empty} passed an empty one. To load a dict that "

@@ -115,7 +115,6 @@ def load_model(
         broadcast_model_state_dict,
         collective_device,
         distribute_model_state_dict,
-        require_full_dict_everywhere,
         route_for,
     )
 
@@ -136,7 +135,6 @@ def load_model(
                 cpu_offload=info.cpu_offload, route=route,
             )
         else:
-            require_full_dict_everywhere(bool(state_dict), info.index, "model")
             load_sd = distribute_model_state_dict(load_sd, local, device)
     with info.fsdp_context():
         return cast(

@@ -238,10 +238,8 @@ def load_optim(
         for optim in optimizers:
             state_dict_fn(optim, "load_state_dict")(state_dict=osd)
         return _IncompatibleKeys([], [])
-    from ._distribute import localize_optim_view, require_full_dict_everywhere
+    from ._distribute import localize_optim_view
 
-    if info.full_state_dict and not info.broadcast_from_rank0:
-        require_full_dict_everywhere(bool(osd), info.index, "optimizer")
     view = _view(info.index, osd or {})
     # Full tensors of sharded parameters become local shards (full loads);
     # plain tensors given for DTensor parameters are sharded too (D9).

@@ -264,6 +264,7 @@ def set_model_state_dict(
     model_state_dict = unflatten_model_state_dict(model, model_state_dict)
     with _gc_context():
         info = _prepare(model, (), optim_only=False, options=options)
+        _agree_on_full_load(info, bool(model_state_dict), "model")
         _verify_state_dict(model_state_dict, {}, info)
         return load_model(model, model_state_dict, info)
 
@@ -304,6 +305,7 @@ def set_optimizer_state_dict(
     with _gc_context():
         optimizers = _normalize_optimizers(optimizers)
         info = _prepare(model, optimizers, optim_only=True, options=options)
+        _agree_on_full_load(info, bool(optim_state_dict), "optimizer")
         _verify_state_dict({}, optim_state_dict, info)
         return load_optim(model, optimizers, optim_state_dict, info)
 
@@ -366,6 +368,11 @@ def set_state_dict(
             info.handle_model = agree_with_source(info.index, bool(model_state_dict))
             if not info.handle_model and not optimizers:
                 raise RuntimeError(errors.E4_NO_OPTIMIZERS)
+        _agree_on_full_load(
+            info,
+            (bool(model_state_dict), bool(optim_state_dict)),
+            "model and optimizer",
+        )
         _verify_state_dict(model_state_dict, optim_state_dict, info)
         optim_report = load_optim(model, optimizers, optim_state_dict, info)
         model_report = load_model(model, model_state_dict, info)
@@ -373,6 +380,14 @@ def set_state_dict(
         result.optim_missing_keys = optim_report.missing_keys if optim_report else []
         result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
         return result
+
+
+def _agree_on_full_load(info: _StateDictInfo, has_data: Any, what: str) -> None:
+    """D15, before any check that could raise on some ranks only."""
+    if info.full_state_dict and not info.broadcast_from_rank0:
+        from ._distribute import require_full_dict_everywhere
+
+        require_full_dict_everywhere(has_data, info.index, what)
 
 
 class _LoadResult(_IncompatibleKeys):

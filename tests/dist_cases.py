@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 
 import dcp_optim
 from dcp_optim import StateDictOptions as Opts
+from dcp_optim import _collectives
 
 from .oracle import assert_same_optimizers, assert_same_tree, params_snapshot
 
@@ -270,7 +271,7 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
 
 def _build_kind(kind: str, rank: int, ws: int, seed: int = 0):
     if kind == "fsdp2":
-        return fsdp2_model(init_device_mesh("cpu", (ws,)), seed, hidden=7)
+        return fsdp2_model(init_device_mesh("cpu", (ws,)), seed, hidden=8)
     if kind == "tp":
         torch.manual_seed(seed)
         model = MLP(width=8, hidden=8, layers=2)
@@ -432,6 +433,7 @@ class CollectiveCounter:
     def __init__(self):
         self.counts: dict[str, int] = {}
         self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
 
     def _wrap(self, owner, name, label):
         original = getattr(owner, name, None)
@@ -439,8 +441,14 @@ class CollectiveCounter:
             return
 
         def wrapper(*args, **kwargs):
-            self.counts[label] = self.counts.get(label, 0) + 1
-            return original(*args, **kwargs)
+            # only outermost calls: all_gather_object runs all_gather inside
+            if self._depth == 0:
+                self.counts[label] = self.counts.get(label, 0) + 1
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         self._saved.append((owner, name, original))
         setattr(owner, name, wrapper)
@@ -490,7 +498,7 @@ def collective_count_case(rank: int, ws: int, layers: int, bucket_mb: float) -> 
     optim = make_optimizer(model)
     train(model, optim, steps=1, seed=1, width=16)
     full = Opts(full_state_dict=True)
-    previous = dcp_optim._collectives.set_bucket_bytes(int(bucket_mb * 2**20))
+    previous = _collectives.set_bucket_bytes(int(bucket_mb * 2**20))
     try:
         with CollectiveCounter() as ours_c10d:
             ours, ours_func = _count_functional_collectives(
@@ -501,7 +509,7 @@ def collective_count_case(rank: int, ws: int, layers: int, bucket_mb: float) -> 
                 lambda: upstream.get_state_dict(model, optim, options=upstream.StateDictOptions(full_state_dict=True))
             )
     finally:
-        dcp_optim._collectives.set_bucket_bytes(previous)
+        _collectives.set_bucket_bytes(previous)
     assert_same_tree(theirs, ours)
     dtensors = sum(isinstance(p, DTensor) for p in model.parameters())
     state_dtensors = sum(
@@ -592,7 +600,7 @@ def broadcast_memory_case(rank: int, ws: int, state_mb: int, bucket_mb: int, imp
     else:
         full_osd = {}
     local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters()) * 2  # two moments
-    previous = dcp_optim._collectives.set_bucket_bytes(bucket_mb * 2**20)
+    previous = _collectives.set_bucket_bytes(bucket_mb * 2**20)
     opts = dict(full_state_dict=True, broadcast_from_rank0=True)
     dist.barrier()
     try:
@@ -602,7 +610,7 @@ def broadcast_memory_case(rank: int, ws: int, state_mb: int, bucket_mb: int, imp
             else:
                 upstream.set_optimizer_state_dict(model, optim, full_osd, options=upstream.StateDictOptions(**opts))
     finally:
-        dcp_optim._collectives.set_bucket_bytes(previous)
+        _collectives.set_bucket_bytes(previous)
     # the loaded values are right
     for p in model.parameters():
         st = optim.state[p]
