@@ -42,7 +42,7 @@ test-fast: build
 	$(PY) -m pytest -q -m "not dist and not slow" tests
 
 demo: build
-	$(PY) -m examples.demo
+	$(PY) -m dcp_optim.demo
 
 bench: build
 	$(PY) -m benchmarks
