@@ -75,6 +75,7 @@
     X(capturable, "capturable")                                        \
     X(add_note, "add_note")                                            \
     X(device_mesh, "device_mesh")                                      \
+    X(load_pre_hooks, "_load_state_dict_pre_hooks")                    \
     X(placements, "placements")
 
 typedef struct {
@@ -190,6 +191,8 @@ typedef struct {
     PyObject *np_names;  /* list[str]: raw names */
     PyObject *np_fqns;   /* list[str] */
     PyObject *fsdp1_modules; /* list of FSDP1 instances, pre-order */
+    int custom_load; /* some module has load_state_dict pre-hooks that may
+                        rename keys (activation-checkpoint wrappers aside) */
     dcp_ptrmap tensor_map; /* tensor -> index in `tensors` */
     dcp_ptrmap param_map;  /* param -> index in np_params */
 } dcp_ModelIndex;
@@ -281,6 +284,7 @@ DCP_DECLARE_FASTCALL(dcp_write_slots)
 DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
 DCP_DECLARE_FASTCALL(dcp_tree_paths)
 DCP_DECLARE_FASTCALL(dcp_shape_mismatches)
+DCP_DECLARE_FASTCALL(dcp_check_model_load)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -237,3 +237,134 @@ done:
     Py_XDECREF(jobs);
     return result;
 }
+
+/* check_model_load(index, state_dict, strict, check_keys)
+ *   -> (missing, unexpected, errors)
+ *
+ * What model.load_state_dict(state_dict, strict) will complain about,
+ * found before anything is copied (torch copies tensor by tensor and
+ * raises at the end, leaving a half-loaded model).  `state_dict` is keyed
+ * by load keys.  errors are torch's own texts (size mismatch, non-tensor
+ * values), in walk order; missing/unexpected are only computed with
+ * check_keys (models whose load hooks rename keys cannot be checked). */
+PyObject *
+dcp_check_model_load(PyObject *module, PyObject *const *args,
+                     Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("check_model_load", nargs, 4) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    dcp_Context *ctx = (dcp_Context *)ix->ctx;
+    PyObject *sd = args[1];
+    int strict = PyObject_IsTrue(args[2]);
+    int check_keys = PyObject_IsTrue(args[3]);
+    if (strict < 0 || check_keys < 0) {
+        return NULL;
+    }
+    if (!PyDict_Check(sd)) {
+        PyErr_SetString(PyExc_TypeError, "state_dict must be a dict");
+        return NULL;
+    }
+    PyObject *missing = PyList_New(0), *unexpected = PyList_New(0);
+    PyObject *errs = PyList_New(0), *expected = PySet_New(NULL);
+    PyObject *result = NULL, *items = NULL;
+    if (!missing || !unexpected || !errs || !expected) {
+        goto done;
+    }
+    const char *kinds = PyByteArray_AS_STRING(ix->kinds);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ix->load_keys); i++) {
+        PyObject *key = PyList_GET_ITEM(ix->load_keys, i);
+        PyObject *live = PyList_GET_ITEM(ix->values, i);
+        if (PySet_Add(expected, key) < 0) {
+            goto done;
+        }
+        PyObject *value = NULL;
+        int found = dcp_dict_get_ref(sd, key, &value);
+        if (found < 0) {
+            goto done;
+        }
+        if (!found) {
+            if (strict && check_keys && PyList_Append(missing, key) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        if (kinds[i] == DCP_KIND_EXTRA) {
+            Py_DECREF(value);
+            continue;
+        }
+        int is_tensor = PyObject_IsInstance(value, ctx->tensor_type);
+        if (is_tensor < 0) {
+            Py_DECREF(value);
+            goto done;
+        }
+        PyObject *msg = NULL;
+        if (!is_tensor) {
+            msg = PyUnicode_FromFormat(
+                "While copying the parameter named \"%U\", expected "
+                "torch.Tensor or Tensor-like object from checkpoint but "
+                "received %R",
+                key, (PyObject *)Py_TYPE(value));
+        }
+        else {
+            PyObject *ls = PyObject_GetAttr(live, st->str_shape);
+            PyObject *vs = ls ? PyObject_GetAttr(value, st->str_shape) : NULL;
+            Py_ssize_t lnd = ls ? PyObject_Length(ls) : -1;
+            Py_ssize_t vnd = vs ? PyObject_Length(vs) : -1;
+            int eq = (lnd >= 0 && vnd >= 0)
+                         ? PyObject_RichCompareBool(ls, vs, Py_EQ)
+                         : -1;
+            /* torch's backward compatibility: a 1-dim value for a 0-dim
+             * parameter is loaded from its first element */
+            if (eq == 0 && lnd == 0 && vnd == 1) {
+                eq = 1;
+            }
+            if (eq == 0) {
+                msg = PyUnicode_FromFormat(
+                    "size mismatch for %U: copying a param with shape %R "
+                    "from checkpoint, the shape in current model is %R.",
+                    key, vs, ls);
+            }
+            Py_XDECREF(ls);
+            Py_XDECREF(vs);
+            if (eq < 0) {
+                Py_DECREF(value);
+                goto done;
+            }
+        }
+        Py_DECREF(value);
+        if (msg != NULL && PyList_Append(errs, msg) < 0) {
+            Py_DECREF(msg);
+            goto done;
+        }
+        Py_XDECREF(msg);
+        if (PyErr_Occurred()) {
+            goto done;
+        }
+    }
+    if (strict && check_keys) {
+        items = dcp_items_list(sd);
+        if (items == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+            PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+            int known = PySet_Contains(expected, key);
+            if (known < 0 ||
+                (!known && PyList_Append(unexpected, key) < 0)) {
+                goto done;
+            }
+        }
+    }
+    result = PyTuple_Pack(3, missing, unexpected, errs);
+done:
+    Py_XDECREF(missing);
+    Py_XDECREF(unexpected);
+    Py_XDECREF(errs);
+    Py_XDECREF(expected);
+    Py_XDECREF(items);
+    return result;
+}

@@ -322,6 +322,9 @@ static PyMethodDef dcp_methods[] = {
     {"shape_mismatches", DCP_FASTCALL(dcp_shape_mismatches), METH_FASTCALL,
      "shape_mismatches(jobs, tensor_cls, /)\n--\n\n"
      "Jobs whose template tensor has another shape than the value."},
+    {"check_model_load", DCP_FASTCALL(dcp_check_model_load), METH_FASTCALL,
+     "check_model_load(index, state_dict, strict, check_keys, /)\n--\n\n"
+     "What model.load_state_dict would reject, before anything is copied."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -784,8 +784,70 @@ group_step_on_device(dcp_state *st, PyObject *group)
     return 0;
 }
 
-/* prepare_install(ctx, optimizer, split_dict, deepcopy_groups)
+/* Checks the state of one parameter against the keys its group's schema
+ * says are shaped like the parameter (`expected`: dict name -> True, or
+ * None): each must be a tensor of the parameter's (global) shape.  Torch
+ * installs anything and fails later, at step(); here the whole load is
+ * refused up front, naming the FQN and the state key.  0 / -1. */
+static int
+validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
+               PyObject *param, PyObject *value, PyObject *expected)
+{
+    if (expected == Py_None || !PyDict_Check(value)) {
+        return 0;
+    }
+    PyObject *items = dcp_items_list(value);
+    PyObject *pshape = items ? PyObject_GetAttr(param, st->str_shape) : NULL;
+    PyObject *pt = pshape ? PySequence_Tuple(pshape) : NULL;
+    int rc = pt ? 0 : -1;
+    PyObject *err = ctx->err_value != Py_None ? ctx->err_value
+                                              : PyExc_ValueError;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
+        PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        PyObject *v = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
+        int want = PyDict_Contains(expected, key);
+        if (want <= 0) {
+            rc = want;
+            continue;
+        }
+        int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
+        if (is_tensor < 0) {
+            rc = -1;
+            break;
+        }
+        if (!is_tensor) {
+            PyErr_Format(err,
+                         "optimizer state '%U' of parameter '%U' must be a "
+                         "tensor shaped like the parameter, got %.200s",
+                         key, fqn, Py_TYPE(v)->tp_name);
+            rc = -1;
+            break;
+        }
+        PyObject *vshape = PyObject_GetAttr(v, st->str_shape);
+        PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
+        Py_XDECREF(vshape);
+        int eq = vt ? PyObject_RichCompareBool(vt, pt, Py_EQ) : -1;
+        if (eq == 0) {
+            PyErr_Format(err,
+                         "optimizer state '%U' of parameter '%U' has shape "
+                         "%R, expected the parameter's shape %R",
+                         key, fqn, vt, pt);
+        }
+        Py_XDECREF(vt);
+        rc = eq == 1 ? 0 : -1;
+    }
+    Py_XDECREF(items);
+    Py_XDECREF(pshape);
+    Py_XDECREF(pt);
+    return rc;
+}
+
+/* prepare_install(ctx, optimizer, split_dict, expected)
  *   -> (state defaultdict, param_groups list)
+ *
+ * expected: None, or one entry per param group -- None or a dict of the
+ * state names that must be tensors shaped like the parameter (from the
+ * optimizer's schema).
  *
  * Exactly what Optimizer.load_state_dict would pass to __setstate__ for
  * `split_dict` (whose "params" are FQNs aligned with the live groups),
@@ -802,8 +864,13 @@ dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     dcp_ptrmap live_map = {NULL, 0, 0};
 
-    if (dcp_check_nargs("prepare_install", nargs, 3) < 0 ||
+    if (dcp_check_nargs("prepare_install", nargs, 4) < 0 ||
         !dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    PyObject *expected = args[3];
+    if (expected != Py_None && !PyList_Check(expected)) {
+        PyErr_SetString(PyExc_TypeError, "expected must be a list or None");
         return NULL;
     }
     dcp_Context *ctx = (dcp_Context *)args[0];
@@ -941,6 +1008,14 @@ dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyObject *param = PyTuple_GET_ITEM(target, 0);
         Py_ssize_t g = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
+        PyObject *group_expected =
+            (expected != Py_None && g < PyList_GET_SIZE(expected))
+                ? PyList_GET_ITEM(expected, g)
+                : Py_None;
+        if (validate_state(st, ctx, key, param, value, group_expected) < 0) {
+            Py_DECREF(target);
+            goto done;
+        }
         dcp_cast_ctx c = {st, ctx, param, NULL, 0, 0, NULL};
         PyObject *cast = NULL;
         int step_dev = group_step_on_device(st, PyList_GET_ITEM(groups, g));

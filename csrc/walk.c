@@ -534,6 +534,49 @@ prefixes_clear(dcp_prefixes *p)
 static int walker_visit(dcp_walker *w, PyObject *module,
                         const dcp_prefixes *pre);
 
+/* Sets index->custom_load when `module` has load_state_dict pre-hooks
+ * (they may rename keys, so a load cannot be validated up front).  The
+ * activation-checkpoint wrapper's own hook only re-inserts its token,
+ * which the load keys account for.  0 / -1. */
+static int
+walker_has_load_hooks(dcp_walker *w, PyObject *module)
+{
+    dcp_state *st = w->st;
+    PyObject *hooks = PyObject_GetAttr(module, st->str_load_pre_hooks);
+    if (hooks == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t n = PyObject_Length(hooks);
+    Py_DECREF(hooks);
+    if (n < 0) {
+        PyErr_Clear();
+        n = 1; /* unknown container: assume hooks */
+    }
+    if (n == 0) {
+        return 0;
+    }
+    PyObject *children = PyObject_GetAttr(module, st->str_modules);
+    int is_ckpt = 0;
+    if (children != NULL && PyDict_Check(children)) {
+        is_ckpt = PyDict_Contains(children, st->str_ckpt_wrapped);
+    }
+    Py_XDECREF(children);
+    if (is_ckpt < 0) {
+        return -1;
+    }
+    if (children == NULL) {
+        PyErr_Clear();
+    }
+    if (!is_ckpt || n > 1) {
+        w->index->custom_load = 1;
+    }
+    return 0;
+}
+
 /* Visits the children of `module` (already pinned). Returns 0 or -1. */
 static int
 walker_visit_children(dcp_walker *w, PyObject *module, long flags,
@@ -644,6 +687,9 @@ walker_visit(dcp_walker *w, PyObject *module, const dcp_prefixes *pre)
     }
     if ((flags & TF_FSDP1) &&
         PyList_Append(w->index->fsdp1_modules, module) < 0) {
+        goto done;
+    }
+    if (!w->index->custom_load && walker_has_load_hooks(w, module) < 0) {
         goto done;
     }
     /* named_parameters() is pre-order over `_parameters` of each module. */
@@ -841,6 +887,8 @@ static PyMemberDef ModelIndex_members[] = {
     {#name, T_OBJECT_EX, offsetof(dcp_ModelIndex, name), READONLY, NULL},
     MODEL_INDEX_OBJECT_FIELDS(DCP_IX_MEMBER)
 #undef DCP_IX_MEMBER
+    {"custom_load", T_INT, offsetof(dcp_ModelIndex, custom_load), READONLY,
+     NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -909,6 +957,7 @@ ModelIndex_create(dcp_state *st, PyObject *ctx, PyObject *model,
 #undef DCP_NULL_IX
     ix->tensor_map = (dcp_ptrmap){NULL, 0, 0};
     ix->param_map = (dcp_ptrmap){NULL, 0, 0};
+    ix->custom_load = 0;
     PyObject_GC_Track((PyObject *)ix);
     ix->ctx = Py_NewRef(ctx);
     ix->model = Py_NewRef(model);

@@ -10,8 +10,10 @@ The functions have upstream's exact signatures and accept upstream's
 compiled core ``dcp_optim._dcp_optim``, which is required.
 """
 
+# The compiled core first: without it this raises an ImportError that
+# names the build command, before anything else is imported.
+from ._core import C as _C  # isort: skip
 from . import errors, schema
-from ._core import C as _C
 from .options import StateDictOptions
 from .schema import register_optimizer_schema
 from .state_dict import (

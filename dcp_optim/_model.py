@@ -109,8 +109,15 @@ def _load_device(info: Any, local: dict[str, Any]) -> tuple[torch.device, bool]:
 def load_model(
     model: nn.Module, state_dict: dict[str, Any], info: Any
 ) -> _IncompatibleKeys:
+    return prepare_model(model, state_dict, info)()
+
+
+@torch.no_grad()
+def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
+    """Everything of a model load that can fail or communicate; returns
+    commit(), which runs model.load_state_dict on the validated dict."""
     if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
-        return _IncompatibleKeys({}, {})
+        return lambda: _IncompatibleKeys({}, {})
     from ._distribute import (
         broadcast_model_state_dict,
         collective_device,
@@ -136,10 +143,41 @@ def load_model(
             )
         else:
             load_sd = distribute_model_state_dict(load_sd, local, device)
-    with info.fsdp_context():
-        return cast(
-            _IncompatibleKeys,
-            state_dict_fn(model, "load_state_dict")(
-                state_dict=load_sd, strict=info.strict, assign=assign
-            ),
+    if not info.fsdp_modules:
+        check_load(model, load_sd, info)
+
+    def commit() -> _IncompatibleKeys:
+        with info.fsdp_context():
+            return cast(
+                _IncompatibleKeys,
+                state_dict_fn(model, "load_state_dict")(
+                    state_dict=load_sd, strict=info.strict, assign=assign
+                ),
+            )
+
+    return commit
+
+
+def check_load(model: nn.Module, load_sd: dict[str, Any], info: Any) -> None:
+    """Raise what model.load_state_dict would raise, before it copies a
+    single tensor: torch copies parameter by parameter and reports errors
+    at the end, which leaves a half-loaded model behind.  Same text as
+    torch's.  Models whose load hooks rename keys get the per-tensor checks
+    only (their keys cannot be known up front)."""
+    index = info.index
+    missing, unexpected, errs = C.check_model_load(
+        index, load_sd, info.strict, not index.custom_load
+    )
+    messages = list(errs)
+    if unexpected:
+        messages.insert(0, "Unexpected key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in unexpected)))
+    if missing:
+        messages.insert(0, "Missing key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in missing)))
+    if messages:
+        raise RuntimeError(
+            "Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(model).__name__, "\n\t".join(messages)
+            )
         )

@@ -189,6 +189,26 @@ def _expect_state(optim: _Optimizer) -> list[bool] | None:
     return [bool(schema(optim, g)) for g in optim.param_groups]
 
 
+def _param_shaped(optim: _Optimizer) -> list[dict[str, bool] | None] | None:
+    """Per group, the state names the schema creates shaped like the
+    parameter (validated on load); None without a schema."""
+    schema = schema_for(optim)
+    if schema is None:
+        return None
+    out: list[dict[str, bool] | None] = []
+    for group in optim.param_groups:
+        specs = schema(optim, group) or []
+        names = {
+            s.name: True
+            for s in specs
+            if s.factory in (torch.zeros_like, torch.full_like)
+            and s.args[:1] == (PARAM,)
+            and s.dims is None
+        }
+        out.append(names or None)
+    return out
+
+
 def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
     """SGD with dampening: an all-negative-zero momentum buffer is the
     pristine placeholder of schema._sgd -- "no buffer yet" (first-step
@@ -226,18 +246,39 @@ def load_optim(
     osd: dict[str, Any],
     info: Any,
 ) -> _IncompatibleKeys | None:
+    commit, report = prepare_optim(model, optimizers, osd, info)
+    commit()
+    return report
+
+
+def _nothing() -> None:
+    return None
+
+
+@torch.no_grad()
+def prepare_optim(
+    model: nn.Module,
+    optimizers: tuple[_Optimizer, ...],
+    osd: dict[str, Any],
+    info: Any,
+):
+    """Everything of an optimizer load that can fail or communicate, with
+    nothing installed yet: returns (commit, report).  commit() installs the
+    prepared state into every optimizer and cannot fail on bad input."""
     if not info.handle_optim:
-        return None
+        return _nothing, None
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
     if info.fsdp_modules:
         from ._fsdp1 import load_fsdp1_optim
 
-        return load_fsdp1_optim(model, optimizers, osd, info)
+        return (lambda: load_fsdp1_optim(model, optimizers, osd, info)), None
     if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
-        for optim in optimizers:
-            state_dict_fn(optim, "load_state_dict")(state_dict=osd)
-        return _IncompatibleKeys([], [])
+        def commit_native():
+            for optim in optimizers:
+                state_dict_fn(optim, "load_state_dict")(state_dict=osd)
+
+        return commit_native, _IncompatibleKeys([], [])
     from ._distribute import localize_optim_view
 
     view = _view(info.index, osd or {})
@@ -251,20 +292,25 @@ def load_optim(
         if len(missing) > 1:
             message += f" ({len(missing)} parameters lack state: {missing})"
         raise errors.MissingOptimizerStateError(message, list(missing))
-    # Prepare everything first: nothing is installed unless every
-    # optimizer's state could be built (atomic loads).
     ctx = context()
     prepared = []
     for optim, split in zip(optimizers, splits):
         _drop_sgd_placeholders(optim, split)
+        expected = _param_shaped(optim)
         if _native_load(optim):
-            prepared.append((True, C.prepare_install(ctx, optim, split)))
+            prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
         else:
+            # validate the same way, then let the optimizer's own
+            # load_state_dict install it
+            C.prepare_install(ctx, optim, split, expected)
             prepared.append((False, split))
-    for optim, (native, payload) in zip(optimizers, prepared):
-        if native:
-            state, groups = payload
-            optim.__setstate__({"state": state, "param_groups": groups})
-        else:
-            state_dict_fn(optim, "load_state_dict")(state_dict=payload)
-    return _IncompatibleKeys(list(missing), list(unexpected))
+
+    def commit():
+        for optim, (native, payload) in zip(optimizers, prepared):
+            if native:
+                state, groups = payload
+                optim.__setstate__({"state": state, "param_groups": groups})
+            else:
+                state_dict_fn(optim, "load_state_dict")(state_dict=payload)
+
+    return commit, _IncompatibleKeys(list(missing), list(unexpected))

@@ -21,8 +21,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import errors
 from ._core import C, EXTRA_STATE as _EXTRA_STATE, context
-from ._model import PATCH_MARK, get_model, load_model, unflatten_model_state_dict
-from ._optim import get_optim, init_optim_state, load_optim
+from ._model import PATCH_MARK, get_model, load_model, prepare_model, unflatten_model_state_dict
+from ._optim import get_optim, init_optim_state, load_optim, prepare_optim
 from ._verify import (
     _StateDictInfo,
     _gc_context,
@@ -374,8 +374,12 @@ def set_state_dict(
             "model and optimizer",
         )
         _verify_state_dict(model_state_dict, optim_state_dict, info)
-        optim_report = load_optim(model, optimizers, optim_state_dict, info)
-        model_report = load_model(model, model_state_dict, info)
+        # Optimizers first, then the model (upstream's order, also for the
+        # collectives); nothing is installed until both validated (atomic).
+        commit_optim, optim_report = prepare_optim(model, optimizers, optim_state_dict, info)
+        commit_model = prepare_model(model, model_state_dict, info)
+        commit_optim()
+        model_report = commit_model()
         result = _LoadResult(*model_report)
         result.optim_missing_keys = optim_report.missing_keys if optim_report else []
         result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []

@@ -112,8 +112,10 @@ def test_import_error_names_build_command(tmp_path):
 
     pkg = Path(dcp_optim.__file__).parent
     shutil.copytree(pkg, tmp_path / "dcp_optim", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    # -S: no site-packages, so neither an editable install of the real
+    # package nor torch is visible -- only the copy without its core
     proc = subprocess.run(
-        [sys.executable, "-c", "import dcp_optim"],
+        [sys.executable, "-S", "-c", "import dcp_optim"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
