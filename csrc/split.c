@@ -784,70 +784,120 @@ group_step_on_device(dcp_state *st, PyObject *group)
     return 0;
 }
 
-/* Checks the state of one parameter against the keys its group's schema
- * says are shaped like the parameter (`expected`: dict name -> True, or
- * None): each must be a tensor of the parameter's (global) shape.  Torch
- * installs anything and fails later, at step(); here the whole load is
- * refused up front, naming the FQN and the state key.  0 / -1. */
+/* Checks the loaded state of one parameter against its group's schema,
+ * `expected`: dict state name -> 1 (the optimizer needs it) or 2 (needs
+ * it, a floating tensor shaped like the parameter), or None (no schema).
+ * Torch installs anything and fails later, at step(), or trains on
+ * garbage; here the whole load is refused up front, naming the FQN and
+ * the state key.  Empty state (a pristine parameter) is always fine.
+ * 0 / -1. */
 static int
 validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
                PyObject *param, PyObject *value, PyObject *expected)
 {
-    if (expected == Py_None || !PyDict_Check(value)) {
+    if (expected == Py_None) {
         return 0;
     }
-    PyObject *items = dcp_items_list(value);
-    PyObject *pshape = items ? PyObject_GetAttr(param, st->str_shape) : NULL;
-    PyObject *pt = pshape ? PySequence_Tuple(pshape) : NULL;
-    int rc = pt ? 0 : -1;
     PyObject *err = ctx->err_value != Py_None ? ctx->err_value
                                               : PyExc_ValueError;
+    if (!PyDict_Check(value)) {
+        PyErr_Format(err,
+                     "optimizer state of parameter '%U' must be a dict, got "
+                     "%.200s",
+                     fqn, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    if (PyDict_GET_SIZE(value) == 0) {
+        return 0;
+    }
+    PyObject *items = dcp_items_list(expected);
+    PyObject *pshape = items ? PyObject_GetAttr(param, st->str_shape) : NULL;
+    PyObject *pt = pshape ? PySequence_Tuple(pshape) : NULL;
+    PyObject *pfloat = pt ? PyObject_CallMethodNoArgs(param,
+                                                      st->str_is_floating_point)
+                          : NULL;
+    int param_floating = pfloat ? PyObject_IsTrue(pfloat) : -1;
+    int rc = param_floating < 0 ? -1 : 0;
     for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
         PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
-        PyObject *v = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
-        int want = PyDict_Contains(expected, key);
-        if (want <= 0) {
-            rc = want;
-            continue;
-        }
-        int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
-        if (is_tensor < 0) {
+        long need = PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1));
+        PyObject *v = NULL;
+        int found = dcp_dict_get_ref(value, key, &v);
+        if (found <= 0) {
+            if (found == 0) {
+                PyObject *have = PySequence_List(value);
+                PyErr_Format(err,
+                             "optimizer state of parameter '%U' has no '%U' "
+                             "(it has %R): is this a checkpoint of another "
+                             "optimizer class?",
+                             fqn, key, have ? have : Py_None);
+                Py_XDECREF(have);
+            }
             rc = -1;
             break;
         }
-        if (!is_tensor) {
-            PyErr_Format(err,
-                         "optimizer state '%U' of parameter '%U' must be a "
-                         "tensor shaped like the parameter, got %.200s",
-                         key, fqn, Py_TYPE(v)->tp_name);
-            rc = -1;
-            break;
+        if (need == 2) {
+            int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
+            if (is_tensor == 0) {
+                PyErr_Format(err,
+                             "optimizer state '%U' of parameter '%U' must be "
+                             "a tensor shaped like the parameter, got %.200s",
+                             key, fqn, Py_TYPE(v)->tp_name);
+                rc = -1;
+            }
+            else if (is_tensor < 0) {
+                rc = -1;
+            }
+            else {
+                PyObject *vshape = PyObject_GetAttr(v, st->str_shape);
+                PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
+                Py_XDECREF(vshape);
+                int eq = vt ? PyObject_RichCompareBool(vt, pt, Py_EQ) : -1;
+                if (eq == 0) {
+                    PyErr_Format(err,
+                                 "optimizer state '%U' of parameter '%U' has "
+                                 "shape %R, expected the parameter's shape %R",
+                                 key, fqn, vt, pt);
+                }
+                rc = eq == 1 ? 0 : -1;
+                if (rc == 0 && param_floating) {
+                    PyObject *fl = PyObject_CallMethodNoArgs(
+                        v, st->str_is_floating_point);
+                    PyObject *cx = fl ? PyObject_CallMethodNoArgs(
+                                            v, st->str_is_complex)
+                                      : NULL;
+                    int ok = cx ? (PyObject_IsTrue(fl) || PyObject_IsTrue(cx))
+                                : -1;
+                    if (ok == 0) {
+                        PyObject *dt = PyObject_GetAttr(v, st->str_dtype);
+                        PyErr_Format(err,
+                                     "optimizer state '%U' of parameter '%U' "
+                                     "has dtype %R, expected a floating-point "
+                                     "tensor",
+                                     key, fqn, dt ? dt : Py_None);
+                        Py_XDECREF(dt);
+                    }
+                    rc = ok == 1 ? 0 : -1;
+                    Py_XDECREF(fl);
+                    Py_XDECREF(cx);
+                }
+                Py_XDECREF(vt);
+            }
         }
-        PyObject *vshape = PyObject_GetAttr(v, st->str_shape);
-        PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
-        Py_XDECREF(vshape);
-        int eq = vt ? PyObject_RichCompareBool(vt, pt, Py_EQ) : -1;
-        if (eq == 0) {
-            PyErr_Format(err,
-                         "optimizer state '%U' of parameter '%U' has shape "
-                         "%R, expected the parameter's shape %R",
-                         key, fqn, vt, pt);
-        }
-        Py_XDECREF(vt);
-        rc = eq == 1 ? 0 : -1;
+        Py_DECREF(v);
     }
     Py_XDECREF(items);
     Py_XDECREF(pshape);
     Py_XDECREF(pt);
+    Py_XDECREF(pfloat);
     return rc;
 }
 
 /* prepare_install(ctx, optimizer, split_dict, expected)
  *   -> (state defaultdict, param_groups list)
  *
- * expected: None, or one entry per param group -- None or a dict of the
- * state names that must be tensors shaped like the parameter (from the
- * optimizer's schema).
+ * expected: None, or one entry per param group -- None or the dict
+ * validate_state checks against (from the optimizer's schema).
  *
  * Exactly what Optimizer.load_state_dict would pass to __setstate__ for
  * `split_dict` (whose "params" are FQNs aligned with the live groups),

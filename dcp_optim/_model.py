@@ -68,6 +68,10 @@ def unflatten_model_state_dict(
     model: nn.Module, state_dict: dict[Any, Any]
 ) -> dict[str, Any]:
     """The deprecated ``{submodule: state_dict}`` form, flattened (W2, E25)."""
+    if not isinstance(state_dict, dict):
+        raise errors.StateDictTypeError(
+            f"model state dict must be a dict, not {type(state_dict).__name__}"
+        )
     if not state_dict:
         return {}
     if isinstance(next(iter(state_dict.keys())), nn.Module):

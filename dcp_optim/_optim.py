@@ -189,22 +189,22 @@ def _expect_state(optim: _Optimizer) -> list[bool] | None:
     return [bool(schema(optim, g)) for g in optim.param_groups]
 
 
-def _param_shaped(optim: _Optimizer) -> list[dict[str, bool] | None] | None:
-    """Per group, the state names the schema creates shaped like the
-    parameter (validated on load); None without a schema."""
+def _param_shaped(optim: _Optimizer) -> list[dict[str, int] | None] | None:
+    """Per group, what a loaded entry must hold (from the schema): state
+    name -> 1 (required) or 2 (required, a floating tensor shaped like the
+    parameter).  None without a schema."""
     schema = schema_for(optim)
     if schema is None:
         return None
-    out: list[dict[str, bool] | None] = []
+    out: list[dict[str, int] | None] = []
     for group in optim.param_groups:
         specs = schema(optim, group) or []
-        names = {
-            s.name: True
-            for s in specs
-            if s.factory in (torch.zeros_like, torch.full_like)
-            and s.args[:1] == (PARAM,)
-            and s.dims is None
-        }
+        names = {}
+        for s in specs:
+            if s.dims is not None:
+                continue  # present for some shapes only
+            shaped = s.factory in (torch.zeros_like, torch.full_like) and s.args[:1] == (PARAM,)
+            names[s.name] = 2 if shaped else 1
         out.append(names or None)
     return out
 
