@@ -285,6 +285,10 @@ DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
 DCP_DECLARE_FASTCALL(dcp_tree_paths)
 DCP_DECLARE_FASTCALL(dcp_shape_mismatches)
 DCP_DECLARE_FASTCALL(dcp_check_model_load)
+DCP_DECLARE_FASTCALL(dcp_flat_unflatten)
+DCP_DECLARE_FASTCALL(dcp_flat_pieces)
+DCP_DECLARE_FASTCALL(dcp_flat_assemble)
+DCP_DECLARE_FASTCALL(dcp_map_call)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -325,6 +325,20 @@ static PyMethodDef dcp_methods[] = {
     {"check_model_load", DCP_FASTCALL(dcp_check_model_load), METH_FASTCALL,
      "check_model_load(index, state_dict, strict, check_keys, /)\n--\n\n"
      "What model.load_state_dict would reject, before anything is copied."},
+    {"flat_unflatten", DCP_FASTCALL(dcp_flat_unflatten), METH_FASTCALL,
+     "flat_unflatten(full, numels_with_padding, is_padding_mask, shapes, /)"
+     "\n--\n\n"
+     "Views of the original parameters in an unsharded FSDP1 flat tensor."},
+    {"flat_pieces", DCP_FASTCALL(dcp_flat_pieces), METH_FASTCALL,
+     "flat_pieces(numels_with_padding, is_padding_mask, shard_numel, rank, /)"
+     "\n--\n\n"
+     "(param, param start, shard start, length) of a rank's FSDP1 shard."},
+    {"flat_assemble", DCP_FASTCALL(dcp_flat_assemble), METH_FASTCALL,
+     "flat_assemble(dest, pieces, values, /)\n--\n\n"
+     "Copy per-parameter pieces into a flat shard."},
+    {"map_call", DCP_FASTCALL(dcp_map_call), METH_FASTCALL,
+     "map_call(fn, values, extra, /)\n--\n\n"
+     "[fn(v, *extra) for v in values], None passed through."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -515,7 +515,13 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (dcp_ptrmap_get(&have, p) >= 0) {
                 continue;
             }
-            PyObject *fqn = param_fqn(ix, p, 0, g);
+            /* A flat parameter (FSDP1) has several FQNs; its first names
+             * the entry (the FSDP1 layer maps it to the originals). */
+            Py_ssize_t t = dcp_index_tensor_slot(ix, p);
+            PyObject *fqn =
+                t >= 0 && PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t)) > 1
+                    ? PyList_GET_ITEM(PyList_GET_ITEM(ix->tensor_fqns, t), 0)
+                    : param_fqn(ix, p, 0, g);
             PyObject *gi = fqn ? PyLong_FromSsize_t(g) : NULL;
             PyObject *item = gi ? PyTuple_Pack(3, p, gi, fqn) : NULL;
             Py_XDECREF(gi);

@@ -1434,8 +1434,10 @@ done:
  *
  * jobs: [(value, template, device)] -- value is the full tensor (or, on
  * receiving ranks of a stream, any object with .shape and .dtype);
- * template is a DTensor (keep this rank's shard of it), or None (keep the
- * full value); device is where the result lives.
+ * template is a DTensor (keep this rank's shard of it), None (keep the
+ * full value), False (not needed here) or (dest, blocks): copy the blocks
+ * (local <- global) of the value into the given dest tensor (several jobs
+ * may share one dest: FSDP1 flat shards); device is where results live.
  * dests[i]: the tensor job i's data lands in (a fresh local shard or full
  * tensor), or None for jobs a receiver does not need (template None and
  * stream=False never happens: those are the value itself).
@@ -1496,12 +1498,17 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         int ok = shape_t != NULL && itemsize > 0;
         int is_dt = 0;
         int needed = tmpl != Py_False;
-        if (ok && needed && tmpl != Py_None) {
+        /* (dest, blocks): the caller's own destination and layout */
+        int explicit = PyTuple_Check(tmpl) && PyTuple_GET_SIZE(tmpl) == 2;
+        if (ok && needed && tmpl != Py_None && !explicit) {
             is_dt = PyObject_IsInstance(tmpl, dtensor_cls);
             ok = is_dt >= 0;
         }
         PyObject *layout = NULL, *dest_shape = NULL, *blocks = Py_None;
-        if (ok && is_dt) {
+        if (ok && explicit) {
+            blocks = PyTuple_GET_ITEM(tmpl, 1);
+        }
+        else if (ok && is_dt) {
             layout = my_layout(cache, tmpl, shape_t, classes);
             ok = layout != NULL;
             if (ok) {
@@ -1515,7 +1522,10 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         /* allocate the destination */
         PyObject *dest = NULL;
-        if (ok && needed) {
+        if (ok && explicit) {
+            dest = Py_NewRef(PyTuple_GET_ITEM(tmpl, 0));
+        }
+        else if (ok && needed) {
             PyObject *kw = Py_BuildValue("{sOsO}", "dtype", dtype, "device",
                                          device);
             PyObject *a = kw ? PyTuple_Pack(1, dest_shape) : NULL;
@@ -1527,7 +1537,7 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (ok && needed && !stream) {
             /* local slicing from the full value this rank holds */
             PyObject *none = NULL;
-            if (is_dt) {
+            if (is_dt || explicit) {
                 PyObject *dir = PyLong_FromLong(1);
                 PyObject *cb[5] = {dest, value, blocks, dir, Py_None};
                 none = dir ? dcp_copy_blocks(module, cb, 5) : NULL;

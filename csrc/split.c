@@ -451,7 +451,15 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
                 }
             }
             else if (expects) {
+                /* An empty parameter (FSDP1 use_orig_params: no piece of it
+                 * on this rank) has no state to miss. */
                 int trainable = requires_grad(st, PyList_GET_ITEM(params, i));
+                if (trainable > 0) {
+                    PyObject *n = PyObject_CallMethod(PyList_GET_ITEM(params, i), "numel", NULL); /* cpylint-ignore: missing-state path only */
+                    Py_ssize_t numel = n ? PyLong_AsSsize_t(n) : -1;
+                    Py_XDECREF(n);
+                    trainable = numel < 0 ? -1 : numel > 0;
+                }
                 if (trainable < 0 ||
                     (trainable && PyList_Append(missing, fqn) < 0)) {
                     goto group_done;

@@ -269,10 +269,12 @@ def prepare_optim(
         return _nothing, None
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
-    if info.fsdp_modules:
-        from ._fsdp1 import load_fsdp1_optim
+    fsdp1 = bool(info.fsdp_modules)
+    if fsdp1:
+        from ._fsdp1 import load_via_fsdp, native_supported
 
-        return (lambda: load_fsdp1_optim(model, optimizers, osd, info)), None
+        if not native_supported(info):
+            return (lambda: load_via_fsdp(model, optimizers, osd, info)), None
     if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
         def commit_native():
             for optim in optimizers:
@@ -282,9 +284,16 @@ def prepare_optim(
     from ._distribute import localize_optim_view
 
     view = _view(info.index, osd or {})
-    # Full tensors of sharded parameters become local shards (full loads);
-    # plain tensors given for DTensor parameters are sharded too (D9).
-    view = localize_optim_view(view, info, full=info.full_state_dict)
+    if fsdp1:
+        # original parameters' state -> flat shards / local pieces
+        from ._fsdp1 import localize_fsdp1_view
+
+        view = localize_fsdp1_view(view, info)
+    else:
+        # Full tensors of sharded parameters become local shards (full
+        # loads); plain tensors given for DTensor parameters are sharded
+        # too (D9).
+        view = localize_optim_view(view, info, full=info.full_state_dict)
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
     if missing and info.strict:

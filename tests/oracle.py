@@ -40,6 +40,21 @@ def assert_same_tree(a: Any, b: Any, path: str = "$") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same_tree(x, y, f"{path}[{i}]")
         return
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(a, ShardedTensor):
+        assert a.size() == b.size(), f"{path}: size {a.size()} != {b.size()}"
+        ma, mb = a.metadata(), b.metadata()
+        assert [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in ma.shards_metadata] == [
+            (m.shard_offsets, m.shard_sizes, str(m.placement)) for m in mb.shards_metadata
+        ], f"{path}: shard metadata differs"
+        assert ma.tensor_properties == mb.tensor_properties, f"{path}: tensor properties differ"
+        la, lb = a.local_shards(), b.local_shards()
+        assert len(la) == len(lb), f"{path}: local shard count differs"
+        for i, (x, y) in enumerate(zip(la, lb)):
+            assert x.metadata.shard_offsets == y.metadata.shard_offsets, f"{path}.shard{i}: offsets"
+            assert_same_tree(x.tensor, y.tensor, f"{path}.shard{i}")
+        return
     if isinstance(a, DTensor):
         assert a.device_mesh == b.device_mesh, f"{path}: mesh differs"
         assert a.placements == b.placements, f"{path}: {a.placements} != {b.placements}"
@@ -101,7 +116,7 @@ def live_state_objects(optimizers) -> set[int]:
     return ids
 
 
-def optimizer_snapshot(optimizers, skip_frozen: bool = False) -> list:
+def optimizer_snapshot(optimizers, skip_frozen: bool = False, sort_names: bool = False) -> list:
     """A deep, comparable snapshot of optimizer state and groups keyed by
     parameter position.  ``skip_frozen`` leaves out the state of parameters
     with requires_grad=False (upstream drops it on load: SPEC D10)."""
@@ -115,8 +130,9 @@ def optimizer_snapshot(optimizers, skip_frozen: bool = False) -> list:
         for p, st in o.state.items():
             if skip_frozen and not p.requires_grad:
                 continue
+            items = sorted(st.items()) if sort_names else st.items()
             state[pos.get(id(p), -1)] = {
-                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in items
             }
         groups = [
             {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
@@ -126,8 +142,12 @@ def optimizer_snapshot(optimizers, skip_frozen: bool = False) -> list:
     return snap
 
 
-def assert_same_optimizers(a, b, skip_frozen: bool = False) -> None:
-    assert_same_tree(optimizer_snapshot(a, skip_frozen), optimizer_snapshot(b, skip_frozen))
+def assert_same_optimizers(a, b, skip_frozen: bool = False, sort_names: bool = False) -> None:
+    """``sort_names``: ignore the order of state names (FSDP1 flattens from
+    a set(), so upstream's order varies between processes)."""
+    assert_same_tree(
+        optimizer_snapshot(a, skip_frozen, sort_names), optimizer_snapshot(b, skip_frozen, sort_names)
+    )
 
 
 def params_snapshot(model) -> dict:
