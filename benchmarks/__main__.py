@@ -1,0 +1,147 @@
+"""``python -m benchmarks [--quick] [--sizes 1000,10000] [--json PATH] ...``"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="dcp_optim vs torch.distributed.checkpoint.state_dict: "
+        "bookkeeping (1), distributed (2), scaling (3).",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="1k and 10k tensors, shorter budgets, fewer distributed passes (~2 min)")
+    p.add_argument("--sizes", help="comma-separated numbers of parameter tensors (default 1000,10000,50000)")
+    p.add_argument("--sections", default="1,2,3",
+                   help="which sections to run: 1 bookkeeping, 2 distributed, 3 scaling (from 1)")
+    p.add_argument("--ops", help="section 1 operations to run: comma-separated ids or prefixes, e.g. set_,get_model")
+    p.add_argument("--layout", choices=("tree", "flat"), default="tree",
+                   help="section 1 model layout (flat: torch's Module.load_state_dict is quadratic)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of measuring per (op, implementation, size); default 2 (quick: 0.75)")
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=25)
+    p.add_argument("--max-call-s", type=float, default=30.0,
+                   help="skip a candidate whose extrapolated time per call exceeds this (default 30)")
+    p.add_argument("--call-timeout", type=float, default=90.0,
+                   help="hard limit per call in section 1 (0 = none; default 90)")
+    p.add_argument("--dist-layers", type=int, default=128, help="section 2: Linear layers (2 tensors each)")
+    p.add_argument("--dist-dim", type=int, default=256, help="section 2: layer width")
+    p.add_argument("--dist-reps", type=int, default=None, help="section 2: timed reps after a warm-up (default 5, quick 2)")
+    p.add_argument("--dist-mem-isolation", choices=("op", "impl", "shared"), default=None,
+                   help="section 2 memory pass: fresh process pair per (op, impl), per impl (default), "
+                   "or one shared pair (quick)")
+    p.add_argument("--json", dest="json_path", help="where to write the JSON (default bench-out/bench-<time>.json)")
+    p.add_argument("--plot", dest="plot_path", help="where to write the PNG (default: next to the JSON)")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+    from . import report
+    from .bookkeeping import run_bookkeeping, scaling, select_ops
+    from .common import environment
+
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if args.sizes:
+        sizes = [int(float(x)) for x in args.sizes.split(",") if x.strip()]
+    else:
+        sizes = [1000, 10000] if args.quick else [1000, 10000, 50000]
+    budget = args.budget if args.budget is not None else (0.75 if args.quick else 2.0)
+    dist_reps = args.dist_reps if args.dist_reps is not None else (2 if args.quick else 5)
+    mem_iso = args.dist_mem_isolation or ("shared" if args.quick else "impl")
+
+    env = environment()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    json_path = args.json_path or os.path.join("bench-out", f"bench-{stamp}.json")
+    plot_path = args.plot_path or os.path.splitext(json_path)[0] + ".png"
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    print(report.header(env), flush=True)
+    print(f"command: python -m benchmarks {' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
+
+    t0 = time.perf_counter()
+    out: dict = {"environment": env, "argv": sys.argv[1:] if argv is None else argv}
+    s1 = s2 = None
+    if "1" in sections or "3" in sections:
+        s1 = run_bookkeeping(
+            sizes,
+            layout=args.layout,
+            budget_s=budget,
+            min_reps=args.min_reps,
+            max_reps=args.max_reps,
+            max_call_s=args.max_call_s,
+            call_timeout_s=args.call_timeout or None,
+            ops=select_ops(args.ops),
+        )
+        out["bookkeeping"] = s1
+        if "3" in sections:
+            out["scaling"] = scaling(s1)
+            s1["_scaling"] = out["scaling"]
+    if "2" in sections:
+        from .distributed import run_distributed
+
+        s2 = run_distributed(
+            layers=args.dist_layers,
+            dim=args.dist_dim,
+            reps=dist_reps,
+            mem_isolation=mem_iso,
+        )
+        out["distributed"] = s2
+    out["findings"] = report.findings(s1, s2)
+    out["wall_s"] = time.perf_counter() - t0
+
+    print()
+    print(report.header(env))
+    if s1:
+        print(f"\n== 1. Bookkeeping, one process ({s1['config']['layout']} layout, Linear(4,4) + Adam); "
+              "median per call ==")
+        print("   * = a single (cold) call: its warm-up exceeded the budget;  skip(~t) = not run, "
+              "extrapolated time t > --max-call-s")
+        print(report.table_section1(s1))
+        print(report.floor_legend(s1))
+        print("\n-- ratios: up/dcp = upstream / dcp_optim (higher is better), "
+              "dcp/floor = dcp_optim / torch's own call (lower is better) --")
+        print(report.table_ratios(s1))
+    if "scaling" in out:
+        print("\n== 3. Scaling: microseconds per parameter tensor; exp = d log t / d log n "
+              "(1 linear, 2 quadratic) ==")
+        print(report.table_scaling(out["scaling"]))
+    if s2:
+        c = s2["config"]
+        print(f"\n== 2. Distributed: gloo, {c['world_size']} processes, FSDP2, {c['n_tensors']} tensors "
+              f"({c['param_mb']:.0f} MB params), Adam; median of {c['reps']} (max over ranks) ==")
+        print(f"   colls = collectives reaching the c10d dispatcher per rank; peak = extra RSS at "
+              f"the call's peak per rank ({c['peak_method']}, isolation: {c['mem_isolation']})")
+        print(report.table_distributed(s2))
+    if out["findings"]:
+        print("\n== Findings (dcp_optim) ==")
+        for f in out["findings"]:
+            print(" - " + f)
+    s1_clean = {k: v for k, v in (s1 or {}).items() if k != "_scaling"}
+    if s1:
+        out["bookkeeping"] = s1_clean
+    with open(json_path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"\nJSON: {os.path.abspath(json_path)}")
+    if s1 and not args.no_plot:
+        err = report.plot(s1_clean, env, plot_path)
+        print(err if err else f"plot: {os.path.abspath(plot_path)}")
+    print(f"total wall time: {out['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
