@@ -515,13 +515,17 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (dcp_ptrmap_get(&have, p) >= 0) {
                 continue;
             }
-            /* A flat parameter (FSDP1) has several FQNs; its first names
-             * the entry (the FSDP1 layer maps it to the originals). */
+            /* A flat parameter (FSDP1) has no single FQN (np_fqns holds
+             * None): the first of its originals' FQNs names the entry and
+             * the FSDP1 layer maps it to all of them. */
             Py_ssize_t t = dcp_index_tensor_slot(ix, p);
+            Py_ssize_t slot = dcp_index_param_slot(ix, p);
+            int flat = t >= 0 && slot >= 0 &&
+                       PyList_GET_ITEM(ix->np_fqns, slot) == Py_None &&
+                       PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t)) > 0;
             PyObject *fqn =
-                t >= 0 && PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t)) > 1
-                    ? PyList_GET_ITEM(PyList_GET_ITEM(ix->tensor_fqns, t), 0)
-                    : param_fqn(ix, p, 0, g);
+                flat ? PyList_GET_ITEM(PyList_GET_ITEM(ix->tensor_fqns, t), 0)
+                     : param_fqn(ix, p, 0, g);
             PyObject *gi = fqn ? PyLong_FromSsize_t(g) : NULL;
             PyObject *item = gi ? PyTuple_Pack(3, p, gi, fqn) : NULL;
             Py_XDECREF(gi);

@@ -440,8 +440,10 @@ def _finish_values(h: _Handle, views: list[Any], info: Any) -> list[Any]:
     from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chunk_tensor
 
     state = h.module
-    config = state._optim_state_dict_config
-    if getattr(config, "_use_dtensor", False):
+    # FSDP.state_dict_type switches sharded optimizer state to DTensor
+    # whenever the FSDP instance was given a device mesh
+    # (_set_optim_use_dtensor); the native path does not enter that context
+    if state._device_mesh is not None:
         return C.map_call(_ext_chunk_dtensor, views, (state.rank, state._device_mesh, state._fsdp_extension))
     values = C.map_call(
         _ext_chunk_tensor,
@@ -584,7 +586,10 @@ def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
                         blocks.append(((pos,), (pstart,), (length,)))
                         pos += length
                     jobs.append((_flat_value(value), (dest, blocks), h.flat.device))
-                    out[name] = dest
+                    # shaped like the original parameter as FSDP shows it
+                    # here: a 1-D piece when sharded, its own shape when
+                    # this rank holds it unsharded (world size 1, NO_SHARD)
+                    out[name] = dest.view(h.params[i].shape)
                 if held:
                     new_state[h.fqns[i]] = out
         else:

@@ -88,12 +88,24 @@ def _normalize_optimizers(
     )
 
 
-def _fsdp_context(model: nn.Module, options: StateDictOptions) -> Callable:
+def _fsdp_context(
+    model: nn.Module, options: StateDictOptions, fsdp_modules: list[nn.Module] = ()
+) -> Callable:
     """FSDP.state_dict_type(...) for FSDP1 models, with its FutureWarning
-    filtered as upstream does."""
+    filtered as upstream does.
+
+    FSDP1 computing on CPU: its model state-dict offload path frees the
+    unsharded CPU storage it is reading ("setStorage: ... out of bounds for
+    storage of size 0", torch 2.13), so the offload -- a no-op there, the
+    values are on CPU already -- is left out; rank0_only still applies."""
+    on_cpu = bool(fsdp_modules) and all(
+        getattr(m, "compute_device", None) is not None and m.compute_device.type == "cpu"
+        for m in fsdp_modules
+    )
+    offload_model = options.cpu_offload and not on_cpu
     if options.full_state_dict:
         state_dict_config = FullStateDictConfig(
-            offload_to_cpu=options.cpu_offload, rank0_only=options.cpu_offload
+            offload_to_cpu=offload_model, rank0_only=options.cpu_offload
         )
         optim_state_dict_config = FullOptimStateDictConfig(
             offload_to_cpu=options.cpu_offload,
@@ -101,7 +113,7 @@ def _fsdp_context(model: nn.Module, options: StateDictOptions) -> Callable:
         )
         state_dict_type = StateDictType.FULL_STATE_DICT
     else:
-        state_dict_config = ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
+        state_dict_config = ShardedStateDictConfig(offload_to_cpu=offload_model)
         optim_state_dict_config = ShardedOptimStateDictConfig(
             offload_to_cpu=options.cpu_offload
         )
@@ -181,7 +193,7 @@ def _prepare(
         flatten_optimizer_state_dict=opts.flatten_optimizer_state_dict,
         dsd_fqn_modifiers=opts.dsd_fqn_modifiers,
         submodule_prefixes=prefixes,
-        fsdp_context=_fsdp_context(model, opts) if fsdp_modules else contextlib.nullcontext,
+        fsdp_context=_fsdp_context(model, opts, fsdp_modules) if fsdp_modules else contextlib.nullcontext,
         fsdp_modules=fsdp_modules,
         handle_model=not optim_only,
         handle_optim=len(optims) > 0,
