@@ -14,13 +14,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="dcp_optim vs torch.distributed.checkpoint.state_dict: "
-        "bookkeeping (1), distributed (2), scaling (3).",
+        "bookkeeping (1), distributed FSDP2 (2), scaling (3), distributed FSDP1 (4).",
     )
     p.add_argument("--quick", action="store_true",
                    help="1k and 10k tensors, shorter budgets, fewer distributed passes (~2 min)")
     p.add_argument("--sizes", help="comma-separated numbers of parameter tensors (default 1000,10000,50000)")
-    p.add_argument("--sections", default="1,2,3",
-                   help="which sections to run: 1 bookkeeping, 2 distributed, 3 scaling (from 1)")
+    p.add_argument("--sections", default="1,2,3,4",
+                   help="which sections to run: 1 bookkeeping, 2 distributed (FSDP2), 3 scaling (from 1), "
+                   "4 distributed FSDP1 (flat parameters)")
     p.add_argument("--ops", help="section 1 operations to run: comma-separated ids or prefixes, e.g. set_,get_model")
     p.add_argument("--layout", choices=("tree", "flat"), default="tree",
                    help="section 1 model layout (flat: torch's Module.load_state_dict is quadratic)")
@@ -34,6 +35,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="hard limit per call in section 1 (0 = none; default 90)")
     p.add_argument("--dist-layers", type=int, default=128, help="section 2: Linear layers (2 tensors each)")
     p.add_argument("--dist-dim", type=int, default=256, help="section 2: layer width")
+    p.add_argument("--fsdp1-layers", type=int, default=64,
+                   help="section 4: Linear layers, one FSDP1 FlatParameter each (default 64)")
     p.add_argument("--dist-reps", type=int, default=None, help="section 2: timed reps after a warm-up (default 5, quick 2)")
     p.add_argument("--dist-mem-isolation", choices=("op", "impl", "shared"), default=None,
                    help="section 2 memory pass: fresh process pair per (op, impl), per impl (default), "
@@ -100,6 +103,21 @@ def main(argv: list[str] | None = None) -> int:
             mem_isolation=mem_iso,
         )
         out["distributed"] = s2
+    s4 = None
+    if "4" in sections:
+        from .distributed import OPS, run_distributed
+
+        s4 = run_distributed(
+            layers=args.fsdp1_layers,
+            dim=args.dist_dim,
+            reps=dist_reps,
+            mem_isolation=mem_iso,
+            framework="fsdp1",
+            # upstream's FSDP1 model offload raises on a CPU device (and
+            # leaves the ranks out of step): not measured
+            ops=[op for op in OPS if op != "full_get_model_offload"],
+        )
+        out["distributed_fsdp1"] = s4
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 
@@ -126,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   colls = collectives reaching the c10d dispatcher per rank; peak = extra RSS at "
               f"the call's peak per rank ({c['peak_method']}, isolation: {c['mem_isolation']})")
         print(report.table_distributed(s2))
+    if s4:
+        c = s4["config"]
+        print(f"\n== 4. Distributed FSDP1: gloo, {c['world_size']} processes, {c['layers_flat']} FlatParameters, "
+              f"{c['n_tensors']} original tensors ({c['param_mb']:.0f} MB params), Adam; median of {c['reps']} ==")
+        print("   full_get_model_offload is left out: upstream's FSDP1 model offload fails on a CPU device (torch 2.13)")
+        print(report.table_distributed(s4))
     if out["findings"]:
         print("\n== Findings (dcp_optim) ==")
         for f in out["findings"]:

@@ -270,9 +270,16 @@ def _build(cfg: dict[str, Any]):
         a, b = (dim, dim + 1) if i % 2 == 0 else (dim + 1, dim)
         layers.append(nn.Linear(a, b))
     model = nn.Sequential(*layers)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if cfg.get("framework") == "fsdp1":
+        # FSDP1: one FlatParameter per Linear (and an empty root), CPU
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    else:
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     # One real optimizer step.  The gradients are set directly (sharded like
     # their parameters) instead of by a backward pass: FSDP2's backward on
@@ -297,7 +304,7 @@ class _Job:
     """One (op, impl): ``prepare()`` makes the call's arguments (untimed),
     ``call(args)`` runs the public function."""
 
-    def __init__(self, op: str, impl: str, model, optim, rank: int):
+    def __init__(self, op: str, impl: str, model, optim, rank: int, fsdp1: bool = False):
         from .common import copy_containers
 
         self.op, self.impl = op, impl
@@ -313,7 +320,10 @@ class _Job:
         elif func == "get_state_dict":
             self.prepare, self.call = (lambda: ()), (lambda: f(model, optim, options=opts))
         elif func in ("set_model_state_dict", "set_optimizer_state_dict"):
-            src_opts = mod.StateDictOptions(full_state_dict=True, cpu_offload=True)
+            # the source dict for broadcast loads: full on rank 0 (FSDP1's
+            # model offload path fails on CPU in upstream, so no offload
+            # there; rank 1's copy is dropped below)
+            src_opts = mod.StateDictOptions(full_state_dict=True, cpu_offload=not fsdp1)
             try:
                 if func == "set_model_state_dict":
                     full = mod.get_model_state_dict(model, options=src_opts)
@@ -391,7 +401,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], out_dir
         t0 = time.perf_counter()
         jobs: dict[tuple[str, str], _Job] = {}
         for op, impl in cfg["jobs"]:
-            jobs[(op, impl)] = _Job(op, impl, model, optim, rank)
+            jobs[(op, impl)] = _Job(op, impl, model, optim, rank, fsdp1=cfg.get("framework") == "fsdp1")
         gc.collect()
         gc.freeze()  # as in section 1: cheap gc.collect() before each call
         phases["inputs"] = time.perf_counter() - t0
@@ -585,6 +595,7 @@ def run_distributed(
     world: int = 2,
     timeout_s: float = 300.0,
     ops: list[str] | None = None,
+    framework: str = "fsdp2",
     log=lambda s: print(s, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     if layers % 2:
@@ -594,7 +605,8 @@ def run_distributed(
     base_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     mem_env = {**base_env, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     all_jobs = [(op, impl) for op in ops for impl in IMPLS]
-    common = {"layers": layers, "dim": dim, "reps": reps, "timeout_s": min(timeout_s, 120.0)}
+    common = {"layers": layers, "dim": dim, "reps": reps, "timeout_s": min(timeout_s, 120.0),
+              "framework": framework}
     with tempfile.TemporaryDirectory(prefix="dcp-bench-") as tmp:
         log(f"[distributed] timing + collectives: {world} gloo ranks, {layers * 2} tensors")
         t = time.perf_counter()
@@ -648,9 +660,13 @@ def run_distributed(
         "config": {
             "world_size": world,
             "backend": "gloo",
+            "framework": framework,
             "model": f"Sequential of {layers} Linear layers alternating {dim}->{dim + 1}->{dim}, "
-            "per-layer + root fully_shard (FSDP2), CPU mesh",
+            + ("FSDP1 (FullyShardedDataParallel) wrapping each Linear: "
+               f"{layers} FlatParameters, device_id=cpu" if framework == "fsdp1"
+               else "per-layer + root fully_shard (FSDP2), CPU mesh"),
             "n_tensors": layers * 2,
+            "layers_flat": layers,
             "param_mb": _param_mb(layers, dim),
             "optimizer": "torch.optim.Adam(lr=1e-3), one step (gradients of ones on the sharded parameters)",
             "reps": reps,

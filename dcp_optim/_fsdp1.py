@@ -299,7 +299,7 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
                     entries.append(entry)
                     present.append(i)
                     scalars[i] = {
-                        name: value.cpu() if isinstance(value, torch.Tensor) else value
+                        name: _to_wire(value)
                         for name, value in entry.items()
                         if not (isinstance(value, torch.Tensor) and value.dim() > 0)
                     }
@@ -308,7 +308,7 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     names.setdefault(name, ("t", value.dtype))
                 else:
-                    names.setdefault(name, ("s", value))
+                    names.setdefault(name, ("s", _to_wire(value)))
     return {"names": names, "present": present, "scalars": scalars}
 
 
@@ -336,12 +336,18 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
                 present.setdefault(key, set()).update(meta["present"])
                 # the last rank holding a piece wins, as in FSDP
                 for i, values in meta["scalars"].items():
-                    param_scalars.setdefault(key, {}).setdefault(i, {}).update(values)
+                    param_scalars.setdefault(key, {}).setdefault(i, {}).update(
+                        (name, _from_wire(v)) for name, v in values.items()
+                    )
     for h in handles:
         if not h.sharded:
             gathered_meta.setdefault(h.fqns[0], metas[h.fqns[0]]["names"])
             present.setdefault(h.fqns[0], set(metas[h.fqns[0]]["present"]))
-            param_scalars.setdefault(h.fqns[0], metas[h.fqns[0]]["scalars"])
+            param_scalars.setdefault(
+                h.fqns[0],
+                {i: {n: _from_wire(v) for n, v in values.items()}
+                 for i, values in metas[h.fqns[0]]["scalars"].items()},
+            )
 
     leaves: list[Any] = []
     slots: list[tuple[_Handle, str]] = []
@@ -427,7 +433,33 @@ def _scalar(local, name, fallback):
             if name in entry:
                 value = entry[name]
                 return value.detach().clone() if isinstance(value, torch.Tensor) else value
-    return fallback.detach().clone() if isinstance(fallback, torch.Tensor) else fallback
+    return _from_wire(fallback)
+
+
+@dataclass(frozen=True)
+class _WireScalar:
+    """A 0-dim tensor in the metadata exchange as a Python number and a
+    dtype: pickling a tensor costs a torch.save/torch.load per value (about
+    2 ms each), a number costs nothing.  Exact for every real dtype
+    (float32 -> Python float is lossless); rebuilt on CPU, as FSDP's own
+    exchange returns it."""
+
+    value: Any
+    dtype: torch.dtype
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return _WireScalar(value.item(), value.dtype)
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return value
+
+
+def _from_wire(value: Any) -> Any:
+    if isinstance(value, _WireScalar):
+        return torch.tensor(value.value, dtype=value.dtype)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _finish_values(h: _Handle, views: list[Any], info: Any) -> list[Any]:
