@@ -44,3 +44,14 @@ __all__ = [
     "errors",
     "schema",
 ]
+
+# Adoption tools (docs/adoption.md): one-line switch-over, converter, verification.
+from . import convert, patching, verify  # noqa: E402
+from .patching import is_patched, patch, patched, unpatch  # noqa: E402
+
+__all__ += ["patch", "unpatch", "patched", "is_patched", "patching", "convert", "verify"]
+
+# DCP load planner tolerating empty-group keys across layouts (pipelines).
+from .planner import LoadPlanner  # noqa: E402
+
+__all__ += ["LoadPlanner"]

@@ -1,0 +1,220 @@
+"""dcp_optim.patch(): upstream's functions, and the names other modules
+imported from them, run dcp_optim's implementation; unpatch() restores
+exactly what was there.
+
+The client test drives HuggingFace Accelerate's own FSDP2 checkpoint
+helpers (``accelerate.utils.fsdp_utils.save_fsdp_model`` /
+``save_fsdp_optimizer`` / ``load_fsdp_model`` / ``load_fsdp_optimizer``,
+which import ``get_model_state_dict`` & co. from
+``torch.distributed.checkpoint.state_dict`` inside the functions) on 2 gloo
+ranks.  Tested with accelerate==1.15.0 on torch==2.13.0 (CPU).  The
+client must be installed: the test fails (it is not skipped) without it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed.checkpoint.state_dict as upstream
+import torch.nn as nn
+
+import dcp_optim
+import dcp_optim.state_dict as ours
+from dcp_optim import patching
+
+from . import dist_cases_adoption
+from .harness import run_ranks
+
+ORIGINALS = {name: getattr(upstream, name) for name in patching.PATCHED_NAMES}
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    assert not patching.is_patched()
+    yield
+    patching.unpatch()
+    for name, fn in ORIGINALS.items():
+        assert getattr(upstream, name) is fn, name
+
+
+@pytest.fixture
+def client_module():
+    """A loaded module that imported upstream's functions at the top, one
+    under an alias, plus an unrelated callable."""
+    mod = types.ModuleType("fake_dsd_client")
+    mod.get_state_dict = upstream.get_state_dict
+    mod.dsd_set = upstream.set_optimizer_state_dict
+    mod._patch_model_state_dict = upstream._patch_model_state_dict
+    mod.StateDictOptions = upstream.StateDictOptions
+    mod.unrelated = len
+    sys.modules[mod.__name__] = mod
+    yield mod
+    del sys.modules[mod.__name__]
+
+
+def _fresh():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def test_patch_replaces_module_attributes_and_imported_names(client_module):
+    handle = dcp_optim.patch()
+    assert handle.applied and patching.is_patched()
+    for name in patching.PATCHED_NAMES:
+        fn = getattr(upstream, name)
+        assert patching.is_patched_function(fn), name
+        assert fn is not ORIGINALS[name]
+        assert fn.__name__ == name and fn.__wrapped__ is getattr(ours, name)
+    assert client_module.get_state_dict is upstream.get_state_dict
+    assert client_module.dsd_set is upstream.set_optimizer_state_dict
+    assert client_module._patch_model_state_dict is upstream._patch_model_state_dict
+    # not replaced: the options class (dcp_optim accepts upstream's) and others
+    assert upstream.StateDictOptions is client_module.StateDictOptions
+    assert client_module.StateDictOptions.__module__ == upstream.__name__
+    assert client_module.unrelated is len
+    # dcp_optim's own names are untouched
+    assert dcp_optim.get_state_dict is ours.get_state_dict
+    assert not patching.is_patched_function(dcp_optim.get_state_dict)
+
+
+def test_patched_functions_run_dcp_optim(client_module):
+    model, optim = _fresh()
+    with dcp_optim.patch():
+        # upstream steps a never-stepped optimizer to build its state (it
+        # would fill optim.state); dcp_optim never modifies the optimizer
+        osd = client_module.get_state_dict(model, optim)[1]
+        assert len(optim.state) == 0
+        assert set(osd["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+        # upstream's options objects are accepted
+        flat = upstream.get_optimizer_state_dict(
+            model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+        assert "param_groups.0.weight.lr" in flat
+        result = client_module.dsd_set(model, optim, osd)
+        assert result.missing_keys == [] and result.unexpected_keys == []  # upstream returns None
+    calls = []
+    original = ours.get_model_state_dict
+    ours.get_model_state_dict = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with dcp_optim.patched():
+            upstream.get_model_state_dict(model)
+    finally:
+        ours.get_model_state_dict = original
+    assert calls == [1]  # looked up per call: spies and profilers see it
+
+
+def test_unpatch_restores_exactly(client_module):
+    before = dict(vars(client_module))
+    dcp_optim.patch()
+    late = types.ModuleType("late_dsd_client")  # imported while patched
+    late.fn = upstream.get_model_state_dict
+    late.ours = dcp_optim.get_model_state_dict  # imported from dcp_optim on purpose
+    sys.modules[late.__name__] = late
+    try:
+        assert dcp_optim.unpatch() is True
+        assert dcp_optim.unpatch() is False
+        assert dict(vars(client_module)) == before
+        for name in ("get_state_dict", "dsd_set", "_patch_model_state_dict"):
+            assert getattr(client_module, name) is before[name]
+        assert late.fn is ORIGINALS["get_model_state_dict"]
+        assert late.ours is ours.get_model_state_dict
+    finally:
+        del sys.modules[late.__name__]
+
+
+def test_unpatch_leaves_names_rebound_meanwhile(client_module):
+    dcp_optim.patch()
+
+    def mine(*args, **kwargs):
+        return "mine"
+
+    client_module.get_state_dict = mine
+    dcp_optim.unpatch()
+    assert client_module.get_state_dict is mine
+    assert client_module.dsd_set is ORIGINALS["set_optimizer_state_dict"]
+
+
+def test_patch_is_idempotent_and_context_managers_nest(client_module):
+    first = dcp_optim.patch()
+    forwarder = upstream.get_state_dict
+    second = dcp_optim.patch()
+    assert first.applied and not second.applied
+    assert upstream.get_state_dict is forwarder
+    with dcp_optim.patched() as inner:  # already patched: leaves it patched
+        assert not inner.applied
+    assert patching.is_patched()
+    # a module that took upstream's original meanwhile (from a saved
+    # reference) is picked up by the second patch()
+    other = types.ModuleType("other_dsd_client")
+    other.f = ORIGINALS["get_state_dict"]
+    sys.modules[other.__name__] = other
+    try:
+        dcp_optim.patch()
+        assert other.f is forwarder
+        dcp_optim.unpatch()
+        assert other.f is ORIGINALS["get_state_dict"]
+        assert client_module.get_state_dict is ORIGINALS["get_state_dict"]
+    finally:
+        del sys.modules[other.__name__]
+    with dcp_optim.patched() as handle:
+        assert handle.applied and patching.is_patched()
+    assert not patching.is_patched()
+
+
+def test_patch_is_thread_safe(client_module):
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def worker(i):
+        try:
+            barrier.wait()
+            for j in range(4):
+                if (i + j) % 2:
+                    dcp_optim.patch()
+                else:
+                    dcp_optim.unpatch()
+                fn = upstream.get_state_dict
+                assert fn is ORIGINALS["get_state_dict"] or patching.is_patched_function(fn)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    dcp_optim.patch()
+    assert client_module.get_state_dict is upstream.get_state_dict
+    dcp_optim.unpatch()
+    assert client_module.get_state_dict is ORIGINALS["get_state_dict"]
+    assert client_module.dsd_set is ORIGINALS["set_optimizer_state_dict"]
+
+
+@pytest.mark.dist
+def test_accelerate_fsdp2_save_resume_runs_dcp_optim(tmp_path):
+    """Accelerate 1.15.0's FSDP2 helpers, 2 ranks: save, resume into a
+    fresh model and never-stepped optimizer; the resumed state is
+    bit-identical and training continues exactly; every state-dict call
+    the client made went to dcp_optim (spies), none to upstream's
+    implementation."""
+    import accelerate  # the client must be installed (no skip)
+
+    results = run_ranks(2, dist_cases_adoption.accelerate_fsdp2_resume, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["accelerate"] == accelerate.__version__
+        assert r["client_calls"] == {
+            "get_model_state_dict": 2,      # save + the load template
+            "get_optimizer_state_dict": 2,  # save + the load template
+            "set_model_state_dict": 1,
+            "set_optimizer_state_dict": 1,
+        }
+        assert r["upstream_internal_calls"] == {}
+        assert r["state_equal"] and r["state_entries"] == 13
+        assert r["resumed"] == r["reference"]
+        assert r["files"] == ["optimizer_0", "pytorch_model_fsdp_0"]
