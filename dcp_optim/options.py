@@ -46,6 +46,20 @@ class StateDictOptions:
        the tensors and shard according to the local shards in the model and
        optimizer. ``full_state_dict`` must be set to True when using this option.
        This option currently only supports DTensor, not the legacy ShardedTensor.
+
+    dcp_optim adds (after torch's fields, which keep their order and
+    defaults):
+
+    - ``verify_checksums``: for the ``set_*`` functions, a dict from
+      ``dcp_optim.verify.checksums`` taken at save time (stored in the
+      checkpoint, loaded with ``dcp_optim.verify.template()``).  After the
+      load, the checksums of the loaded tensors are recomputed -- independent
+      of sharding, one small collective -- and compared: a mismatch raises
+      ``dcp_optim.verify.ChecksumMismatchError`` naming the FQN and state
+      name, on every rank.  ``set_model_state_dict`` checks the model
+      entries, ``set_optimizer_state_dict`` the optimizer entries,
+      ``set_state_dict`` both.  The check runs after the load (a failed
+      check does not undo it).  Getters ignore it.
     """
 
     full_state_dict: bool = False
@@ -56,9 +70,13 @@ class StateDictOptions:
     broadcast_from_rank0: bool = False
     flatten_optimizer_state_dict: bool = False
     dsd_fqn_modifiers: str = "_fqn_modifiers"
+    # --- dcp_optim's own options (after torch's eight) ---------------------
+    verify_checksums: dict | None = None
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(StateDictOptions))
+# torch's fields; ours follow them and default when torch's options are given
+_TORCH_FIELD_NAMES = _FIELD_NAMES[: _FIELD_NAMES.index("verify_checksums")]
 
 
 def _as_options(options: object | None) -> StateDictOptions:
@@ -68,7 +86,12 @@ def _as_options(options: object | None) -> StateDictOptions:
     if type(options) is StateDictOptions:
         return options
     try:
-        values = {name: getattr(options, name) for name in _FIELD_NAMES}
+        values = {name: getattr(options, name) for name in _TORCH_FIELD_NAMES}
+        values.update(
+            (name, getattr(options, name))
+            for name in _FIELD_NAMES[len(_TORCH_FIELD_NAMES):]
+            if hasattr(options, name)
+        )
     except AttributeError as exc:
         from .errors import StateDictTypeError
 

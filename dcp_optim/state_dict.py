@@ -266,7 +266,9 @@ def set_model_state_dict(
         info = _prepare(model, (), optim_only=False, options=options)
         _agree_on_full_load(info, bool(model_state_dict), "model")
         _verify_state_dict(model_state_dict, {}, info)
-        return load_model(model, model_state_dict, info)
+        result = load_model(model, model_state_dict, info)
+    _check_after_load(model, (), options, ("model",))
+    return result
 
 
 def set_optimizer_state_dict(
@@ -307,7 +309,9 @@ def set_optimizer_state_dict(
         info = _prepare(model, optimizers, optim_only=True, options=options)
         _agree_on_full_load(info, bool(optim_state_dict), "optimizer")
         _verify_state_dict({}, optim_state_dict, info)
-        return load_optim(model, optimizers, optim_state_dict, info)
+        result = load_optim(model, optimizers, optim_state_dict, info)
+    _check_after_load(model, optimizers, options, ("optim",))
+    return result
 
 
 def set_state_dict(
@@ -383,7 +387,19 @@ def set_state_dict(
         result = _LoadResult(*model_report)
         result.optim_missing_keys = optim_report.missing_keys if optim_report else []
         result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
-        return result
+    sections = ("model", "optim") if info.handle_model else ("optim",)
+    _check_after_load(model, optimizers, options, sections)
+    return result
+
+
+def _check_after_load(model: nn.Module, optimizers: Any, options: Any, sections: tuple[str, ...]) -> None:
+    """StateDictOptions.verify_checksums: recompute and compare (issue 9)."""
+    expected = getattr(options, "verify_checksums", None)
+    if expected is None:
+        return
+    from .verify import verify
+
+    verify(model, optimizers, expected, options=options, sections=sections)
 
 
 def _agree_on_full_load(info: _StateDictInfo, has_data: Any, what: str) -> None:

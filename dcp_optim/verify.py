@@ -345,7 +345,9 @@ def _state_leaves(fqn: str, value: Any, prefix: str = ""):
         yield prefix[:-1], value
 
 
-def _collect(model: nn.Module, optimizers: Any, options: Any) -> list[_Entry]:
+def _collect(
+    model: nn.Module, optimizers: Any, options: Any, sections: tuple[str, ...] = ("model", "optim")
+) -> list[_Entry]:
     from . import state_dict as sd
     from .options import StateDictOptions, _as_options
 
@@ -355,8 +357,10 @@ def _collect(model: nn.Module, optimizers: Any, options: Any) -> list[_Entry]:
         keep_submodule_prefixes=opts.keep_submodule_prefixes,
         dsd_fqn_modifiers=opts.dsd_fqn_modifiers,
     )
-    optims = _optimizer_tuple(optimizers)
-    if optims:
+    optims = _optimizer_tuple(optimizers) if "optim" in sections else ()
+    if "model" not in sections:
+        msd, osd = {}, (sd.get_optimizer_state_dict(model, optims, options=opts) if optims else {})
+    elif optims:
         msd, osd = sd.get_state_dict(model, optims, options=opts)
     else:
         msd, osd = sd.get_model_state_dict(model, options=opts), {}
@@ -531,17 +535,20 @@ def verify(
     expected: dict[str, Any],
     *,
     options: Any = None,
+    sections: tuple[str, ...] = ("model", "optim"),
 ) -> int:
     """Recompute the checksums after a load and compare with ``expected``
     (from :func:`checksums` at save time).  Every rank raises the same
     :class:`ChecksumMismatchError` (a ``StateDictValueError``) naming the
     first differing FQN and state name, the number of differences and the
     ranks that found them.  Returns the number of entries checked.
+    ``sections``: which entries to check ("model", "optim"); the ``set_*``
+    functions pass what they loaded (``StateDictOptions.verify_checksums``).
 
     A collective when a process group is initialised: call it on every rank.
     """
-    want = _expected_map(expected)
-    entries = _collect(model, optimizers, options)
+    want = {k: v for k, v in _expected_map(expected).items() if k[0] in sections}
+    entries = _collect(model, optimizers, options, sections)
     local_bad = _compare(entries, want, sharded=False) + _missing(entries, want)
     total_local, covered = _reduce(entries, len(local_bad))
     bad_sharded = _compare(entries, want, sharded=True)

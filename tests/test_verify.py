@@ -201,3 +201,35 @@ def test_full_checksum_of_a_plain_model_matches_the_sharded_one():
     sums = verify.checksums(model, None)
     entry = next(e for e in sums["entries"] if e[1] == "weight")
     assert tuple(entry[5:]) == verify.tensor_checksum(model.weight.detach())
+
+
+def test_set_functions_verify_with_the_option(tmp_path):
+    """StateDictOptions(verify_checksums=...) on set_*: the loaded entries
+    are checked after the load, per what each function loads."""
+    model, optim = _model()
+    sums = verify.checksums(model, optim)
+    msd, osd = dcp_optim.get_state_dict(model, optim)
+    opts = dcp_optim.StateDictOptions(verify_checksums=sums)
+    # a clean load passes
+    model2, optim2 = cases.build(1, seed=9, sharded=False)
+    dcp_optim.set_state_dict(model2, optim2, model_state_dict=msd, optim_state_dict=osd, options=opts)
+    # a corrupted optimizer entry fails set_optimizer_state_dict and
+    # set_state_dict, not set_model_state_dict (which loads no optimizer)
+    bad_osd = {"state": {k: dict(v) for k, v in osd["state"].items()}, "param_groups": osd["param_groups"]}
+    bad_osd["state"]["head.weight"]["exp_avg"] = osd["state"]["head.weight"]["exp_avg"] + 1
+    model3, optim3 = cases.build(1, seed=9, sharded=False)
+    with pytest.raises(verify.ChecksumMismatchError, match="'exp_avg' of 'head.weight' values differ"):
+        dcp_optim.set_optimizer_state_dict(model3, optim3, bad_osd, options=opts)
+    with pytest.raises(verify.ChecksumMismatchError, match="'exp_avg' of 'head.weight'"):
+        dcp_optim.set_state_dict(model3, optim3, model_state_dict=msd, optim_state_dict=bad_osd, options=opts)
+    # the model alone: only model entries are compared
+    model4, _ = cases.build(1, seed=9, sharded=False)
+    dcp_optim.set_model_state_dict(model4, msd, options=opts)
+    bad_msd = dict(msd)
+    bad_msd["head.weight"] = msd["head.weight"] * 2
+    with pytest.raises(verify.ChecksumMismatchError, match="model 'head.weight' values differ"):
+        dcp_optim.set_model_state_dict(model4, bad_msd, options=opts)
+    # torch's own options (no such field) still work, without a check
+    import torch.distributed.checkpoint.state_dict as upstream
+
+    dcp_optim.set_model_state_dict(model4, bad_msd, options=upstream.StateDictOptions())
