@@ -22,24 +22,15 @@ from torch.distributed.tensor import DTensor
 import dcp_optim
 from dcp_optim import verify as dverify
 
+from .dist_cases import Block
+
 WIDTH, HIDDEN = 8, 7  # 7 rows over 2 ranks: uneven shards
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(WIDTH, HIDDEN)
-        self.down = nn.Linear(HIDDEN, WIDTH)
-        self.norm = nn.LayerNorm(WIDTH)
-
-    def forward(self, x):
-        return self.norm(x + self.down(torch.relu(self.up(x))))
 
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block(WIDTH, HIDDEN) for _ in range(2))
         self.head = nn.Linear(WIDTH, 3, bias=False)
 
     def forward(self, x):
