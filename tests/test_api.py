@@ -45,8 +45,10 @@ def test_signature_check_from_the_readme():
 def test_options_fields_order_defaults():
     mine = [(f.name, f.default) for f in dataclasses.fields(dcp_optim.StateDictOptions)]
     theirs = [(f.name, f.default) for f in dataclasses.fields(upstream.StateDictOptions)]
-    assert mine == theirs
-    assert len(mine) == 8
+    # torch's eight fields first, same order and defaults; ours after them
+    assert len(theirs) == 8
+    assert mine[: len(theirs)] == theirs
+    assert mine[len(theirs):] == [("verify_checksums", None)]
     assert dcp_optim.StateDictOptions(True, True) == dcp_optim.StateDictOptions(
         full_state_dict=True, cpu_offload=True
     )
