@@ -31,10 +31,10 @@ import gc
 import os
 import platform
 import signal
-import threading
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -236,7 +236,7 @@ def measure_interleaved(
                 out[c.name].error = _describe(exc)
         if any(t.timed_out for t in out.values()):
             break
-    for name, t in out.items():
+    for t in out.values():
         if t.samples and not t.cold and not t.error:
             t.median = statistics.median(t.samples)
             t.min = min(t.samples)

@@ -16,9 +16,9 @@ from ._core import C as _C  # isort: skip
 from . import errors, schema
 from .options import StateDictOptions
 from .schema import register_optimizer_schema
-from .state_dict import (
-    _patch_model_state_dict,
-    _patch_optimizer_state_dict,
+from .state_dict import (  # the _patch_* helpers: importable as torch's are
+    _patch_model_state_dict,  # noqa: F401
+    _patch_optimizer_state_dict,  # noqa: F401
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,

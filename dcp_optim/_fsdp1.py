@@ -21,7 +21,6 @@ Hybrid sharding (HSDP) keeps going through FSDP's own APIs.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from ._collectives import gather_full_tensors
 from ._core import C, context
 from ._model import state_dict_fn
 
-__all__ = ["get_fsdp1_optim", "load_fsdp1_optim", "fsdp_process_group"]
+__all__ = ["get_fsdp1_optim", "localize_fsdp1_view", "load_via_fsdp", "native_supported", "fsdp_process_group"]
 
 
 def fsdp_process_group(model: nn.Module, info: Any):

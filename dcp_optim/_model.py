@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist

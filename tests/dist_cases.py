@@ -22,7 +22,7 @@ import torch.distributed.checkpoint.state_dict as upstream
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -34,7 +34,6 @@ from dcp_optim import StateDictOptions as Opts
 from dcp_optim import _collectives
 
 from .oracle import assert_same_optimizers, assert_same_tree, params_snapshot
-
 
 # --- models ----------------------------------------------------------------------
 

@@ -361,7 +361,7 @@ def _check_fsdp2_parity(rank: int, ws: int, rec: _Recorder, optim_name: str) -> 
             ref_loss.backward()
             if s == 0:
                 diffs, ratios = [], []
-                for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+                for p, rp in zip(model.parameters(), ref.parameters()):
                     g = _full(p.grad)
                     diffs.append(_maxdiff(g, rp.grad))
                     ratios.append(float(g.norm() / rp.grad.norm()))

@@ -12,7 +12,7 @@ as in the single-process tests).
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

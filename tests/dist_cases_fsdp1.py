@@ -27,7 +27,16 @@ import dcp_optim
 from dcp_optim import StateDictOptions as Opts
 from dcp_optim import _collectives
 
-from .dist_cases import MLP, Block, CollectiveCounter, PeakRSS, fsdp2_model, make_optimizer, plain_model, train
+from .dist_cases import (
+    MLP,
+    Block,
+    CollectiveCounter,
+    PeakRSS,
+    fsdp2_model,
+    make_optimizer,
+    plain_model,
+    train,
+)
 from .oracle import assert_same_optimizers, assert_same_tree
 
 CPU = torch.device("cpu")

@@ -114,7 +114,7 @@ def group_rule(model: nn.Module) -> list[dict[str, Any]]:
     """decay (2-D trainable weights), no_decay (other trainable), frozen;
     the same rule for every stage and for the reference model."""
     decay, no_decay, frozen = [], [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             frozen.append(p)
         elif p.dim() >= 2:
@@ -220,7 +220,7 @@ class Pipeline:
         for stage, optim in zip(self.stages, self.optims):
             msd = dcp_optim.get_model_state_dict(stage, options=full)
             osd = dcp_optim.get_optimizer_state_dict(stage, optim, options=full)
-            for name, p in stage.named_parameters():
+            for name, _ in stage.named_parameters():
                 assert torch.equal(msd[name], ref_params[name].detach()), name
                 compared += 1
             ref_state = _state_by_fqn(self.ref, self.ref_optim)

@@ -27,8 +27,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

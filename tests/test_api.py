@@ -107,9 +107,9 @@ def test_accepts_upstream_options_objects():
 def test_import_error_names_build_command(tmp_path):
     """Without the compiled core the package refuses to import, naming the
     build command."""
+    import shutil
     import subprocess
     import sys
-    import shutil
     from pathlib import Path
 
     pkg = Path(dcp_optim.__file__).parent
