@@ -66,9 +66,45 @@ dcp_add_note(PyObject *note)
 #if PY_VERSION_HEX >= 0x030C0000
     PyErr_SetRaisedException(exc);
 #else
-    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc,
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)),
+                  exc,
                   PyException_GetTraceback(exc));
 #endif
+}
+
+/* PySequence_Fast, but never the caller's own list: PySequence_Fast
+ * returns a list argument itself, and the loops over it call back into
+ * Python (torch ops, factories, isinstance hooks) that may mutate it,
+ * after which PySequence_Fast_GET_ITEM reads past the end.  Lists are
+ * copied (pointers only); tuples are immutable and returned as they are.
+ * New reference, or NULL with TypeError(`message`) for non-sequences. */
+static inline PyObject *
+dcp_sequence_fast(PyObject *obj, const char *message)
+{
+    if (PyList_Check(obj)) {
+        return PyList_GetSlice(obj, 0, PyList_GET_SIZE(obj));
+    }
+    return PySequence_Fast(obj, message);
+}
+
+/* PyArg_ParseTuple for items that come from callers: on anything but a
+ * tuple, PyArg_ParseTuple raises SystemError ("new style getargs format
+ * but argument is not a tuple"), which reads as an interpreter bug; this
+ * raises a TypeError naming the type instead.  1 / 0 like the original. */
+static inline int
+dcp_parse_tuple(PyObject *obj, const char *format, ...)
+{
+    if (!PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "expected a tuple, not %.200s",
+                     Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    va_list vargs;
+    va_start(vargs, format);
+    int ok = PyArg_VaParse(obj, format, vargs);
+    va_end(vargs);
+    return ok;
 }
 
 #if defined(__GNUC__) || defined(__clang__)

@@ -110,7 +110,8 @@ Context_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
             PyErr_Format(PyExc_TypeError,
                          "Context(): %s must be a tuple of classes, not "
                          "%.200s",
-                         names[i], Py_TYPE(value)->tp_name);
+                         names[i],
+                         Py_TYPE(value)->tp_name);
             Py_DECREF(value);
             goto error;
         }
@@ -130,11 +131,11 @@ error:
 }
 
 static PyMemberDef Context_members[] = {
-#define DCP_FIELD_MEMBER(name)                                           \
+#define DCP_FIELD_MEMBER(name) \
     {#name, T_OBJECT_EX, offsetof(dcp_Context, name), READONLY, NULL},
     DCP_CONTEXT_FIELDS(DCP_FIELD_MEMBER)
 #undef DCP_FIELD_MEMBER
-    {NULL, 0, 0, 0, NULL},
+        {NULL, 0, 0, 0, NULL},
 };
 
 static PyType_Slot Context_slots[] = {
@@ -153,16 +154,16 @@ static PyType_Slot Context_slots[] = {
 static PyType_Spec Context_spec = {
     .name = "dcp_optim._dcp_optim.Context",
     .basicsize = sizeof(dcp_Context),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE,
+    .flags =
+        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Context_slots,
 };
 
 int
 dcp_context_init_type(PyObject *module, dcp_state *st)
 {
-    st->Context_Type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &Context_spec, NULL);
+    st->Context_Type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &Context_spec, NULL);
     if (st->Context_Type == NULL) {
         return -1;
     }
@@ -175,7 +176,8 @@ dcp_context_check(dcp_state *st, PyObject *obj)
     if (Py_IS_TYPE(obj, st->Context_Type)) {
         return 1;
     }
-    PyErr_Format(PyExc_TypeError, "expected a dcp_optim Context, got %.200s",
+    PyErr_Format(PyExc_TypeError,
+                 "expected a dcp_optim Context, got %.200s",
                  Py_TYPE(obj)->tp_name);
     return 0;
 }

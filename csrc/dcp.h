@@ -29,58 +29,62 @@
 #include "ptrmap.h"
 
 /* Interned attribute and key names, one field each in dcp_state. */
-#define DCP_INTERNED_STRINGS(X)                                        \
-    X(modules, "_modules")                                             \
-    X(parameters, "_parameters")                                       \
-    X(buffers, "_buffers")                                             \
-    X(non_persistent, "_non_persistent_buffers_set")                   \
-    X(requires_grad, "requires_grad")                                  \
-    X(params, "params")                                                \
-    X(state, "state")                                                  \
-    X(param_groups, "param_groups")                                    \
-    X(param_names, "param_names")                                      \
-    X(module, "module")                                                \
-    X(orig_mod, "_orig_mod")                                           \
-    X(ckpt_wrapped, "_checkpoint_wrapped_module")                      \
-    X(fsdp_wrapped, "_fsdp_wrapped_module")                            \
-    X(flat_param, "_flat_param")                                       \
-    X(fqns, "_fqns")                                                   \
-    X(extra_state, "_extra_state")                                     \
-    X(named_children, "named_children")                                \
-    X(named_parameters, "named_parameters")                            \
-    X(named_buffers, "named_buffers")                                  \
-    X(named_modules, "named_modules")                                  \
-    X(get_extra_state, "get_extra_state")                              \
-    X(items, "items")                                                  \
-    X(dot, ".")                                                        \
-    X(empty, "")                                                       \
-    X(step, "step")                                                    \
-    X(dunder_dict, "__dict__")                                         \
-    X(state_prefix, "state.")                                          \
-    X(pg_prefix, "param_groups.")                                      \
-    X(setstate, "__setstate__")                                        \
-    X(to, "to")                                                        \
-    X(shape, "shape")                                                  \
-    X(dtype, "dtype")                                                  \
-    X(device, "device")                                                \
-    X(is_floating_point, "is_floating_point")                          \
-    X(is_complex, "is_complex")                                        \
-    X(dim, "dim")                                                      \
-    X(detach, "detach")                                                \
-    X(cpu, "cpu")                                                      \
-    X(view, "view")                                                    \
-    X(reshape, "reshape")                                              \
-    X(copy_, "copy_")                                                  \
-    X(fused, "fused")                                                  \
-    X(capturable, "capturable")                                        \
-    X(add_note, "add_note")                                            \
-    X(device_mesh, "device_mesh")                                      \
-    X(load_pre_hooks, "_load_state_dict_pre_hooks")                    \
-    X(placements, "placements")
+#define DCP_INTERNED_STRINGS(X)                      \
+    X(modules, "_modules")                           \
+    X(parameters, "_parameters")                     \
+    X(buffers, "_buffers")                           \
+    X(non_persistent, "_non_persistent_buffers_set") \
+    X(requires_grad, "requires_grad")                \
+    X(params, "params")                              \
+    X(state, "state")                                \
+    X(param_groups, "param_groups")                  \
+    X(param_names, "param_names")                    \
+    X(module, "module")                              \
+    X(orig_mod, "_orig_mod")                         \
+    X(ckpt_wrapped, "_checkpoint_wrapped_module")    \
+    X(fsdp_wrapped, "_fsdp_wrapped_module")          \
+    X(flat_param, "_flat_param")                     \
+    X(fqns, "_fqns")                                 \
+    X(extra_state, "_extra_state")                   \
+    X(named_children, "named_children")              \
+    X(named_parameters, "named_parameters")          \
+    X(named_buffers, "named_buffers")                \
+    X(named_modules, "named_modules")                \
+    X(get_extra_state, "get_extra_state")            \
+    X(items, "items")                                \
+    X(dot, ".")                                      \
+    X(empty, "")                                     \
+    X(step, "step")                                  \
+    X(dunder_dict, "__dict__")                       \
+    X(state_prefix, "state.")                        \
+    X(pg_prefix, "param_groups.")                    \
+    X(setstate, "__setstate__")                      \
+    X(to, "to")                                      \
+    X(shape, "shape")                                \
+    X(dtype, "dtype")                                \
+    X(device, "device")                              \
+    X(is_floating_point, "is_floating_point")        \
+    X(is_complex, "is_complex")                      \
+    X(dim, "dim")                                    \
+    X(detach, "detach")                              \
+    X(cpu, "cpu")                                    \
+    X(view, "view")                                  \
+    X(reshape, "reshape")                            \
+    X(copy_, "copy_")                                \
+    X(fused, "fused")                                \
+    X(capturable, "capturable")                      \
+    X(add_note, "add_note")                          \
+    X(device_mesh, "device_mesh")                    \
+    X(load_pre_hooks, "_load_state_dict_pre_hooks")  \
+    X(placements, "placements")                      \
+    X(getattribute, "__getattribute__")              \
+    X(getattr_hook, "__getattr__")                   \
+    X(dunder_class, "__class__")
 
 typedef struct {
     PyTypeObject *Context_Type;
     PyTypeObject *ModelIndex_Type;
+    PyTypeObject *WalkTrace_Type; /* internal: not added to the module */
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD
@@ -115,31 +119,31 @@ dcp_get_state_by_type(PyTypeObject *tp)
  * constructor's keywords.
  */
 #define DCP_CONTEXT_FIELDS(X)                                            \
-    X(module_type)            /* torch.nn.Module */                      \
-    X(tensor_type)            /* torch.Tensor */                         \
-    X(dtensor_type)           /* DTensor class, or None */               \
-    X(ddp_types)              /* tuple: classes stripping "module." */   \
-    X(compiled_types)         /* tuple: classes stripping "_orig_mod." */ \
-    X(fsdp1_types)            /* tuple: FSDP1 FullyShardedDataParallel */ \
-    X(base_named_children)    /* nn.Module.named_children */             \
-    X(base_named_parameters)  /* nn.Module.named_parameters */           \
-    X(base_named_buffers)     /* nn.Module.named_buffers */              \
-    X(base_named_modules)     /* nn.Module.named_modules */              \
-    X(base_get_extra_state)   /* nn.Module.get_extra_state */            \
-    X(extra_state_marker)     /* class of the _extra_state marker */     \
-    X(optimizer_type)         /* torch.optim.Optimizer */                \
-    X(base_optim_state_dict)  /* torch.optim.Optimizer.state_dict */     \
-    X(base_optim_load)        /* torch.optim.Optimizer.load_state_dict */ \
-    X(defaultdict_type)       /* collections.defaultdict */              \
-    X(dict_type)              /* dict (defaultdict's factory) */         \
-    X(float32)                /* torch.float32 */                        \
-    X(cpu_device)             /* torch.device("cpu") */                  \
-    X(bytesio_type)           /* io.BytesIO */                           \
-    X(deepcopy)               /* copy.deepcopy */                        \
-    X(err_key)                /* dcp_optim KeyError subclass */          \
-    X(err_value)              /* dcp_optim ValueError subclass */        \
-    X(err_type)               /* dcp_optim TypeError subclass */         \
-    X(err_runtime)            /* dcp_optim RuntimeError subclass */
+    X(module_type)           /* torch.nn.Module */                       \
+    X(tensor_type)           /* torch.Tensor */                          \
+    X(dtensor_type)          /* DTensor class, or None */                \
+    X(ddp_types)             /* tuple: classes stripping "module." */    \
+    X(compiled_types)        /* tuple: classes stripping "_orig_mod." */ \
+    X(fsdp1_types)           /* tuple: FSDP1 FullyShardedDataParallel */ \
+    X(base_named_children)   /* nn.Module.named_children */              \
+    X(base_named_parameters) /* nn.Module.named_parameters */            \
+    X(base_named_buffers)    /* nn.Module.named_buffers */               \
+    X(base_named_modules)    /* nn.Module.named_modules */               \
+    X(base_get_extra_state)  /* nn.Module.get_extra_state */             \
+    X(extra_state_marker)    /* class of the _extra_state marker */      \
+    X(optimizer_type)        /* torch.optim.Optimizer */                 \
+    X(base_optim_state_dict) /* torch.optim.Optimizer.state_dict */      \
+    X(base_optim_load)       /* torch.optim.Optimizer.load_state_dict */ \
+    X(defaultdict_type)      /* collections.defaultdict */               \
+    X(dict_type)             /* dict (defaultdict's factory) */          \
+    X(float32)               /* torch.float32 */                         \
+    X(cpu_device)            /* torch.device("cpu") */                   \
+    X(bytesio_type)          /* io.BytesIO */                            \
+    X(deepcopy)              /* copy.deepcopy */                         \
+    X(err_key)               /* dcp_optim KeyError subclass */           \
+    X(err_value)             /* dcp_optim ValueError subclass */         \
+    X(err_type)              /* dcp_optim TypeError subclass */          \
+    X(err_runtime)           /* dcp_optim RuntimeError subclass */
 
 typedef struct {
     PyObject_HEAD
@@ -168,29 +172,38 @@ dcp_isinstance_any(PyObject *obj, PyObject *types)
  * The result of one walk over the module tree; everything per-tensor the
  * other files need.  Lists are parallel arrays (one element per entry),
  * which keeps the object simple to traverse and cheap to expose.
+ *
+ * Every list (and the kinds bytearray) is read-only once the walk is
+ * done: indexes replayed from the same WalkTrace share the string lists
+ * (walk.c, "Replaying a walk").  Never append to, sort or assign into them.
  */
 typedef struct {
     PyObject_HEAD
-    PyObject *ctx;            /* the dcp_Context the walk used */
+    PyObject *ctx; /* the dcp_Context the walk used */
     PyObject *model;
     PyObject *modifiers_name; /* str: the _fqn_modifiers method name */
     /* _iterate_valid_model_state order (children first, then buffers,
      * then parameters, then the _extra_state marker). */
-    PyObject *raw_names;  /* list[str]: names with wrapper prefixes */
-    PyObject *fqns;       /* list[str]: canonical FQNs */
-    PyObject *load_keys;  /* list[str]: keys model.load_state_dict wants */
-    PyObject *values;     /* list[Tensor | marker] */
-    PyObject *kinds;      /* bytearray: DCP_KIND_* per entry */
+    PyObject *raw_names; /* list[str]: names with wrapper prefixes */
+    PyObject *fqns;      /* list[str]: canonical FQNs */
+    PyObject *load_keys; /* list[str]: keys model.load_state_dict wants */
+    PyObject *values;    /* list[Tensor | marker] */
+    PyObject *kinds;     /* bytearray: DCP_KIND_* per entry */
     /* Unique tensors in first-seen order, with every FQN naming each. */
     PyObject *tensors;      /* list[Tensor] */
     PyObject *tensor_fqns;  /* list[list[str]] */
     PyObject *tensor_loads; /* list[list[str]] */
     /* model.named_parameters() order (pre-order, deduplicated) with the
      * canonical FQN of each parameter's first name. */
-    PyObject *np_params; /* list[Parameter] */
-    PyObject *np_names;  /* list[str]: raw names */
-    PyObject *np_fqns;   /* list[str] */
+    PyObject *np_params;     /* list[Parameter] */
+    PyObject *np_names;      /* list[str]: raw names */
+    PyObject *np_fqns;       /* list[str] */
     PyObject *fsdp1_modules; /* list of FSDP1 instances, pre-order */
+    PyObject *trace;         /* WalkTrace that replays this walk, or None (see
+                                walk.c: only trees whose walk runs no user code) */
+    int shared_modules;      /* a module is reachable under several paths
+                              * (self.b = self.a): the walk keeps the first,
+                              * load_state_dict expects keys under every path */
     int custom_load; /* some module has load_state_dict pre-hooks that may
                         rename keys (activation-checkpoint wrappers aside) */
     dcp_ptrmap tensor_map; /* tensor -> index in `tensors` */
@@ -243,9 +256,8 @@ void dcp_note_key(PyObject *key);
 PyObject *dcp_as_list(PyObject *seq, const char *what);
 
 /* Method-table entries implemented in the other files. */
-#define DCP_DECLARE_FASTCALL(name)                                       \
-    PyObject *name(PyObject *module, PyObject *const *args,              \
-                   Py_ssize_t nargs);
+#define DCP_DECLARE_FASTCALL(name) \
+    PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 DCP_DECLARE_FASTCALL(dcp_walk_model)
 DCP_DECLARE_FASTCALL(dcp_get_fqns)
 DCP_DECLARE_FASTCALL(dcp_canonicalize_model_keys)
@@ -297,8 +309,10 @@ dcp_check_nargs(const char *fname, Py_ssize_t nargs, Py_ssize_t expected)
 {
     if (nargs != expected) {
         PyErr_Format(PyExc_TypeError,
-                     "%s() takes exactly %zd arguments (%zd given)", fname,
-                     expected, nargs);
+                     "%s() takes exactly %zd arguments (%zd given)",
+                     fname,
+                     expected,
+                     nargs);
         return -1;
     }
     return 0;
@@ -308,8 +322,11 @@ static inline int
 dcp_check_str(const char *fname, const char *what, PyObject *obj)
 {
     if (!PyUnicode_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s(): %s must be str, not %.200s",
-                     fname, what, Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): %s must be str, not %.200s",
+                     fname,
+                     what,
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
     return 0;

@@ -40,18 +40,134 @@ static const char EMPTY_OPTIM[] = "__optimizer_";
 
 /* ----------------------------------------------------------------------
  * Flatten
+ *
+ * The output has one key per state leaf and per (parameter, group key):
+ * 140k keys for 10k Adam parameters, against 10k entries in the nested
+ * form.  Building those strings and inserting them is the whole cost, so
+ * each key is made with one allocation (the "<prefix><fqn>." part once
+ * per parameter) and nothing else is allocated per key.
  */
 
-/* Flattens one state dict under `prefix` ("state.<fqn>") into `out`.
- * Leaves must be Tensor, int, float or dict (upstream's E15). */
+/* a + b + c as one new str (one allocation).  New reference or NULL. */
+static PyObject *
+concat3(PyObject *a, PyObject *b, PyObject *c)
+{
+    PyObject *parts[3] = {a, b, c};
+    Py_ssize_t len = 0;
+    Py_UCS4 maxchar = 0;
+    for (int i = 0; i < 3; i++) {
+        if (!PyUnicode_Check(parts[i])) {
+            PyErr_BadInternalCall();
+            return NULL;
+        }
+        if (PyUnicode_GET_LENGTH(parts[i]) > PY_SSIZE_T_MAX - len) {
+            return PyErr_NoMemory();
+        }
+        len += PyUnicode_GET_LENGTH(parts[i]);
+        Py_UCS4 m = PyUnicode_MAX_CHAR_VALUE(parts[i]);
+        maxchar = m > maxchar ? m : maxchar;
+    }
+    PyObject *out = PyUnicode_New(len, maxchar);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t at = 0;
+    for (int i = 0; i < 3; i++) {
+        Py_ssize_t n = PyUnicode_GET_LENGTH(parts[i]);
+        if (PyUnicode_CopyCharacters(out, at, parts[i], 0, n) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        at += n;
+    }
+    return out;
+}
+
+static int flatten_state(dcp_state *st,
+                         dcp_Context *ctx,
+                         PyObject *value,
+                         PyObject *prefix,
+                         PyObject *out);
+
+/* Flattens one (key, leaf) of a state dict under `prefix`.  0 or -1. */
 static int
-flatten_state(dcp_state *st, dcp_Context *ctx, PyObject *value,
-              PyObject *prefix, PyObject *out)
+flatten_leaf(dcp_state *st,
+             dcp_Context *ctx,
+             PyObject *key,
+             PyObject *leaf,
+             PyObject *prefix,
+             PyObject *out)
+{
+    PyObject *skey = PyObject_Str(key);
+    PyObject *full = skey ? PyUnicode_Concat(prefix, skey) : NULL;
+    Py_XDECREF(skey);
+    if (full == NULL) {
+        return -1;
+    }
+    int ok;
+    if (PyDict_Check(leaf)) {
+        PyObject *sub = PyUnicode_Concat(full, st->str_dot);
+        ok = sub != NULL && flatten_state(st, ctx, leaf, sub, out) == 0;
+        Py_XDECREF(sub);
+    }
+    else {
+        int allowed = PyLong_Check(leaf) || PyFloat_Check(leaf);
+        if (!allowed) {
+            allowed = PyObject_IsInstance(leaf, ctx->tensor_type);
+        }
+        if (allowed == 0) {
+            PyErr_Format(PyExc_NotImplementedError,
+                         "Flattening optimizer state_dict only supports "
+                         "tensor, int, float, dict states now. Type is "
+                         "%R.",
+                         (PyObject *)Py_TYPE(leaf));
+            dcp_note_key(full);
+        }
+        ok = allowed == 1 && PyDict_SetItem(out, full, leaf) == 0;
+    }
+    Py_DECREF(full);
+    return ok ? 0 : -1;
+}
+
+/* Flattens one state dict under `prefix` ("state.<fqn>.", ending with a
+ * dot) into `out`.  Leaves must be Tensor, int, float or dict (upstream's
+ * E15). */
+static int
+flatten_state(dcp_state *st,
+              dcp_Context *ctx,
+              PyObject *value,
+              PyObject *prefix,
+              PyObject *out)
 {
     int rc = -1;
     PyObject *items = NULL;
     if (Py_EnterRecursiveCall(" while flattening optimizer state")) {
         return -1;
+    }
+    if (PyDict_CheckExact(value)) {
+        /* In place, without an items list: key and leaf are pinned while
+         * they are used (isinstance() may run code), and the size is
+         * checked after each. */
+        Py_ssize_t pos = 0, n = PyDict_GET_SIZE(value);
+        PyObject *key, *leaf;
+        while (PyDict_Next(value, &pos, &key, &leaf)) {
+            Py_INCREF(key);
+            Py_INCREF(leaf);
+            int r = flatten_leaf(st, ctx, key, leaf, prefix, out);
+            Py_DECREF(key);
+            Py_DECREF(leaf);
+            if (r < 0) {
+                goto done;
+            }
+            if (PyDict_GET_SIZE(value) != n) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "optimizer state changed size during "
+                                "iteration");
+                goto done;
+            }
+        }
+        rc = 0;
+        goto done;
     }
     items = dcp_items_list(value);
     if (items == NULL) {
@@ -59,35 +175,12 @@ flatten_state(dcp_state *st, dcp_Context *ctx, PyObject *value,
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
         PyObject *pair = PyList_GET_ITEM(items, i);
-        PyObject *key = PyTuple_GET_ITEM(pair, 0);
-        PyObject *leaf = PyTuple_GET_ITEM(pair, 1);
-        PyObject *skey = PyObject_Str(key);
-        PyObject *full = skey ? dcp_join_name(st, prefix, skey) : NULL;
-        Py_XDECREF(skey);
-        if (full == NULL) {
-            goto done;
-        }
-        int ok;
-        if (PyDict_Check(leaf)) {
-            ok = flatten_state(st, ctx, leaf, full, out) == 0;
-        }
-        else {
-            int allowed = PyLong_Check(leaf) || PyFloat_Check(leaf);
-            if (!allowed) {
-                allowed = PyObject_IsInstance(leaf, ctx->tensor_type);
-            }
-            if (allowed == 0) {
-                PyErr_Format(PyExc_NotImplementedError,
-                             "Flattening optimizer state_dict only supports "
-                             "tensor, int, float, dict states now. Type is "
-                             "%R.",
-                             (PyObject *)Py_TYPE(leaf));
-                dcp_note_key(full);
-            }
-            ok = allowed == 1 && PyDict_SetItem(out, full, leaf) == 0;
-        }
-        Py_DECREF(full);
-        if (!ok) {
+        if (flatten_leaf(st,
+                         ctx,
+                         PyTuple_GET_ITEM(pair, 0),
+                         PyTuple_GET_ITEM(pair, 1),
+                         prefix,
+                         out) < 0) {
             goto done;
         }
     }
@@ -98,21 +191,47 @@ done:
     return rc;
 }
 
-/* Emits every key of `group` except "params" under prefix "<fqn>.". */
-static int
-flatten_group_keys(dcp_state *st, PyObject *group_items, PyObject *prefix,
-                   PyObject *out)
+/* The keys of a group except "params", as (str(key), value) pairs: a new
+ * list, or NULL. */
+static PyObject *
+group_key_pairs(dcp_state *st, PyObject *group)
 {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(group_items); i++) {
-        PyObject *pair = PyList_GET_ITEM(group_items, i);
+    PyObject *items = dcp_items_list(group);
+    PyObject *out = items ? PyList_New(0) : NULL;
+    if (out == NULL) {
+        Py_XDECREF(items);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
         PyObject *key = PyTuple_GET_ITEM(pair, 0);
         if (PyUnicode_Check(key) &&
             PyUnicode_Compare(key, st->str_params) == 0) {
             continue;
         }
         PyObject *skey = PyObject_Str(key);
-        PyObject *full = skey ? PyUnicode_Concat(prefix, skey) : NULL;
+        PyObject *kv =
+            skey ? PyTuple_Pack(2, skey, PyTuple_GET_ITEM(pair, 1)) : NULL;
         Py_XDECREF(skey);
+        if (kv == NULL || PyList_Append(out, kv) < 0) {
+            Py_XDECREF(kv);
+            Py_DECREF(items);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(kv);
+    }
+    Py_DECREF(items);
+    return out;
+}
+
+/* Emits every pair of `pairs` (from group_key_pairs) under `prefix`. */
+static int
+flatten_group_keys(PyObject *pairs, PyObject *prefix, PyObject *out)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        PyObject *full = PyUnicode_Concat(prefix, PyTuple_GET_ITEM(pair, 0));
         if (full == NULL) {
             return -1;
         }
@@ -131,15 +250,18 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
 {
     PyObject *params = NULL;
     if (!PyDict_Check(group)) {
-        PyErr_Format(PyExc_TypeError, "param_groups[%zd] must be a dict, not "
-                     "%.200s", g, Py_TYPE(group)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "param_groups[%zd] must be a dict, not "
+                     "%.200s",
+                     g,
+                     Py_TYPE(group)->tp_name);
         return NULL;
     }
     int rc = dcp_dict_get_ref(group, st->str_params, &params);
     if (rc <= 0) {
         if (rc == 0) {
-            PyErr_Format(PyExc_KeyError,
-                         "param_groups[%zd] has no 'params' entry", g);
+            PyErr_Format(
+                PyExc_KeyError, "param_groups[%zd] has no 'params' entry", g);
         }
         return NULL;
     }
@@ -153,7 +275,8 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
             PyErr_Format(PyExc_TypeError,
                          "param_groups[%zd]['params'] must hold FQN strings, "
                          "got %R",
-                         g, PyList_GET_ITEM(list, i));
+                         g,
+                         PyList_GET_ITEM(list, i));
             Py_DECREF(list);
             return NULL;
         }
@@ -164,15 +287,20 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
 /* Prefix "param_groups.<reserved>." for the empty group `g` of the
  * optimizer segment [lo, hi) of `plist` (a list of params lists). */
 static PyObject *
-empty_group_prefix(dcp_state *st, PyObject *plist, Py_ssize_t lo,
-                   Py_ssize_t hi, Py_ssize_t g, Py_ssize_t opt_i)
+empty_group_prefix(dcp_state *st,
+                   PyObject *plist,
+                   Py_ssize_t lo,
+                   Py_ssize_t hi,
+                   Py_ssize_t g,
+                   Py_ssize_t opt_i)
 {
     for (Py_ssize_t j = g - 1; j >= lo; j--) {
         PyObject *params = PyList_GET_ITEM(plist, j);
         if (PyList_GET_SIZE(params) > 0) {
             return PyUnicode_FromFormat("param_groups.%U.%s%zd__.",
                                         PyList_GET_ITEM(params, 0),
-                                        EMPTY_AFTER, g - j);
+                                        EMPTY_AFTER,
+                                        g - j);
         }
     }
     for (Py_ssize_t j = g + 1; j < hi; j++) {
@@ -180,11 +308,12 @@ empty_group_prefix(dcp_state *st, PyObject *plist, Py_ssize_t lo,
         if (PyList_GET_SIZE(params) > 0) {
             return PyUnicode_FromFormat("param_groups.%U.%s%zd__.",
                                         PyList_GET_ITEM(params, 0),
-                                        EMPTY_BEFORE, j - g);
+                                        EMPTY_BEFORE,
+                                        j - g);
         }
     }
-    return PyUnicode_FromFormat("param_groups.%s%zd_empty_group_%zd__.",
-                                EMPTY_OPTIM, opt_i, g - lo);
+    return PyUnicode_FromFormat(
+        "param_groups.%s%zd_empty_group_%zd__.", EMPTY_OPTIM, opt_i, g - lo);
 }
 
 /* flatten_optim(ctx, osd, group_counts) -> dict
@@ -210,8 +339,15 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      Py_TYPE(osd)->tp_name);
         return NULL;
     }
+    /* The output has ~17 keys per parameter (140k for 10k Adam params)
+     * and building it is the bulk of flattening: each insert probes a
+     * table far larger than the caches.  A dict whose keys are all str
+     * keeps no hashes in its entries, so every occupied slot probed costs
+     * a read of the key object too; a placeholder non-str key (None,
+     * removed at the end) makes it a general dict that compares stored
+     * hashes.  Same keys, values and order: a third faster here. */
     out = PyDict_New();
-    if (out == NULL) {
+    if (out == NULL || PyDict_SetItem(out, Py_None, Py_None) < 0) {
         goto done;
     }
     if (dcp_dict_get_ref(osd, st->str_state, &state) <= 0 ||
@@ -231,14 +367,14 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *pair = PyList_GET_ITEM(items, i);
         PyObject *fqn = PyTuple_GET_ITEM(pair, 0);
         PyObject *sfqn = PyObject_Str(fqn);
-        PyObject *prefix = sfqn ? PyUnicode_Concat(st->str_state_prefix, sfqn)
-                                : NULL;
+        PyObject *prefix =
+            sfqn ? concat3(st->str_state_prefix, sfqn, st->str_dot) : NULL;
         Py_XDECREF(sfqn);
         if (prefix == NULL) {
             goto done;
         }
-        int rc = flatten_state(st, ctx, PyTuple_GET_ITEM(pair, 1), prefix,
-                               out);
+        int rc =
+            flatten_state(st, ctx, PyTuple_GET_ITEM(pair, 1), prefix, out);
         Py_DECREF(prefix);
         if (rc < 0) {
             goto done;
@@ -277,35 +413,34 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (n == -1 && PyErr_Occurred()) {
             goto done;
         }
-        Py_ssize_t hi = lo + n;
-        if (n < 0 || hi > ngroups) {
+        if (n < 0 || n > ngroups - lo) {
             PyErr_SetString(PyExc_ValueError,
                             "group_counts do not add up to the number of "
                             "param groups");
             goto done;
         }
+        Py_ssize_t hi = lo + n;
         for (Py_ssize_t g = lo; g < hi; g++) {
-            PyObject *group_items = dcp_items_list(PyList_GET_ITEM(groups, g));
+            PyObject *pairs = group_key_pairs(st, PyList_GET_ITEM(groups, g));
             PyObject *params = PyList_GET_ITEM(plist, g);
             int rc = 0;
-            if (group_items == NULL) {
+            if (pairs == NULL) {
                 goto done;
             }
             if (PyList_GET_SIZE(params) == 0) {
                 PyObject *prefix = empty_group_prefix(st, plist, lo, hi, g, o);
-                rc = prefix ? flatten_group_keys(st, group_items, prefix, out)
-                            : -1;
+                rc = prefix ? flatten_group_keys(pairs, prefix, out) : -1;
                 Py_XDECREF(prefix);
             }
             for (Py_ssize_t p = 0; rc == 0 && p < PyList_GET_SIZE(params);
                  p++) {
-                PyObject *prefix = dcp_child_prefix(
-                    st, st->str_pg_prefix, PyList_GET_ITEM(params, p));
-                rc = prefix ? flatten_group_keys(st, group_items, prefix, out)
-                            : -1;
+                PyObject *prefix = concat3(st->str_pg_prefix,
+                                           PyList_GET_ITEM(params, p),
+                                           st->str_dot);
+                rc = prefix ? flatten_group_keys(pairs, prefix, out) : -1;
                 Py_XDECREF(prefix);
             }
-            Py_DECREF(group_items);
+            Py_DECREF(pairs);
             if (rc < 0) {
                 goto done;
             }
@@ -316,6 +451,9 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError,
                         "group_counts do not add up to the number of param "
                         "groups");
+        goto done;
+    }
+    if (PyDict_DelItem(out, Py_None) < 0) {
         goto done;
     }
     result = Py_NewRef(out);
@@ -345,7 +483,9 @@ done:
  * Returns 1 and new references in *fqn / *tail, 0 when no split works,
  * -1 on error. */
 static int
-split_known_prefix(PyObject *rest, PyObject *known, PyObject **fqn,
+split_known_prefix(PyObject *rest,
+                   PyObject *known,
+                   PyObject **fqn,
                    PyObject **tail)
 {
     Py_ssize_t end = PyUnicode_GET_LENGTH(rest);
@@ -368,8 +508,8 @@ split_known_prefix(PyObject *rest, PyObject *known, PyObject **fqn,
             return -1;
         }
         if (hit) {
-            *tail = PyUnicode_Substring(rest, dot + 1,
-                                        PyUnicode_GET_LENGTH(rest));
+            *tail =
+                PyUnicode_Substring(rest, dot + 1, PyUnicode_GET_LENGTH(rest));
             if (*tail == NULL) {
                 Py_DECREF(candidate);
                 return -1;
@@ -382,9 +522,37 @@ split_known_prefix(PyObject *rest, PyObject *known, PyObject **fqn,
     }
 }
 
+/* root[key] = value, refusing to replace a nested dict (a flattened key
+ * that collides with nested state).  0 or -1. */
+static int
+store_leaf(PyObject *root,
+           PyObject *key,
+           PyObject *value,
+           PyObject *key_for_errors)
+{
+    PyObject *existing = NULL;
+    int found = dcp_dict_get_ref(root, key, &existing);
+    if (found < 0) {
+        return -1;
+    }
+    if (found && PyDict_Check(existing)) {
+        PyErr_Format(PyExc_ValueError,
+                     "flattened optimizer key '%U' collides with nested "
+                     "state under the same name",
+                     key_for_errors);
+        Py_DECREF(existing);
+        return -1;
+    }
+    Py_XDECREF(existing);
+    return PyDict_SetItem(root, key, value);
+}
+
 /* Stores `value` at the dotted `path` inside dict `root`. */
 static int
-nested_store(dcp_state *st, PyObject *root, PyObject *path, PyObject *value,
+nested_store(dcp_state *st,
+             PyObject *root,
+             PyObject *path,
+             PyObject *value,
              PyObject *key_for_errors)
 {
     PyObject *parts = PyUnicode_Split(path, st->str_dot, -1);
@@ -418,28 +586,76 @@ nested_store(dcp_state *st, PyObject *root, PyObject *path, PyObject *value,
         }
         Py_SETREF(curr, next);
     }
-    if (PyDict_Check(curr)) {
-        PyObject *existing = NULL;
-        int found = dcp_dict_get_ref(curr, PyList_GET_ITEM(parts, n - 1),
-                                     &existing);
-        if (found < 0) {
-            goto done;
-        }
-        if (found && PyDict_Check(existing)) {
-            PyErr_Format(PyExc_ValueError,
-                         "flattened optimizer key '%U' collides with nested "
-                         "state under the same name",
-                         key_for_errors);
-            Py_DECREF(existing);
-            goto done;
-        }
-        Py_XDECREF(existing);
-    }
-    rc = PyDict_SetItem(curr, PyList_GET_ITEM(parts, n - 1), value);
+    rc =
+        store_leaf(curr, PyList_GET_ITEM(parts, n - 1), value, key_for_errors);
 done:
     Py_DECREF(curr);
     Py_DECREF(parts);
     return rc;
+}
+
+/* The split of the previous key, reused for the keys after it: they
+ * come in runs that share "state.<fqn>." or "param_groups.<fqn>."
+ * (flatten writes them so).  When a key starts with that prefix and has
+ * no dot after it, the right-most dot with a known FQN on its left is the
+ * one ending the prefix -- the split is the same, without the three
+ * substrings and the set probe of split_known_prefix. */
+typedef struct {
+    PyObject *prefix; /* "state.<fqn>." or "param_groups.<fqn>." */
+    PyObject *target; /* the state entry or group dict it fills */
+    int is_state;
+} dcp_last_split;
+
+static void
+last_split_set(dcp_last_split *ls,
+               PyObject *prefix,
+               PyObject *target,
+               int is_state)
+{
+    Py_XSETREF(ls->prefix, prefix);
+    Py_XSETREF(ls->target, Py_NewRef(target));
+    ls->is_state = is_state;
+}
+
+static void
+last_split_clear(dcp_last_split *ls)
+{
+    Py_CLEAR(ls->prefix);
+    Py_CLEAR(ls->target);
+}
+
+/* 1 when `key` was stored through the previous split, 0 when it needs
+ * the general path, -1 on error. */
+static int
+last_split_store(dcp_last_split *ls,
+                 PyObject *key,
+                 Py_ssize_t len,
+                 int is_state,
+                 PyObject *value)
+{
+    if (ls->prefix == NULL || ls->is_state != is_state) {
+        return 0;
+    }
+    Py_ssize_t plen = PyUnicode_GET_LENGTH(ls->prefix);
+    if (len <= plen) {
+        return 0;
+    }
+    Py_ssize_t starts = PyUnicode_Tailmatch(key, ls->prefix, 0, len, -1);
+    if (starts <= 0) {
+        return starts < 0 ? -1 : 0;
+    }
+    Py_ssize_t dot = PyUnicode_FindChar(key, '.', plen, len, 1);
+    if (dot != -1) {
+        return dot == -2 ? -1 : 0;
+    }
+    PyObject *tail = PyUnicode_Substring(key, plen, len);
+    if (tail == NULL) {
+        return -1;
+    }
+    int rc = is_state ? store_leaf(ls->target, tail, value, key)
+                      : PyDict_SetItem(ls->target, tail, value);
+    Py_DECREF(tail);
+    return rc < 0 ? -1 : 1;
 }
 
 /* The group dict for identity/fqn `id` in (groups, ids), created on
@@ -474,7 +690,9 @@ view_group(PyObject *groups, PyObject *ids, PyObject *id)
  * into identity "<anchor>|after|<n>" and key.  1 / 0 (not reserved) / -1.
  */
 static int
-parse_empty_tail(PyObject *anchor, PyObject *tail, PyObject **identity,
+parse_empty_tail(PyObject *anchor,
+                 PyObject *tail,
+                 PyObject **identity,
                  PyObject **key)
 {
     const char *kinds[2] = {EMPTY_AFTER, EMPTY_BEFORE};
@@ -510,8 +728,7 @@ parse_empty_tail(PyObject *anchor, PyObject *tail, PyObject **identity,
         if (digits == NULL) {
             return -1;
         }
-        *identity = PyUnicode_FromFormat("%U|%s|%U", anchor, names[k],
-                                         digits);
+        *identity = PyUnicode_FromFormat("%U|%s|%U", anchor, names[k], digits);
         Py_DECREF(digits);
         *key = *identity ? PyUnicode_Substring(tail, i + 3, len) : NULL;
         if (*key == NULL) {
@@ -525,13 +742,13 @@ parse_empty_tail(PyObject *anchor, PyObject *tail, PyObject **identity,
 
 /* unflatten_optim(index, flat) -> view (see above). */
 PyObject *
-dcp_unflatten_optim(PyObject *module, PyObject *const *args,
-                    Py_ssize_t nargs)
+dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *known = NULL, *state = NULL, *groups = NULL, *fqn_group = NULL;
     PyObject *empty_ids = NULL, *empties = NULL, *unexpected = NULL;
     PyObject *items = NULL, *result = NULL;
+    dcp_last_split last = {NULL, NULL, 0};
 
     if (dcp_check_nargs("unflatten_optim", nargs, 2) < 0 ||
         !dcp_index_check(st, args[0])) {
@@ -575,7 +792,8 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args,
         PyObject *key = PyTuple_GET_ITEM(pair, 0);
         PyObject *value = PyTuple_GET_ITEM(pair, 1);
         PyObject *rest = NULL, *fqn = NULL, *tail = NULL;
-        int rc = 0, is_state = 0, is_pg = 0;
+        int rc = 0;
+        Py_ssize_t is_state = 0, is_pg = 0; /* PyUnicode_Tailmatch */
         if (!PyUnicode_Check(key)) {
             PyErr_Format(PyExc_TypeError,
                          "flattened optimizer state dict keys must be str, "
@@ -600,6 +818,13 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args,
             }
             continue;
         }
+        int quick = last_split_store(&last, key, len, is_state != 0, value);
+        if (quick != 0) {
+            if (quick < 0) {
+                goto done;
+            }
+            continue;
+        }
         rest = PyUnicode_Substring(key, is_state ? state_len : pg_len, len);
         if (rest == NULL) {
             goto done;
@@ -609,28 +834,26 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args,
             /* "__optimizer_<o>_empty_group_<g>__.<key>" has no FQN. */
             PyObject *marker = PyUnicode_FromString(EMPTY_OPTIM);
             Py_ssize_t reserved =
-                marker ? PyUnicode_Tailmatch(rest, marker, 0,
-                                             PyUnicode_GET_LENGTH(rest), -1)
+                marker ? PyUnicode_Tailmatch(
+                             rest, marker, 0, PyUnicode_GET_LENGTH(rest), -1)
                        : -1;
             Py_XDECREF(marker);
-            Py_ssize_t sep = reserved > 0
-                                 ? PyUnicode_FindChar(
-                                       rest, '.', 0,
-                                       PyUnicode_GET_LENGTH(rest), 1)
-                                 : -1;
+            Py_ssize_t sep =
+                reserved > 0 ? PyUnicode_FindChar(
+                                   rest, '.', 0, PyUnicode_GET_LENGTH(rest), 1)
+                             : -1;
             if (reserved < 0 || sep == -2) {
                 rc = -1;
             }
             else if (reserved > 0 && sep > 0) {
                 PyObject *ident = PyUnicode_Substring(rest, 0, sep);
-                PyObject *gkey = ident ? PyUnicode_Substring(
-                                             rest, sep + 1,
-                                             PyUnicode_GET_LENGTH(rest))
-                                       : NULL;
-                PyObject *group = gkey ? view_group(groups, empty_ids, ident)
-                                       : NULL;
-                rc = (group != NULL &&
-                      PyDict_SetItem(group, gkey, value) == 0)
+                PyObject *gkey =
+                    ident ? PyUnicode_Substring(
+                                rest, sep + 1, PyUnicode_GET_LENGTH(rest))
+                          : NULL;
+                PyObject *group =
+                    gkey ? view_group(groups, empty_ids, ident) : NULL;
+                rc = (group != NULL && PyDict_SetItem(group, gkey, value) == 0)
                          ? 2
                          : -1;
                 Py_XDECREF(ident);
@@ -657,12 +880,16 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args,
                     found = -1;
                 }
             }
+            PyObject *prefix = NULL;
             if (found < 0 || entry == NULL ||
-                nested_store(st, entry, tail, value, key) < 0) {
+                nested_store(st, entry, tail, value, key) < 0 ||
+                (prefix = PyUnicode_Substring(
+                     key, 0, len - PyUnicode_GET_LENGTH(tail))) == NULL) {
                 Py_XDECREF(entry);
                 rc = -1;
             }
             else {
+                last_split_set(&last, prefix, entry, 1);
                 Py_DECREF(entry);
             }
         }
@@ -676,12 +903,22 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args,
             else if (reserved) {
                 group = view_group(groups, empty_ids, identity);
                 rc = (group && PyDict_SetItem(group, gkey, value) == 0) ? 1
-                                                                          : -1;
+                                                                        : -1;
             }
             else {
                 group = view_group(groups, fqn_group, fqn);
                 rc = (group && PyDict_SetItem(group, tail, value) == 0) ? 1
-                                                                          : -1;
+                                                                        : -1;
+                PyObject *prefix =
+                    rc == 1 ? PyUnicode_Substring(
+                                  key, 0, len - PyUnicode_GET_LENGTH(tail))
+                            : NULL;
+                if (prefix == NULL) {
+                    rc = -1;
+                }
+                else {
+                    last_split_set(&last, prefix, group, 0);
+                }
             }
             Py_XDECREF(identity);
             Py_XDECREF(gkey);
@@ -721,5 +958,6 @@ done:
     Py_XDECREF(empties);
     Py_XDECREF(unexpected);
     Py_XDECREF(items);
+    last_split_clear(&last);
     return result;
 }

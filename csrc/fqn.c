@@ -32,8 +32,8 @@ strip_ckpt_token(dcp_state *st, PyObject *name)
     if (token == NULL) {
         return NULL;
     }
-    Py_ssize_t found = PyUnicode_Find(name, token, 0,
-                                      PyUnicode_GET_LENGTH(name), 1);
+    Py_ssize_t found =
+        PyUnicode_Find(name, token, 0, PyUnicode_GET_LENGTH(name), 1);
     PyObject *result = NULL;
     if (found == -2) {
         goto done;
@@ -70,7 +70,9 @@ has_attr(PyObject *obj, PyObject *name)
  * nothing registered on the wrapper itself, so the walk should continue
  * in the wrapped module (D16).  0 otherwise, -1 on error. */
 static int
-passes_through_ckpt(dcp_resolver *r, PyObject *module, PyObject *tok,
+passes_through_ckpt(dcp_resolver *r,
+                    PyObject *module,
+                    PyObject *tok,
                     PyObject **inner)
 {
     dcp_state *st = r->st;
@@ -99,8 +101,8 @@ passes_through_ckpt(dcp_resolver *r, PyObject *module, PyObject *tok,
     /* Registered on the wrapper itself: no pass-through. */
     PyObject *containers[3] = {modules, NULL, NULL};
     PyObject *params = PyObject_GetAttr(module, st->str_parameters);
-    PyObject *buffers = params ? PyObject_GetAttr(module, st->str_buffers)
-                               : NULL;
+    PyObject *buffers =
+        params ? PyObject_GetAttr(module, st->str_buffers) : NULL;
     if (params == NULL || buffers == NULL) {
         Py_XDECREF(params);
         Py_CLEAR(*inner);
@@ -134,8 +136,8 @@ done:
 static int
 registered_member(dcp_state *st, PyObject *module, PyObject *name)
 {
-    PyObject *attrs[3] = {st->str_parameters, st->str_buffers,
-                          st->str_modules};
+    PyObject *attrs[3] = {
+        st->str_parameters, st->str_buffers, st->str_modules};
     for (int i = 0; i < 3; i++) {
         PyObject *container = PyObject_GetAttr(module, attrs[i]);
         if (container == NULL) {
@@ -145,8 +147,8 @@ registered_member(dcp_state *st, PyObject *module, PyObject *name)
             PyErr_Clear();
             return 0;
         }
-        int has = PyDict_Check(container) ? PyDict_Contains(container, name)
-                                          : 0;
+        int has =
+            PyDict_Check(container) ? PyDict_Contains(container, name) : 0;
         Py_DECREF(container);
         if (has != 0) {
             return has;
@@ -160,8 +162,12 @@ registered_member(dcp_state *st, PyObject *module, PyObject *name)
  * `next` is the following token or NULL.  Sets *flat to a new set when
  * FSDP1's flat-parameter expansion ends the walk.  Returns 0 or -1. */
 static int
-resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
-              PyObject *tok, PyObject *next, PyObject **flat)
+resolve_token(dcp_resolver *r,
+              PyObject **curr,
+              PyObject *emitted,
+              PyObject *tok,
+              PyObject *next,
+              PyObject **flat)
 {
     dcp_state *st = r->st;
     dcp_Context *ctx = r->ctx;
@@ -175,8 +181,8 @@ resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
                 return -1;
             }
             if (PyUnicode_Compare(tok, st->str_module) != 0) {
-                PyErr_Format(PyExc_AssertionError,
-                             "Expected 'module', got '%U'", tok);
+                PyErr_Format(
+                    PyExc_AssertionError, "Expected 'module', got '%U'", tok);
                 return -1;
             }
             child = PyObject_GetAttr(obj, st->str_module);
@@ -198,8 +204,8 @@ resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
             if (next != NULL &&
                 PyUnicode_Compare(next, st->str_flat_param) == 0) {
                 PyObject *fp = PyObject_GetAttr(obj, st->str_flat_param);
-                PyObject *names = fp ? PyObject_GetAttr(fp, st->str_fqns)
-                                     : NULL;
+                PyObject *names =
+                    fp ? PyObject_GetAttr(fp, st->str_fqns) : NULL;
                 PyObject *prefix = NULL, *list = NULL;
                 Py_XDECREF(fp);
                 if (names == NULL) {
@@ -219,10 +225,22 @@ resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
                     return -1;
                 }
                 for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+                    if (!PyUnicode_Check(PyList_GET_ITEM(list, i))) {
+                        /* callers treat the FQNs as str (%U, lengths) */
+                        PyErr_Format(
+                            PyExc_TypeError,
+                            "FlatParameter._fqns must hold str, "
+                            "got %.200s",
+                            Py_TYPE(PyList_GET_ITEM(list, i))->tp_name);
+                        Py_DECREF(prefix);
+                        Py_DECREF(list);
+                        Py_CLEAR(*flat);
+                        return -1;
+                    }
                     PyObject *full =
                         PyUnicode_GET_LENGTH(prefix)
-                            ? dcp_join_name(st, prefix,
-                                            PyList_GET_ITEM(list, i))
+                            ? dcp_join_name(
+                                  st, prefix, PyList_GET_ITEM(list, i))
                             : Py_NewRef(PyList_GET_ITEM(list, i));
                     if (full == NULL || PySet_Add(*flat, full) < 0) {
                         Py_XDECREF(full);
@@ -259,7 +277,8 @@ resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
             }
             if (PyUnicode_Compare(tok, st->str_orig_mod) != 0) {
                 PyErr_Format(PyExc_AssertionError,
-                             "Expected '_orig_mod', got '%U'", tok);
+                             "Expected '_orig_mod', got '%U'",
+                             tok);
                 return -1;
             }
             child = PyObject_GetAttr(obj, st->str_orig_mod);
@@ -306,9 +325,8 @@ resolve_token(dcp_resolver *r, PyObject **curr, PyObject *emitted,
                 return -1;
             }
             if (truthy) {
-                int present = PyUnicode_Check(hidden)
-                                  ? has_attr(obj, hidden)
-                                  : 0;
+                int present =
+                    PyUnicode_Check(hidden) ? has_attr(obj, hidden) : 0;
                 if (present < 0) {
                     Py_DECREF(hidden);
                     return -1;
@@ -372,8 +390,8 @@ resolve(dcp_resolver *r, PyObject *name)
     if (stripped == NULL) {
         goto done;
     }
-    Py_ssize_t dot = PyUnicode_FindChar(stripped, '.', 0,
-                                        PyUnicode_GET_LENGTH(stripped), 1);
+    Py_ssize_t dot = PyUnicode_FindChar(
+        stripped, '.', 0, PyUnicode_GET_LENGTH(stripped), 1);
     if (dot == -2) {
         goto done;
     }
@@ -390,68 +408,85 @@ resolve(dcp_resolver *r, PyObject *name)
     }
     Py_ssize_t ntok = PyList_GET_SIZE(tokens);
 
-    /* Resume from the cached state after the name's parent prefix. */
-    Py_ssize_t last_dot = PyUnicode_FindChar(
-        stripped, '.', 0, PyUnicode_GET_LENGTH(stripped), -1);
-    PyObject *parent = PyUnicode_Substring(stripped, 0, last_dot);
-    if (parent == NULL) {
+    /* Resume from the longest cached prefix: the walk state after a
+     * prefix depends on the prefix only, except that FSDP1's flat
+     * parameter expansion looks one token ahead -- so never resume right
+     * before a "_flat_param" token.  Every prefix walked is cached (keys
+     * share their module paths: each is walked once per call). */
+    Py_ssize_t *ends = PyMem_New(Py_ssize_t, ntok);
+    if (ends == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    PyObject *cached = NULL;
-    /* A trailing "_flat_param" changes how its parent token resolves
-     * (FSDP1 expansion looks one token ahead), so it never resumes. */
-    int hit = 0;
-    if (r->cache != NULL &&
-        PyUnicode_Compare(PyList_GET_ITEM(tokens, ntok - 1),
-                          st->str_flat_param) != 0) {
-        hit = dcp_dict_get_ref(r->cache, parent, &cached);
+    for (Py_ssize_t i = 0, at = 0; i < ntok; i++) {
+        at += PyUnicode_GET_LENGTH(PyList_GET_ITEM(tokens, i));
+        ends[i] = at; /* stripped[:ends[i]] is the prefix up to token i */
+        at += 1;
     }
-    if (hit < 0) {
-        Py_DECREF(parent);
-        goto done;
+    for (Py_ssize_t k = ntok - 2; r->cache != NULL && k >= 0; k--) {
+        int cmp = PyUnicode_Compare(PyList_GET_ITEM(tokens, k + 1),
+                                    st->str_flat_param);
+        if (cmp == -1 && PyErr_Occurred()) {
+            PyMem_Free(ends);
+            goto done;
+        }
+        if (cmp == 0) {
+            continue;
+        }
+        PyObject *prefix = PyUnicode_Substring(stripped, 0, ends[k]);
+        PyObject *cached = NULL;
+        int hit = prefix ? dcp_dict_get_ref(r->cache, prefix, &cached) : -1;
+        Py_XDECREF(prefix);
+        if (hit < 0) {
+            PyMem_Free(ends);
+            goto done;
+        }
+        if (hit) {
+            curr = Py_NewRef(PyTuple_GET_ITEM(cached, 0));
+            emitted = PySequence_List(PyTuple_GET_ITEM(cached, 1));
+            Py_DECREF(cached);
+            start = k + 1;
+            break;
+        }
     }
-    if (hit) {
-        curr = Py_NewRef(PyTuple_GET_ITEM(cached, 0));
-        emitted = PySequence_List(PyTuple_GET_ITEM(cached, 1));
-        Py_DECREF(cached);
-        start = ntok - 1;
-    }
-    else {
+    if (curr == NULL) {
         curr = Py_NewRef(r->model);
         emitted = PyList_New(0);
     }
     if (emitted == NULL) {
-        Py_DECREF(parent);
+        PyMem_Free(ends);
         goto done;
     }
     for (Py_ssize_t i = start; i < ntok; i++) {
         PyObject *tok = PyList_GET_ITEM(tokens, i);
-        PyObject *next = i + 1 < ntok ? PyList_GET_ITEM(tokens, i + 1)
-                                      : NULL;
+        PyObject *next = i + 1 < ntok ? PyList_GET_ITEM(tokens, i + 1) : NULL;
         if (resolve_token(r, &curr, emitted, tok, next, &flat) < 0) {
-            Py_DECREF(parent);
+            PyMem_Free(ends);
             goto done;
         }
         if (flat != NULL) {
             result = flat;
             flat = NULL;
-            Py_DECREF(parent);
+            PyMem_Free(ends);
             goto done;
         }
-        if (i == ntok - 2 && !hit && r->cache != NULL) {
-            PyObject *frozen = PyList_AsTuple(emitted);
+        if (i <= ntok - 2 && r->cache != NULL) {
+            PyObject *prefix = PyUnicode_Substring(stripped, 0, ends[i]);
+            PyObject *frozen = prefix ? PyList_AsTuple(emitted) : NULL;
             PyObject *entry = frozen ? PyTuple_Pack(2, curr, frozen) : NULL;
             Py_XDECREF(frozen);
             if (entry == NULL ||
-                PyDict_SetItem(r->cache, parent, entry) < 0) {
+                PyDict_SetDefault(r->cache, prefix, entry) == NULL) {
                 Py_XDECREF(entry);
-                Py_DECREF(parent);
+                Py_XDECREF(prefix);
+                PyMem_Free(ends);
                 goto done;
             }
             Py_DECREF(entry);
+            Py_DECREF(prefix);
         }
     }
-    Py_DECREF(parent);
+    PyMem_Free(ends);
     joined = PyUnicode_Join(st->str_dot, emitted);
     if (joined == NULL) {
         goto done;
@@ -485,13 +520,19 @@ dcp_get_fqns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         dcp_check_str("get_fqns", "modifiers_name", args[3]) < 0) {
         return NULL;
     }
+    /* one at a time: IsTrue runs Python code, never with an error set */
     int skip_ddp = PyObject_IsTrue(args[4]);
-    int skip_compiler = PyObject_IsTrue(args[5]);
+    int skip_compiler = skip_ddp < 0 ? -1 : PyObject_IsTrue(args[5]);
     if (skip_ddp < 0 || skip_compiler < 0) {
         return NULL;
     }
-    dcp_resolver r = {st,       (dcp_Context *)args[0], args[1], args[3],
-                      skip_ddp, skip_compiler,          NULL};
+    dcp_resolver r = {st,
+                      (dcp_Context *)args[0],
+                      args[1],
+                      args[3],
+                      skip_ddp,
+                      skip_compiler,
+                      NULL};
     return resolve(&r, args[2]);
 }
 
@@ -508,8 +549,8 @@ key_only_drops_wrappers(dcp_state *st, PyObject *key, PyObject *fqn)
         return 0;
     }
     PyObject *fqn_split = PyUnicode_Split(fqn, st->str_dot, -1);
-    PyObject *key_split = fqn_split ? PyUnicode_Split(key, st->str_dot, -1)
-                                    : NULL;
+    PyObject *key_split =
+        fqn_split ? PyUnicode_Split(key, st->str_dot, -1) : NULL;
     int result = -1;
     if (key_split == NULL) {
         goto done;
@@ -560,23 +601,229 @@ mapping_pop(PyObject *mapping, PyObject *key)
     return PyObject_CallMethod(mapping, "pop", "O", key);
 }
 
+/* ----------------------------------------------------------------------
+ * The common case of canonicalize_model_keys, per parent module
+ *
+ * model.state_dict() has a key per parameter and buffer, a few under each
+ * module prefix.  resolve() caches the walk up to each prefix but still
+ * applies the last token's rules (three isinstance checks, the checkpoint
+ * pass-through, the modifier hook, the registration check), splits and
+ * joins token lists and builds a set, for every key.  Under a parent that
+ * is no wrapper (not DDP, FSDP1 or compiled, no checkpoint-wrapped child)
+ * and has no modifier hook, those rules reduce to: emit the token, and
+ * getattr() it unless it is `_extra_state` or registered in the parent's
+ * containers.  The parent's facts are learnt once, after resolve() has
+ * handled its first key; the keys after it take this path.
+ */
+
+/* The parent's entry in r->fast:
+ * (curr, joined emitted prefix, identity, params, buffers, modules) with
+ * identity True when the joined prefix is the parent name itself, and
+ * each container the object getattr returned or None where the lookup
+ * failed with AttributeError (registered_member stops there); or None
+ * when the parent is not plain. */
+enum { FAST_CURR, FAST_JOINED, FAST_IDENTITY, FAST_CONTAINERS, FAST_SIZE = 6 };
+
+/* Learns the parent of `stripped` (cut at `last_dot`) after resolve() ran
+ * on a key under it.  0 or -1. */
+static int
+fast_learn(dcp_resolver *r, PyObject *fast, PyObject *parent)
+{
+    dcp_state *st = r->st;
+    dcp_Context *ctx = r->ctx;
+    PyObject *cached = NULL, *entry = NULL, *joined = NULL;
+    PyObject *containers[3] = {NULL, NULL, NULL};
+    int rc = dcp_dict_get_ref(r->cache, parent, &cached);
+    if (rc <= 0) {
+        return rc; /* resolve() did not pass through it */
+    }
+    PyObject *curr = PyTuple_GET_ITEM(cached, 0);
+    PyObject *emitted = PyTuple_GET_ITEM(cached, 1);
+    int plain = 1, r1;
+    PyObject *wrappers[3] = {
+        ctx->ddp_types, ctx->fsdp1_types, ctx->compiled_types};
+    for (int i = 0; i < 3 && plain; i++) {
+        if ((r1 = dcp_isinstance_any(curr, wrappers[i])) < 0) {
+            goto error;
+        }
+        plain = !r1;
+    }
+    PyObject *hook = plain ? dcp_lookup_hook(curr, r->modifiers) : NULL;
+    if (hook != NULL) {
+        Py_DECREF(hook);
+        plain = 0;
+    }
+    else if (PyErr_Occurred()) {
+        goto error;
+    }
+    PyObject *names[3] = {
+        st->str_parameters, st->str_buffers, st->str_modules};
+    for (int i = 0; i < 3 && plain; i++) {
+        containers[i] = PyObject_GetAttr(curr, names[i]);
+        if (containers[i] == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                goto error;
+            }
+            PyErr_Clear();
+            if (i == 2) {
+                break; /* no _modules: no checkpoint pass-through either */
+            }
+            plain = 0; /* registered_member stops early: keep it simple */
+        }
+    }
+    if (plain && containers[2] != NULL && PyDict_Check(containers[2])) {
+        /* passes_through_ckpt() would look for a wrapped child */
+        if ((r1 = PyDict_Contains(containers[2], st->str_ckpt_wrapped)) < 0) {
+            goto error;
+        }
+        plain = !r1;
+    }
+    if (!plain) {
+        rc = PyDict_SetItem(fast, parent, Py_None);
+        goto done;
+    }
+    joined = PyUnicode_Join(st->str_dot, emitted);
+    if (joined == NULL) {
+        goto error;
+    }
+    int identity = PyTuple_GET_SIZE(emitted) > 0 &&
+                   PyUnicode_Compare(joined, parent) == 0;
+    if (identity == 0 && PyErr_Occurred()) {
+        goto error;
+    }
+    entry = PyTuple_New(FAST_SIZE);
+    if (entry == NULL) {
+        goto error;
+    }
+    PyTuple_SET_ITEM(entry, FAST_CURR, Py_NewRef(curr));
+    PyTuple_SET_ITEM(
+        entry,
+        FAST_JOINED,
+        PyTuple_GET_SIZE(emitted) ? Py_NewRef(joined) : Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(
+        entry, FAST_IDENTITY, Py_NewRef(identity ? Py_True : Py_False));
+    for (int i = 0; i < 3; i++) {
+        PyTuple_SET_ITEM(entry,
+                         FAST_CONTAINERS + i,
+                         containers[i] ? containers[i] : Py_NewRef(Py_None));
+        containers[i] = NULL;
+    }
+    rc = PyDict_SetItem(fast, parent, entry);
+    goto done;
+error:
+    rc = -1;
+done:
+    Py_XDECREF(cached);
+    Py_XDECREF(entry);
+    Py_XDECREF(joined);
+    for (int i = 0; i < 3; i++) {
+        Py_XDECREF(containers[i]);
+    }
+    return rc;
+}
+
+/* The canonical FQN of `key` through its parent's entry in `fast`: 1 with
+ * a new reference in *fqn, 0 when the general path must run (and *parent
+ * set to a new reference to the parent name, or NULL), -1 on error. */
+static int
+fast_canonical(dcp_resolver *r,
+               PyObject *fast,
+               PyObject *key,
+               PyObject **fqn,
+               PyObject **parent_out)
+{
+    dcp_state *st = r->st;
+    PyObject *stripped = NULL, *parent = NULL, *tok = NULL, *entry = NULL;
+    int rc = -1;
+    *fqn = *parent_out = NULL;
+    stripped = strip_ckpt_token(st, key);
+    if (stripped == NULL) {
+        return -1;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(stripped);
+    Py_ssize_t last_dot = PyUnicode_FindChar(stripped, '.', 0, len, -1);
+    if (last_dot < 0) {
+        rc = last_dot == -2 ? -1 : 0;
+        goto done;
+    }
+    parent = PyUnicode_Substring(stripped, 0, last_dot);
+    tok = parent ? PyUnicode_Substring(stripped, last_dot + 1, len) : NULL;
+    if (tok == NULL) {
+        goto done;
+    }
+    int found = dcp_dict_get_ref(fast, parent, &entry);
+    if (found <= 0 || entry == Py_None ||
+        PyUnicode_Compare(tok, st->str_flat_param) == 0) {
+        rc = found < 0 ? -1 : 0;
+        if (found == 0) {
+            *parent_out = Py_NewRef(parent);
+        }
+        goto done;
+    }
+    /* the last token: registered, `_extra_state`, or a real getattr */
+    if (PyUnicode_Compare(tok, st->str_extra_state) != 0) {
+        int registered = 0;
+        for (int i = 0; i < 3 && !registered; i++) {
+            PyObject *c = PyTuple_GET_ITEM(entry, FAST_CONTAINERS + i);
+            if (c == Py_None) {
+                break;
+            }
+            registered = PyDict_Check(c) ? PyDict_Contains(c, tok) : 0;
+            if (registered < 0) {
+                goto done;
+            }
+        }
+        if (!registered) {
+            PyObject *child =
+                PyObject_GetAttr(PyTuple_GET_ITEM(entry, FAST_CURR), tok);
+            if (child == NULL) {
+                goto done;
+            }
+            Py_DECREF(child);
+        }
+    }
+    PyObject *joined = PyTuple_GET_ITEM(entry, FAST_JOINED);
+    if (PyTuple_GET_ITEM(entry, FAST_IDENTITY) == Py_True) {
+        *fqn = Py_NewRef(stripped); /* joined + "." + tok == stripped */
+    }
+    else {
+        PyObject *full = joined == Py_None ? Py_NewRef(tok)
+                                           : dcp_join_name(st, joined, tok);
+        *fqn = full ? strip_ckpt_token(st, full) : NULL;
+        Py_XDECREF(full);
+        if (*fqn == NULL) {
+            goto done;
+        }
+    }
+    rc = 1;
+done:
+    Py_XDECREF(stripped);
+    Py_XDECREF(parent);
+    Py_XDECREF(tok);
+    Py_XDECREF(entry);
+    return rc;
+}
+
 PyObject *
-dcp_canonicalize_model_keys(PyObject *module, PyObject *const *args,
+dcp_canonicalize_model_keys(PyObject *module,
+                            PyObject *const *args,
                             Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *keys = NULL, *result = NULL;
     if (dcp_check_nargs("canonicalize_model_keys", nargs, 4) < 0 ||
         !dcp_context_check(st, args[0]) ||
-        dcp_check_str("canonicalize_model_keys", "modifiers_name",
-                      args[3]) < 0) {
+        dcp_check_str("canonicalize_model_keys", "modifiers_name", args[3]) <
+            0) {
         return NULL;
     }
     PyObject *sd = args[2];
-    dcp_resolver r = {st, (dcp_Context *)args[0], args[1], args[3], 1, 1,
-                      NULL};
-    r.cache = PyDict_New();
+    dcp_resolver r = {
+        st, (dcp_Context *)args[0], args[1], args[3], 1, 1, NULL};
+    PyObject *fast = PyDict_New();
+    r.cache = fast ? PyDict_New() : NULL;
     if (r.cache == NULL) {
+        Py_XDECREF(fast);
         return NULL;
     }
     keys = PySequence_List(sd);
@@ -587,24 +834,40 @@ dcp_canonicalize_model_keys(PyObject *module, PyObject *const *args,
         PyObject *key = PyList_GET_ITEM(keys, i);
         if (!PyUnicode_Check(key)) {
             PyErr_Format(PyExc_TypeError,
-                         "model state_dict keys must be str, got %R", key);
+                         "model state_dict keys must be str, got %R",
+                         key);
             goto done;
         }
-        PyObject *fqns = resolve(&r, key);
-        if (fqns == NULL) {
+        PyObject *fqn = NULL, *parent = NULL;
+        int quick = fast_canonical(&r, fast, key, &fqn, &parent);
+        if (quick < 0) {
             goto done;
         }
-        if (PySet_GET_SIZE(fqns) != 1) {
-            PyErr_Format(PyExc_AssertionError,
-                         "Expected 1 FQN for key '%U', got %zd: %R", key,
-                         PySet_GET_SIZE(fqns), fqns);
+        if (quick == 0) {
+            PyObject *fqns = resolve(&r, key);
+            if (fqns == NULL) {
+                Py_XDECREF(parent);
+                goto done;
+            }
+            if (PySet_GET_SIZE(fqns) != 1) {
+                PyErr_Format(PyExc_AssertionError,
+                             "Expected 1 FQN for key '%U', got %zd: %R",
+                             key,
+                             PySet_GET_SIZE(fqns),
+                             fqns);
+                Py_DECREF(fqns);
+                Py_XDECREF(parent);
+                goto done;
+            }
+            fqn = PySet_Pop(fqns);
             Py_DECREF(fqns);
-            goto done;
-        }
-        PyObject *fqn = PySet_Pop(fqns);
-        Py_DECREF(fqns);
-        if (fqn == NULL) {
-            goto done;
+            if (fqn == NULL ||
+                (parent != NULL && fast_learn(&r, fast, parent) < 0)) {
+                Py_XDECREF(fqn);
+                Py_XDECREF(parent);
+                goto done;
+            }
+            Py_XDECREF(parent);
         }
         int same = PyUnicode_Compare(fqn, key) == 0;
         if (!same) {
@@ -613,7 +876,8 @@ dcp_canonicalize_model_keys(PyObject *module, PyObject *const *args,
                 if (ok == 0) {
                     PyErr_Format(PyExc_RuntimeError,
                                  "An unexpected key, %U, exists. FQN is %U",
-                                 key, fqn);
+                                 key,
+                                 fqn);
                 }
                 Py_DECREF(fqn);
                 goto done;
@@ -632,6 +896,7 @@ dcp_canonicalize_model_keys(PyObject *module, PyObject *const *args,
 done:
     Py_XDECREF(keys);
     Py_XDECREF(r.cache);
+    Py_XDECREF(fast);
     return result;
 }
 
@@ -701,7 +966,8 @@ done:
 /* first_key_containing(mapping, needle) -> the first str key containing
  * `needle`, or None (upstream's "_flat_param in key" check, E10). */
 PyObject *
-dcp_first_key_containing(PyObject *module, PyObject *const *args,
+dcp_first_key_containing(PyObject *module,
+                         PyObject *const *args,
                          Py_ssize_t nargs)
 {
     if (dcp_check_nargs("first_key_containing", nargs, 2) < 0 ||
@@ -739,8 +1005,7 @@ done:
  * (in the given order) the key starts with, keep it (keep=True) or strip
  * the prefix. */
 PyObject *
-dcp_filter_prefixes(PyObject *module, PyObject *const *args,
-                    Py_ssize_t nargs)
+dcp_filter_prefixes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("filter_prefixes", nargs, 3) < 0) {
         return NULL;
@@ -773,8 +1038,8 @@ dcp_filter_prefixes(PyObject *module, PyObject *const *args,
             }
             PyObject *new_key =
                 keep ? Py_NewRef(key)
-                     : PyUnicode_Substring(key, PyUnicode_GET_LENGTH(prefix),
-                                           len);
+                     : PyUnicode_Substring(
+                           key, PyUnicode_GET_LENGTH(prefix), len);
             if (new_key == NULL ||
                 PyDict_SetItem(out, new_key, PyTuple_GET_ITEM(pair, 1)) < 0) {
                 Py_XDECREF(new_key);

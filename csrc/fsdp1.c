@@ -20,12 +20,14 @@
  * and numel of each real (non-padding) parameter in the unsharded flat
  * tensor.  Returns the number of real parameters, or -1. */
 static Py_ssize_t
-flat_layout(PyObject *numels_obj, PyObject *mask_obj, Py_ssize_t **offsets,
+flat_layout(PyObject *numels_obj,
+            PyObject *mask_obj,
+            Py_ssize_t **offsets,
             Py_ssize_t **numels)
 {
-    PyObject *numels_seq = PySequence_Fast(numels_obj, "numels");
-    PyObject *mask_seq = numels_seq ? PySequence_Fast(mask_obj, "mask")
-                                    : NULL;
+    PyObject *numels_seq = dcp_sequence_fast(numels_obj, "numels");
+    PyObject *mask_seq =
+        numels_seq ? dcp_sequence_fast(mask_obj, "mask") : NULL;
     Py_ssize_t n = -1;
     *offsets = *numels = NULL;
     if (mask_seq == NULL) {
@@ -46,13 +48,19 @@ flat_layout(PyObject *numels_obj, PyObject *mask_obj, Py_ssize_t **offsets,
     }
     Py_ssize_t pos = 0, real = 0;
     for (Py_ssize_t i = 0; i < total; i++) {
-        Py_ssize_t k = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(numels_seq, i));
+        Py_ssize_t k =
+            PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(numels_seq, i));
         int pad = PyObject_IsTrue(PySequence_Fast_GET_ITEM(mask_seq, i));
         if ((k == -1 && PyErr_Occurred()) || pad < 0) {
             goto done;
         }
         if (k < 0) {
             PyErr_SetString(PyExc_ValueError, "negative numel");
+            goto done;
+        }
+        if (k > PY_SSIZE_T_MAX - pos) {
+            PyErr_SetString(PyExc_OverflowError,
+                            "FlatParameter metadata: numels overflow");
             goto done;
         }
         if (!pad) {
@@ -77,7 +85,13 @@ done:
 static PyObject *
 narrow1d(PyObject *tensor, Py_ssize_t start, Py_ssize_t length)
 {
-    return PyObject_CallMethod(tensor, "narrow", "inn", 0, start, length); /* cpylint-ignore: per piece, torch op */
+    return PyObject_CallMethod(
+        tensor,
+        "narrow",
+        "inn",
+        0,
+        start,
+        length); /* cpylint-ignore: per piece, torch op */
 }
 
 /* flat_unflatten(full, numels_with_padding, is_padding_mask, shapes)
@@ -97,7 +111,7 @@ dcp_flat_unflatten(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (n < 0) {
         return NULL;
     }
-    shapes = PySequence_Fast(args[3], "shapes");
+    shapes = dcp_sequence_fast(args[3], "shapes");
     if (shapes == NULL) {
         goto done;
     }
@@ -109,9 +123,13 @@ dcp_flat_unflatten(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         PyObject *piece = narrow1d(args[0], offsets[i], numels[i]);
-        PyObject *view = piece ? PyObject_CallMethod(piece, "view", "O", /* cpylint-ignore: per param, torch op */
-                                                     PySequence_Fast_GET_ITEM(shapes, i))
-                               : NULL;
+        PyObject *view =
+            piece ? PyObject_CallMethod(
+                        piece,
+                        "view",
+                        "O", /* cpylint-ignore: per param, torch op */
+                        PySequence_Fast_GET_ITEM(shapes, i))
+                  : NULL;
         Py_XDECREF(piece);
         if (view == NULL) {
             Py_CLEAR(out);
@@ -144,6 +162,13 @@ dcp_flat_pieces(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if ((shard == -1 || rank == -1) && PyErr_Occurred()) {
         return NULL;
     }
+    if (shard < 0 || rank < 0 ||
+        (rank > 0 && shard > (PY_SSIZE_T_MAX - shard) / rank)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "flat_pieces: shard_numel and rank must be "
+                        "non-negative and the shard must fit");
+        return NULL;
+    }
     Py_ssize_t n = flat_layout(args[0], args[1], &offsets, &numels);
     if (n < 0) {
         return NULL;
@@ -152,11 +177,13 @@ dcp_flat_pieces(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t lo = rank * shard, hi = lo + shard;
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         Py_ssize_t a = offsets[i] > lo ? offsets[i] : lo;
-        Py_ssize_t b = offsets[i] + numels[i] < hi ? offsets[i] + numels[i] : hi;
+        Py_ssize_t b =
+            offsets[i] + numels[i] < hi ? offsets[i] + numels[i] : hi;
         if (a >= b) {
             continue;
         }
-        PyObject *t = Py_BuildValue("(nnnn)", i, a - offsets[i], a - lo, b - a);
+        PyObject *t =
+            Py_BuildValue("(nnnn)", i, a - offsets[i], a - lo, b - a);
         if (t == NULL || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
             Py_CLEAR(out);
@@ -180,8 +207,8 @@ dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("flat_assemble", nargs, 3) < 0) {
         return NULL;
     }
-    PyObject *pieces = PySequence_Fast(args[1], "pieces");
-    PyObject *values = pieces ? PySequence_Fast(args[2], "values") : NULL;
+    PyObject *pieces = dcp_sequence_fast(args[1], "pieces");
+    PyObject *values = pieces ? dcp_sequence_fast(args[2], "values") : NULL;
     if (values == NULL) {
         Py_XDECREF(pieces);
         return NULL;
@@ -189,8 +216,12 @@ dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int ok = 1;
     for (Py_ssize_t k = 0; ok && k < PySequence_Fast_GET_SIZE(pieces); k++) {
         Py_ssize_t i, pstart, sstart, len;
-        ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pieces, k), "nnnn", &i,
-                              &pstart, &sstart, &len);
+        ok = dcp_parse_tuple(PySequence_Fast_GET_ITEM(pieces, k),
+                             "nnnn",
+                             &i,
+                             &pstart,
+                             &sstart,
+                             &len);
         if (!ok) {
             break;
         }
@@ -203,10 +234,12 @@ dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (value == Py_None) {
             continue;
         }
-        PyObject *flat = PyObject_CallMethod(value, "reshape", "(i)", -1); /* cpylint-ignore: per piece */
+        PyObject *flat = PyObject_CallMethod(
+            value, "reshape", "(i)", -1); /* cpylint-ignore: per piece */
         PyObject *src = flat ? narrow1d(flat, 0, len) : NULL;
         PyObject *dst = src ? narrow1d(args[0], sstart, len) : NULL;
-        PyObject *r = dst ? PyObject_CallMethod(dst, "copy_", "O", src) : NULL; /* cpylint-ignore: per piece */
+        PyObject *r = dst ? PyObject_CallMethod(dst, "copy_", "O", src)
+                          : NULL; /* cpylint-ignore: per piece */
         ok = r != NULL;
         Py_XDECREF(flat);
         Py_XDECREF(src);
@@ -229,7 +262,7 @@ dcp_map_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("map_call", nargs, 3) < 0) {
         return NULL;
     }
-    PyObject *values = PySequence_Fast(args[1], "values");
+    PyObject *values = dcp_sequence_fast(args[1], "values");
     PyObject *extra = values ? PySequence_Tuple(args[2]) : NULL;
     if (extra == NULL) {
         Py_XDECREF(values);
@@ -252,7 +285,8 @@ dcp_map_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             PyTuple_SET_ITEM(a, 0, Py_NewRef(v));
             for (Py_ssize_t j = 0; j < ne; j++) {
-                PyTuple_SET_ITEM(a, j + 1, Py_NewRef(PyTuple_GET_ITEM(extra, j)));
+                PyTuple_SET_ITEM(
+                    a, j + 1, Py_NewRef(PyTuple_GET_ITEM(extra, j)));
             }
             r = PyObject_Call(args[0], a, NULL);
             Py_DECREF(a);

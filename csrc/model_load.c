@@ -16,7 +16,8 @@ copy_state_dict(PyObject *sd)
     if (copy == NULL) {
         return NULL;
     }
-    PyObject *meta = PyObject_GetAttrString(sd, "_metadata"); /* cpylint-ignore: once per call */
+    PyObject *meta = PyObject_GetAttrString(
+        sd, "_metadata"); /* cpylint-ignore: once per call */
     if (meta == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             Py_DECREF(copy);
@@ -44,8 +45,7 @@ copy_state_dict(PyObject *sd)
  * nothing needs renaming, else a private copy is renamed.  `local_state`
  * maps every load key to the live tensor (or _extra_state marker). */
 PyObject *
-dcp_rename_for_load(PyObject *module, PyObject *const *args,
-                    Py_ssize_t nargs)
+dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *out = NULL, *local = NULL, *result = NULL;
@@ -56,9 +56,10 @@ dcp_rename_for_load(PyObject *module, PyObject *const *args,
     }
     dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
     PyObject *sd = args[1];
+    /* one at a time: IsTrue runs Python code, never with an error set */
     int strict = PyObject_IsTrue(args[2]);
-    int rename = PyObject_IsTrue(args[3]);
-    int want_local = PyObject_IsTrue(args[4]);
+    int rename = strict < 0 ? -1 : PyObject_IsTrue(args[3]);
+    int want_local = rename < 0 ? -1 : PyObject_IsTrue(args[4]);
     if (strict < 0 || rename < 0 || want_local < 0) {
         return NULL;
     }
@@ -133,8 +134,7 @@ done:
  *   local keys the full dict lacks keep their live value.
  * The merged dict keeps the full dict's key order, then local-only keys. */
 PyObject *
-dcp_full_load_merge(PyObject *module, PyObject *const *args,
-                    Py_ssize_t nargs)
+dcp_full_load_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *items = NULL, *merged = NULL, *jobs = NULL, *result = NULL;
@@ -207,12 +207,14 @@ dcp_full_load_merge(PyObject *module, PyObject *const *args,
                 continue;
             }
             Py_DECREF(lv);
-            PyObject *detached = PyObject_CallMethodNoArgs(value,
-                                                           st->str_detach);
+            PyObject *detached =
+                PyObject_CallMethodNoArgs(value, st->str_detach);
             if (detached != NULL) {
                 PyObject *call[2] = {detached, device};
                 new_value = PyObject_VectorcallMethod(
-                    st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                    st->str_to,
+                    call,
+                    2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                     NULL);
                 Py_DECREF(detached);
             }
@@ -248,8 +250,7 @@ done:
  * values), in walk order; missing/unexpected are only computed with
  * check_keys (models whose load hooks rename keys cannot be checked). */
 PyObject *
-dcp_check_model_load(PyObject *module, PyObject *const *args,
-                     Py_ssize_t nargs)
+dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("check_model_load", nargs, 4) < 0 ||
@@ -260,7 +261,7 @@ dcp_check_model_load(PyObject *module, PyObject *const *args,
     dcp_Context *ctx = (dcp_Context *)ix->ctx;
     PyObject *sd = args[1];
     int strict = PyObject_IsTrue(args[2]);
-    int check_keys = PyObject_IsTrue(args[3]);
+    int check_keys = strict < 0 ? -1 : PyObject_IsTrue(args[3]);
     if (strict < 0 || check_keys < 0) {
         return NULL;
     }
@@ -307,7 +308,8 @@ dcp_check_model_load(PyObject *module, PyObject *const *args,
                 "While copying the parameter named \"%U\", expected "
                 "torch.Tensor or Tensor-like object from checkpoint but "
                 "received %R",
-                key, (PyObject *)Py_TYPE(value));
+                key,
+                (PyObject *)Py_TYPE(value));
         }
         else {
             PyObject *ls = PyObject_GetAttr(live, st->str_shape);
@@ -326,7 +328,9 @@ dcp_check_model_load(PyObject *module, PyObject *const *args,
                 msg = PyUnicode_FromFormat(
                     "size mismatch for %U: copying a param with shape %R "
                     "from checkpoint, the shape in current model is %R.",
-                    key, vs, ls);
+                    key,
+                    vs,
+                    ls);
             }
             Py_XDECREF(ls);
             Py_XDECREF(vs);
@@ -353,8 +357,7 @@ dcp_check_model_load(PyObject *module, PyObject *const *args,
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
             PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
             int known = PySet_Contains(expected, key);
-            if (known < 0 ||
-                (!known && PyList_Append(unexpected, key) < 0)) {
+            if (known < 0 || (!known && PyList_Append(unexpected, key) < 0)) {
                 goto done;
             }
         }

@@ -16,13 +16,15 @@
 
 /* Raised when an optimizer holds a parameter the model does not have. */
 static PyObject *
-unknown_param_error(dcp_ModelIndex *ix, Py_ssize_t opt_i, Py_ssize_t group_i,
+unknown_param_error(dcp_ModelIndex *ix,
+                    Py_ssize_t opt_i,
+                    Py_ssize_t group_i,
                     PyObject *param)
 {
     dcp_state *st = dcp_get_state_by_type(Py_TYPE(ix));
     dcp_Context *ctx = (dcp_Context *)ix->ctx;
-    PyObject *exc_type = ctx->err_key != Py_None ? ctx->err_key
-                                                 : PyExc_KeyError;
+    PyObject *exc_type =
+        ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError;
     PyObject *shape = PyObject_GetAttr(param, st->str_shape);
     if (shape == NULL) {
         PyErr_Clear();
@@ -33,7 +35,10 @@ unknown_param_error(dcp_ModelIndex *ix, Py_ssize_t opt_i, Py_ssize_t group_i,
                  "%R, %.200s) that is not a parameter of the model; every "
                  "optimized parameter must be reachable through "
                  "model.named_parameters()",
-                 opt_i, group_i, shape, Py_TYPE(param)->tp_name);
+                 opt_i,
+                 group_i,
+                 shape,
+                 Py_TYPE(param)->tp_name);
     Py_DECREF(shape);
     return NULL;
 }
@@ -50,7 +55,8 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
                          "optimizer %zd (%.200s) has no 'param_groups'; pass "
                          "torch.optim.Optimizer instances (for a composite "
                          "optimizer, pass its sub-optimizers)",
-                         opt_i, Py_TYPE(optim)->tp_name);
+                         opt_i,
+                         Py_TYPE(optim)->tp_name);
         }
         return NULL;
     }
@@ -64,7 +70,8 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
             PyErr_Format(PyExc_TypeError,
                          "optimizer %zd param group %zd must be a dict, not "
                          "%.200s",
-                         opt_i, g,
+                         opt_i,
+                         g,
                          Py_TYPE(PyList_GET_ITEM(groups, g))->tp_name);
             Py_DECREF(groups);
             return NULL;
@@ -73,10 +80,18 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
     return groups;
 }
 
-/* The "params" of one group as an owned list. */
+/* The "params" of one group: a new reference to the list object itself
+ * when `pinned` and it is an exact list, else to a new list.  Copying an
+ * exact list would write every parameter's refcount (a cache miss each,
+ * the bulk of a pack at 10k parameters), so callers that iterate it
+ * without running user code ask for it pinned.  NULL with KeyError when
+ * the group has no "params". */
 static PyObject *
-group_params(dcp_state *st, PyObject *group, Py_ssize_t opt_i,
-             Py_ssize_t group_i)
+group_params_list(dcp_state *st,
+                  PyObject *group,
+                  Py_ssize_t opt_i,
+                  Py_ssize_t group_i,
+                  int pinned)
 {
     PyObject *params = NULL;
     int rc = dcp_dict_get_ref(group, st->str_params, &params);
@@ -86,41 +101,177 @@ group_params(dcp_state *st, PyObject *group, Py_ssize_t opt_i,
     if (rc == 0) {
         PyErr_Format(PyExc_KeyError,
                      "optimizer %zd param group %zd has no 'params' entry",
-                     opt_i, group_i);
+                     opt_i,
+                     group_i);
         return NULL;
+    }
+    if (pinned && PyList_CheckExact(params)) {
+        return params;
     }
     PyObject *list = dcp_as_list(params, "param_group['params']");
     Py_DECREF(params);
     return list;
 }
 
-/* FQN of an optimized parameter (borrowed from the index), or NULL. */
 static PyObject *
-param_fqn(dcp_ModelIndex *ix, PyObject *param, Py_ssize_t opt_i,
-          Py_ssize_t group_i)
+group_params(dcp_state *st,
+             PyObject *group,
+             Py_ssize_t opt_i,
+             Py_ssize_t group_i)
 {
-    Py_ssize_t slot = dcp_index_param_slot(ix, param);
+    return group_params_list(st, group, opt_i, group_i, 0);
+}
+
+static PyObject *
+group_params_pinned(dcp_state *st,
+                    PyObject *group,
+                    Py_ssize_t opt_i,
+                    Py_ssize_t group_i)
+{
+    return group_params_list(st, group, opt_i, group_i, 1);
+}
+
+/* Slot of `param` in ix->np_params, or -1.  Tries `*cursor` first: an
+ * optimizer usually lists the parameters in model order, so the next one
+ * follows the last match and the identity map (a cache miss per probe)
+ * is not needed. */
+static Py_ssize_t
+np_slot_near(dcp_ModelIndex *ix, PyObject *param, Py_ssize_t *cursor)
+{
+    Py_ssize_t c = *cursor, slot;
+    if (c < PyList_GET_SIZE(ix->np_params) &&
+        PyList_GET_ITEM(ix->np_params, c) == param) {
+        slot = c;
+    }
+    else {
+        slot = dcp_index_param_slot(ix, param);
+    }
+    if (slot >= 0) {
+        *cursor = slot + 1;
+    }
+    return slot;
+}
+
+/* param_fqn with the slot of `param` given (-1: not in the model). */
+static PyObject *
+param_fqn_at(dcp_ModelIndex *ix,
+             PyObject *param,
+             Py_ssize_t slot,
+             Py_ssize_t opt_i,
+             Py_ssize_t group_i)
+{
     if (slot < 0) {
         return unknown_param_error(ix, opt_i, group_i, param);
     }
     PyObject *fqn = PyList_GET_ITEM(ix->np_fqns, slot);
     if (fqn == Py_None) {
         Py_ssize_t t = dcp_index_tensor_slot(ix, param);
-        Py_ssize_t n = t < 0 ? 0
-                             : PyList_GET_SIZE(PyList_GET_ITEM(
-                                   ix->tensor_fqns, t));
-        PyErr_Format(PyExc_AssertionError, "Expected 1 FQN for key '%U', got %zd",
-                     PyList_GET_ITEM(ix->np_names, slot), n);
+        Py_ssize_t n =
+            t < 0 ? 0 : PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t));
+        PyErr_Format(PyExc_AssertionError,
+                     "Expected 1 FQN for key '%U', got %zd",
+                     PyList_GET_ITEM(ix->np_names, slot),
+                     n);
         return NULL;
     }
     return fqn;
 }
 
-/* Packs one group: its keys except "params" in order, then "params" as
- * FQNs.  Adds every param to `members`.  New dict or NULL. */
+/* FQN of an optimized parameter (borrowed from the index), or NULL. */
 static PyObject *
-pack_group(dcp_state *st, dcp_ModelIndex *ix, PyObject *group,
-           dcp_ptrmap *members, Py_ssize_t opt_i, Py_ssize_t group_i)
+param_fqn(dcp_ModelIndex *ix,
+          PyObject *param,
+          Py_ssize_t opt_i,
+          Py_ssize_t group_i)
+{
+    return param_fqn_at(
+        ix, param, dcp_index_param_slot(ix, param), opt_i, group_i);
+}
+
+/* The parameters of one optimizer, for attributing its state entries.
+ * Its state is usually keyed in parameter order (a step creates it in
+ * that order), so entries are matched in lockstep with the chained
+ * params lists; at the first entry out of order an identity map of all
+ * positions is built and used from then on. */
+typedef struct {
+    PyObject *plists;     /* the groups' params lists, pinned */
+    PyObject *fqns;       /* FQN of every position, groups chained */
+    dcp_ptrmap map;       /* param -> first position; built on demand */
+    Py_ssize_t g, i, pos; /* lockstep cursor */
+    int lockstep;
+} dcp_pack_members;
+
+/* Position of `key` among the parameters, -1 when it is none of them,
+ * -2 on error. */
+static Py_ssize_t
+pack_members_find(dcp_pack_members *pm, PyObject *key)
+{
+    Py_ssize_t ng = PyList_GET_SIZE(pm->plists);
+    Py_ssize_t total = PyList_GET_SIZE(pm->fqns);
+    if (pm->lockstep) {
+        while (pm->g < ng &&
+               pm->i >= PyList_GET_SIZE(PyList_GET_ITEM(pm->plists, pm->g))) {
+            pm->g++;
+            pm->i = 0;
+        }
+        if (pm->g < ng && pm->pos < total &&
+            PyList_GET_ITEM(PyList_GET_ITEM(pm->plists, pm->g), pm->i) ==
+                key) {
+            pm->i++;
+            return pm->pos++;
+        }
+        pm->lockstep = 0;
+    }
+    if (pm->map.slots == NULL) {
+        Py_ssize_t pos = 0;
+        if (dcp_ptrmap_init(&pm->map, (size_t)total) < 0) {
+            return -2;
+        }
+        for (Py_ssize_t g = 0; g < ng; g++) {
+            PyObject *list = PyList_GET_ITEM(pm->plists, g);
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++, pos++) {
+                if (pos >= total ||
+                    dcp_ptrmap_setdefault(
+                        &pm->map, PyList_GET_ITEM(list, i), pos) == -2) {
+                    break;
+                }
+            }
+        }
+        if (PyErr_Occurred()) {
+            return -2;
+        }
+        if (pos != total) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "optimizer param groups changed during "
+                            "state_dict");
+            return -2;
+        }
+    }
+    return dcp_ptrmap_get(&pm->map, key);
+}
+
+/* 1 if `state` (an optimizer's .state) iterates exactly like a dict: a
+ * dict or a plain collections.defaultdict, so PyDict_Next gives .items()
+ * order without running any code. */
+static int
+plain_state_dict(dcp_ModelIndex *ix, PyObject *state)
+{
+    dcp_Context *ctx = (dcp_Context *)ix->ctx;
+    return PyDict_CheckExact(state) ||
+           (PyObject *)Py_TYPE(state) == ctx->defaultdict_type;
+}
+
+/* Packs one group: its keys except "params" in order, then "params" as
+ * FQNs.  Appends the params list and the FQNs to `pm`.  New dict or
+ * NULL. */
+static PyObject *
+pack_group(dcp_state *st,
+           dcp_ModelIndex *ix,
+           PyObject *group,
+           dcp_pack_members *pm,
+           Py_ssize_t *np_cursor,
+           Py_ssize_t opt_i,
+           Py_ssize_t group_i)
 {
     PyObject *packed = NULL, *params = NULL, *fqns = NULL, *items = NULL;
     items = dcp_items_list(group);
@@ -141,10 +292,12 @@ pack_group(dcp_state *st, dcp_ModelIndex *ix, PyObject *group,
             goto error;
         }
     }
-    params = group_params(st, group, opt_i, group_i);
-    if (params == NULL) {
+    params = group_params_pinned(st, group, opt_i, group_i);
+    if (params == NULL || PyList_Append(pm->plists, params) < 0) {
         goto error;
     }
+    /* No user code runs below until the FQNs are in place (the pinned
+     * list cannot change under us). */
     Py_ssize_t n = PyList_GET_SIZE(params);
     fqns = PyList_New(n);
     if (fqns == NULL) {
@@ -152,12 +305,15 @@ pack_group(dcp_state *st, dcp_ModelIndex *ix, PyObject *group,
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *p = PyList_GET_ITEM(params, i);
-        PyObject *fqn = param_fqn(ix, p, opt_i, group_i);
+        PyObject *fqn = param_fqn_at(
+            ix, p, np_slot_near(ix, p, np_cursor), opt_i, group_i);
         if (fqn == NULL) {
             goto error;
         }
         PyList_SET_ITEM(fqns, i, Py_NewRef(fqn));
-        if (dcp_ptrmap_setdefault(members, p, i) == -2) {
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_Append(pm->fqns, PyList_GET_ITEM(fqns, i)) < 0) {
             goto error;
         }
     }
@@ -176,10 +332,43 @@ error:
     return NULL;
 }
 
+/* out_state[fqn of key] = value for one entry of an optimizer's state.
+ * 0 or -1. */
+static int
+pack_state_entry(dcp_ModelIndex *ix,
+                 dcp_pack_members *pm,
+                 PyObject *out_state,
+                 Py_ssize_t opt_i,
+                 PyObject *key,
+                 PyObject *value)
+{
+    Py_ssize_t at = pack_members_find(pm, key);
+    if (at == -2) {
+        return -1;
+    }
+    if (at < 0) {
+        /* Upstream: KeyError from Optimizer.state_dict's id map. */
+        dcp_Context *ctx = (dcp_Context *)ix->ctx;
+        Py_ssize_t slot = dcp_index_param_slot(ix, key);
+        PyObject *what = slot >= 0 ? PyList_GET_ITEM(ix->np_fqns, slot) : key;
+        PyErr_Format(ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError,
+                     "optimizer %zd has state for %R, which is not in any "
+                     "of its param groups",
+                     opt_i,
+                     what);
+        return -1;
+    }
+    return PyDict_SetItem(out_state, PyList_GET_ITEM(pm->fqns, at), value);
+}
+
 /* Adds the optimizer's own state to out_state keyed by FQN. 0 or -1. */
 static int
-pack_state(dcp_state *st, dcp_ModelIndex *ix, PyObject *optim,
-           dcp_ptrmap *members, PyObject *out_state, Py_ssize_t opt_i)
+pack_state(dcp_state *st,
+           dcp_ModelIndex *ix,
+           PyObject *optim,
+           dcp_pack_members *pm,
+           PyObject *out_state,
+           Py_ssize_t opt_i)
 {
     PyObject *state = PyObject_GetAttr(optim, st->str_state);
     if (state == NULL) {
@@ -189,41 +378,58 @@ pack_state(dcp_state *st, dcp_ModelIndex *ix, PyObject *optim,
                          "optimizer %zd (%.200s) has no 'state'; pass "
                          "torch.optim.Optimizer instances (for a composite "
                          "optimizer, pass its sub-optimizers)",
-                         opt_i, Py_TYPE(optim)->tp_name);
+                         opt_i,
+                         Py_TYPE(optim)->tp_name);
         }
-        return -1;
-    }
-    PyObject *items = dcp_items_list(state);
-    Py_DECREF(state);
-    if (items == NULL) {
         return -1;
     }
     int rc = -1;
+    PyObject *items = NULL;
+    if (plain_state_dict(ix, state)) {
+        /* No items list: iterate in place.  The store may release a
+         * replaced value (two optimizers naming one FQN), so key and value
+         * are pinned around it and the size is checked after it. */
+        Py_ssize_t pos = 0, n = PyDict_GET_SIZE(state);
+        PyObject *key, *value;
+        while (PyDict_Next(state, &pos, &key, &value)) {
+            Py_INCREF(key);
+            Py_INCREF(value);
+            int r = pack_state_entry(ix, pm, out_state, opt_i, key, value);
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (r < 0) {
+                goto done;
+            }
+            if (PyDict_GET_SIZE(state) != n) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "optimizer %zd state changed size during "
+                             "iteration",
+                             opt_i);
+                goto done;
+            }
+        }
+        rc = 0;
+        goto done;
+    }
+    items = dcp_items_list(state);
+    if (items == NULL) {
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
         PyObject *pair = PyList_GET_ITEM(items, i);
-        PyObject *key = PyTuple_GET_ITEM(pair, 0);
-        PyObject *value = PyTuple_GET_ITEM(pair, 1);
-        if (dcp_ptrmap_get(members, key) < 0) {
-            /* Upstream: KeyError from Optimizer.state_dict's id map. */
-            dcp_Context *ctx = (dcp_Context *)ix->ctx;
-            Py_ssize_t slot = dcp_index_param_slot(ix, key);
-            PyObject *what = slot >= 0 ? PyList_GET_ITEM(ix->np_fqns, slot)
-                                       : key;
-            PyErr_Format(ctx->err_key != Py_None ? ctx->err_key
-                                                 : PyExc_KeyError,
-                         "optimizer %zd has state for %R, which is not in "
-                         "any of its param groups",
-                         opt_i, what);
-            goto done;
-        }
-        PyObject *fqn = param_fqn(ix, key, opt_i, -1);
-        if (fqn == NULL || PyDict_SetItem(out_state, fqn, value) < 0) {
+        if (pack_state_entry(ix,
+                             pm,
+                             out_state,
+                             opt_i,
+                             PyTuple_GET_ITEM(pair, 0),
+                             PyTuple_GET_ITEM(pair, 1)) < 0) {
             goto done;
         }
     }
     rc = 0;
 done:
-    Py_DECREF(items);
+    Py_DECREF(state);
+    Py_XDECREF(items);
     return rc;
 }
 
@@ -237,7 +443,7 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dcp_state *st = dcp_get_state(module);
     PyObject *optims = NULL, *extras = NULL;
     PyObject *groups = NULL, *result = NULL;
-    dcp_ptrmap members = {NULL, 0, 0};
+    dcp_pack_members pm = {NULL, NULL, {NULL, 0, 0}, 0, 0, 0, 1};
 
     if (dcp_check_nargs("optim_pack", nargs, 5) < 0 ||
         !dcp_index_check(st, args[0])) {
@@ -267,12 +473,15 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (groups == NULL) {
             goto done;
         }
-        if (dcp_ptrmap_init(&members, 64) < 0) {
+        Py_ssize_t np_cursor = 0;
+        pm.plists = PyList_New(0);
+        pm.fqns = PyList_New(0);
+        if (pm.plists == NULL || pm.fqns == NULL) {
             goto done;
         }
         for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
-            PyObject *packed = pack_group(st, ix, PyList_GET_ITEM(groups, g),
-                                          &members, o, g);
+            PyObject *packed = pack_group(
+                st, ix, PyList_GET_ITEM(groups, g), &pm, &np_cursor, o, g);
             if (packed == NULL) {
                 goto done;
             }
@@ -282,19 +491,25 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
         }
-        if (pack_state(st, ix, optim, &members, out_state, o) < 0) {
+        if (pack_state(st, ix, optim, &pm, out_state, o) < 0) {
             goto done;
         }
         PyObject *extra = PyList_GET_ITEM(extras, o);
         if (extra != Py_None && PyDict_Update(out_state, extra) < 0) {
             goto done;
         }
-        dcp_ptrmap_free(&members);
+        dcp_ptrmap_free(&pm.map);
+        Py_CLEAR(pm.plists);
+        Py_CLEAR(pm.fqns);
+        pm.g = pm.i = pm.pos = 0;
+        pm.lockstep = 1;
         Py_CLEAR(groups);
     }
     result = Py_NewRef(Py_None);
 done:
-    dcp_ptrmap_free(&members);
+    dcp_ptrmap_free(&pm.map);
+    Py_XDECREF(pm.plists);
+    Py_XDECREF(pm.fqns);
     Py_XDECREF(groups);
     Py_XDECREF(optims);
     Py_XDECREF(extras);
@@ -377,7 +592,8 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                          key);
             goto done;
         }
-        if (PyDict_SetItem(new_state, PyList_GET_ITEM(id_fqns, id),
+        if (PyDict_SetItem(new_state,
+                           PyList_GET_ITEM(id_fqns, id),
                            PyTuple_GET_ITEM(pair, 1)) < 0) {
             goto done;
         }
@@ -396,8 +612,8 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!PyDict_Check(group) ||
             dcp_dict_get_ref(group, st->str_params, &ids) <= 0) {
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_KeyError,
-                             "param group %zd has no 'params'", g);
+                PyErr_Format(
+                    PyExc_KeyError, "param group %zd has no 'params'", g);
             }
             goto done;
         }
@@ -416,7 +632,8 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     PyErr_Format(PyExc_KeyError,
                                  "param group %zd lists %R, which is not a "
                                  "parameter ID of the optimizer",
-                                 g, key);
+                                 g,
+                                 key);
                 }
                 Py_CLEAR(names);
                 break;
@@ -424,7 +641,8 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyList_SET_ITEM(names, i, Py_NewRef(PyList_GET_ITEM(id_fqns, id)));
         }
         Py_DECREF(idlist);
-        if (names == NULL || PyDict_SetItem(group, st->str_params, names) < 0) {
+        if (names == NULL ||
+            PyDict_SetItem(group, st->str_params, names) < 0) {
             Py_XDECREF(names);
             goto done;
         }
@@ -441,6 +659,53 @@ done:
     return result;
 }
 
+/* 1 when `state` (a plain dict) holds a non-empty entry for every
+ * parameter of `groups`, in parameter order -- what a step leaves behind:
+ * then nothing is missing.  0 otherwise (the caller takes the general
+ * path), -1 on error.  Reads only: no code runs. */
+static int
+all_params_have_state(dcp_state *st, PyObject *groups, PyObject *state)
+{
+    Py_ssize_t ng = PyList_GET_SIZE(groups), g = 0, i = 0, total = 0;
+    PyObject *list = NULL;
+    for (Py_ssize_t k = 0; k < ng; k++) {
+        PyObject *params = NULL;
+        int rc = dcp_dict_get_ref(
+            PyList_GET_ITEM(groups, k), st->str_params, &params);
+        if (rc <= 0 || !PyList_CheckExact(params)) {
+            Py_XDECREF(params);
+            return rc < 0 ? -1 : 0;
+        }
+        total += PyList_GET_SIZE(params);
+        Py_DECREF(params);
+    }
+    if (PyDict_GET_SIZE(state) != total) {
+        return 0;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    int all = 1;
+    while (all && PyDict_Next(state, &pos, &key, &value)) {
+        while (list == NULL || i >= PyList_GET_SIZE(list)) {
+            Py_CLEAR(list);
+            if (g >= ng ||
+                dcp_dict_get_ref(
+                    PyList_GET_ITEM(groups, g), st->str_params, &list) <= 0 ||
+                !PyList_CheckExact(list)) {
+                Py_XDECREF(list);
+                return PyErr_Occurred() ? -1 : 0;
+            }
+            g++;
+            i = 0;
+        }
+        all = PyList_GET_ITEM(list, i) == key &&
+              !(PyDict_Check(value) && PyDict_GET_SIZE(value) == 0);
+        i++;
+    }
+    Py_XDECREF(list);
+    return all;
+}
+
 /* optim_missing(index, optimizer) -> list of (param, group_index, fqn)
  * for parameters with requires_grad=True that have no (or empty) state,
  * in param-group order. */
@@ -449,6 +714,7 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *groups = NULL, *state = NULL, *result = NULL, *out = NULL;
+    PyObject *plists = NULL, *items = NULL;
     dcp_ptrmap seen = {NULL, 0, 0}, have = {NULL, 0, 0};
 
     if (dcp_check_nargs("optim_missing", nargs, 2) < 0 ||
@@ -460,31 +726,26 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (groups == NULL) {
         goto done;
     }
-    PyObject *state_obj = PyObject_GetAttr(args[1], st->str_state);
-    if (state_obj == NULL) {
+    state = PyObject_GetAttr(args[1], st->str_state);
+    if (state == NULL) {
         goto done;
     }
-    /* Which params have non-empty state, by identity: probing the
-     * defaultdict with [] would insert, and .get() would hash tensors in
-     * Python.  The items list pins the keys while the map is used. */
-    state = dcp_items_list(state_obj);
-    Py_DECREF(state_obj);
-    if (state == NULL || dcp_ptrmap_init(&have, PyList_GET_SIZE(state)) < 0) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(state); i++) {
-        PyObject *pair = PyList_GET_ITEM(state, i);
-        PyObject *value = PyTuple_GET_ITEM(pair, 1);
-        if (PyDict_Check(value) && PyDict_GET_SIZE(value) == 0) {
-            continue;
+    if (plain_state_dict(ix, state)) {
+        int all = all_params_have_state(st, groups, state);
+        if (all < 0) {
+            goto done;
         }
-        if (dcp_ptrmap_setdefault(&have, PyTuple_GET_ITEM(pair, 0), i) ==
-            -2) {
+        if (all) {
+            result = PyList_New(0);
             goto done;
         }
     }
-    out = PyList_New(0);
-    if (out == NULL) {
+    /* Every group's params first: they stay pinned by these lists while
+     * `have` is used, so no address in `have` can be reused by one of
+     * them even if user code (a requires_grad property) frees state keys
+     * later. */
+    plists = PyList_New(PyList_GET_SIZE(groups));
+    if (plists == NULL) {
         goto done;
     }
     for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
@@ -492,12 +753,61 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (params == NULL) {
             goto done;
         }
+        PyList_SET_ITEM(plists, g, params);
+    }
+    /* Which params have non-empty state, by identity: probing the
+     * defaultdict with [] would insert, and .get() would hash tensors in
+     * Python.  A dict or defaultdict is read in place (no code runs while
+     * the map is built); anything else through an items list. */
+    if (plain_state_dict(ix, state)) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        if (dcp_ptrmap_init(&have, PyDict_GET_SIZE(state)) < 0) {
+            goto done;
+        }
+        while (PyDict_Next(state, &pos, &key, &value)) {
+            if (PyDict_Check(value) && PyDict_GET_SIZE(value) == 0) {
+                continue;
+            }
+            if (dcp_ptrmap_setdefault(&have, key, 1) == -2) {
+                goto done;
+            }
+        }
+    }
+    else {
+        items = dcp_items_list(state);
+        if (items == NULL ||
+            dcp_ptrmap_init(&have, PyList_GET_SIZE(items)) < 0) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+            PyObject *pair = PyList_GET_ITEM(items, i);
+            PyObject *value = PyTuple_GET_ITEM(pair, 1);
+            if (PyDict_Check(value) && PyDict_GET_SIZE(value) == 0) {
+                continue;
+            }
+            if (dcp_ptrmap_setdefault(&have, PyTuple_GET_ITEM(pair, 0), i) ==
+                -2) {
+                goto done;
+            }
+        }
+    }
+    out = PyList_New(0);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(plists); g++) {
+        PyObject *params = PyList_GET_ITEM(plists, g);
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
             PyObject *p = PyList_GET_ITEM(params, i);
+            /* A parameter with state is never missing, wherever it
+             * appears; the others count once, at their first place. */
+            if (dcp_ptrmap_get(&have, p) >= 0) {
+                continue;
+            }
             Py_ssize_t dup = dcp_ptrmap_setdefault(&seen, p, 1);
             if (dup != -1) {
                 if (dup == -2) {
-                    Py_DECREF(params);
                     goto done;
                 }
                 continue;
@@ -506,13 +816,9 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int trainable = rg ? PyObject_IsTrue(rg) : -1;
             Py_XDECREF(rg);
             if (trainable < 0) {
-                Py_DECREF(params);
                 goto done;
             }
             if (!trainable) {
-                continue;
-            }
-            if (dcp_ptrmap_get(&have, p) >= 0) {
                 continue;
             }
             /* A flat parameter (FSDP1) has no single FQN (np_fqns holds
@@ -520,9 +826,10 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
              * the FSDP1 layer maps it to all of them. */
             Py_ssize_t t = dcp_index_tensor_slot(ix, p);
             Py_ssize_t slot = dcp_index_param_slot(ix, p);
-            int flat = t >= 0 && slot >= 0 &&
-                       PyList_GET_ITEM(ix->np_fqns, slot) == Py_None &&
-                       PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t)) > 0;
+            int flat =
+                t >= 0 && slot >= 0 &&
+                PyList_GET_ITEM(ix->np_fqns, slot) == Py_None &&
+                PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t)) > 0;
             PyObject *fqn =
                 flat ? PyList_GET_ITEM(PyList_GET_ITEM(ix->tensor_fqns, t), 0)
                      : param_fqn(ix, p, 0, g);
@@ -531,19 +838,19 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(gi);
             if (item == NULL || PyList_Append(out, item) < 0) {
                 Py_XDECREF(item);
-                Py_DECREF(params);
                 goto done;
             }
             Py_DECREF(item);
         }
-        Py_DECREF(params);
     }
     result = Py_NewRef(out);
 done:
     dcp_ptrmap_free(&seen);
     dcp_ptrmap_free(&have);
     Py_XDECREF(groups);
+    Py_XDECREF(plists);
     Py_XDECREF(state);
+    Py_XDECREF(items);
     Py_XDECREF(out);
     return result;
 }

@@ -52,8 +52,8 @@ runs_push(runlist_t *rl, Py_ssize_t start, Py_ssize_t len)
     if (len <= 0) {
         return 0;
     }
-    if (rl->n > 0 && rl->runs[rl->n - 1].start + rl->runs[rl->n - 1].len ==
-                         start) {
+    if (rl->n > 0 &&
+        rl->runs[rl->n - 1].start + rl->runs[rl->n - 1].len == start) {
         rl->runs[rl->n - 1].len += len; /* merge adjacent runs */
         return 0;
     }
@@ -91,8 +91,7 @@ runs_total(const runlist_t *rl)
 /* Appends to `out` the global runs covering local positions [a, a+len)
  * of `in`. */
 static int
-runs_select(const runlist_t *in, Py_ssize_t a, Py_ssize_t len,
-            runlist_t *out)
+runs_select(const runlist_t *in, Py_ssize_t a, Py_ssize_t len, runlist_t *out)
 {
     Py_ssize_t pos = 0;
     Py_ssize_t end = a + len;
@@ -110,18 +109,20 @@ runs_select(const runlist_t *in, Py_ssize_t a, Py_ssize_t len,
 
 /* torch.chunk-style split of `size` into `n` chunks: chunk `k`. */
 static void
-chunk_range(Py_ssize_t size, Py_ssize_t n, Py_ssize_t k, Py_ssize_t *start,
+chunk_range(Py_ssize_t size,
+            Py_ssize_t n,
+            Py_ssize_t k,
+            Py_ssize_t *start,
             Py_ssize_t *len)
 {
-    Py_ssize_t full = n > 0 ? (size + n - 1) / n : 0;
-    Py_ssize_t s = full * k;
+    /* Written so that nothing overflows for any size / k (k >= n can
+     * come from a caller's coordinate): chunks past the end are empty. */
+    Py_ssize_t full = n > 0 ? size / n + (size % n != 0) : 0;
+    Py_ssize_t s = (full == 0 || k > size / full) ? size : full * k;
     if (s > size) {
         s = size;
     }
-    Py_ssize_t e = s + full;
-    if (e > size) {
-        e = size;
-    }
+    Py_ssize_t e = full > size - s ? size : s + full;
     *start = s;
     *len = e > s ? e - s : 0;
 }
@@ -134,10 +135,12 @@ typedef struct {
 
 /* Parses placements: a sequence of (kind, dim, split_factor). */
 static int
-parse_placements(PyObject *obj, placement_t *out, Py_ssize_t max,
+parse_placements(PyObject *obj,
+                 placement_t *out,
+                 Py_ssize_t max,
                  Py_ssize_t *n)
 {
-    PyObject *seq = PySequence_Fast(obj, "placements must be a sequence");
+    PyObject *seq = dcp_sequence_fast(obj, "placements must be a sequence");
     if (seq == NULL) {
         return -1;
     }
@@ -150,7 +153,7 @@ parse_placements(PyObject *obj, placement_t *out, Py_ssize_t max,
     for (Py_ssize_t i = 0; i < len; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         long kind, dim, sf;
-        if (!PyArg_ParseTuple(item, "lll", &kind, &dim, &sf)) {
+        if (!dcp_parse_tuple(item, "lll", &kind, &dim, &sf)) {
             Py_DECREF(seq);
             return -1;
         }
@@ -171,7 +174,7 @@ parse_placements(PyObject *obj, placement_t *out, Py_ssize_t max,
 static int
 parse_shape(PyObject *obj, Py_ssize_t *out, Py_ssize_t *n, const char *what)
 {
-    PyObject *seq = PySequence_Fast(obj, what);
+    PyObject *seq = dcp_sequence_fast(obj, what);
     if (seq == NULL) {
         return -1;
     }
@@ -217,8 +220,11 @@ ssize_tuple(const Py_ssize_t *v, Py_ssize_t n)
 /* The layout of the shard at mesh coordinate `coord`:
  * (local_shape, [(lstart, gstart, length), ...]).  New tuple or NULL. */
 static PyObject *
-shard_layout(const Py_ssize_t *gshape, Py_ssize_t ndim,
-             const Py_ssize_t *mesh, Py_ssize_t mdim, const Py_ssize_t *coord,
+shard_layout(const Py_ssize_t *gshape,
+             Py_ssize_t ndim,
+             const Py_ssize_t *mesh,
+             Py_ssize_t mdim,
+             const Py_ssize_t *coord,
              const placement_t *pl)
 {
     runlist_t runs[DCP_MAX_DIMS];
@@ -241,7 +247,8 @@ shard_layout(const Py_ssize_t *gshape, Py_ssize_t ndim,
         if (p->dim >= ndim) {
             PyErr_Format(PyExc_ValueError,
                          "Sharding dim %zd greater than tensor ndim %zd",
-                         p->dim, ndim);
+                         p->dim,
+                         ndim);
             goto done;
         }
         runlist_t *cur = &runs[p->dim];
@@ -259,10 +266,19 @@ shard_layout(const Py_ssize_t *gshape, Py_ssize_t ndim,
             /* _StridedShard: split into split_factor pieces, then take
              * chunk `coord` of each piece (torch's symbolic formula). */
             Py_ssize_t sf = p->split_factor;
-            Py_ssize_t first = (size + sf - 1) / sf;
-            for (Py_ssize_t k = 0; k < sf; k++) {
-                Py_ssize_t fs = first * k < size ? first * k : size;
-                Py_ssize_t fe = first * (k + 1) < size ? first * (k + 1) : size;
+            Py_ssize_t first = size / sf + (size % sf != 0);
+            /* Pieces past the end are empty: only the first
+             * ceil(size / first) can hold data (a huge split_factor
+             * must not mean a huge loop), and first * k stays below
+             * size for them. */
+            Py_ssize_t pieces =
+                first > 0 ? size / first + (size % first != 0) : 0;
+            if (pieces > sf) {
+                pieces = sf;
+            }
+            for (Py_ssize_t k = 0; k < pieces; k++) {
+                Py_ssize_t fs = first * k;
+                Py_ssize_t fe = first > size - fs ? size : fs + first;
                 Py_ssize_t flen = fe > fs ? fe - fs : 0;
                 Py_ssize_t s, len;
                 chunk_range(flen, mesh[m], coord[m], &s, &len);
@@ -354,7 +370,7 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "one placement per mesh dimension is required");
         return NULL;
     }
-    PyObject *coords = PySequence_Fast(args[3], "coords must be a sequence");
+    PyObject *coords = dcp_sequence_fast(args[3], "coords must be a sequence");
     if (coords == NULL) {
         return NULL;
     }
@@ -362,7 +378,9 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         Py_ssize_t coord[DCP_MAX_DIMS], cdim;
-        if (parse_shape(PySequence_Fast_GET_ITEM(coords, i), coord, &cdim,
+        if (parse_shape(PySequence_Fast_GET_ITEM(coords, i),
+                        coord,
+                        &cdim,
                         "coordinate") < 0) {
             Py_CLEAR(out);
             break;
@@ -429,7 +447,7 @@ dcp_plan_buckets(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "plan_buckets: copies and budget must be positive");
         return NULL;
     }
-    PyObject *sizes = PySequence_Fast(args[0], "segment_bytes");
+    PyObject *sizes = dcp_sequence_fast(args[0], "segment_bytes");
     if (sizes == NULL) {
         return NULL;
     }
@@ -448,8 +466,13 @@ dcp_plan_buckets(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_ValueError, "negative segment size");
             goto error;
         }
+        if (sz > PY_SSIZE_T_MAX - DCP_ALIGN) {
+            PyErr_SetString(PyExc_OverflowError, "segment size too large");
+            goto error;
+        }
         sz = align_up(sz);
-        int fits = items != NULL && (used + sz) <= budget / copies;
+        /* used <= max(budget / copies, largest sz): no overflow */
+        int fits = items != NULL && sz <= budget / copies - used;
         if (!fits && items != NULL && PyList_GET_SIZE(items) > 0) {
             PyObject *b = Py_BuildValue("(nO)", used, items);
             if (b == NULL || PyList_Append(buckets, b) < 0) {
@@ -524,7 +547,9 @@ block_slices(PyObject *starts, PyObject *lengths, Py_ssize_t shift0)
 
 /* dst[dst_slices] = src[src_slices], as torch does for `a[...] = b[...]`. */
 static int
-copy_box(PyObject *dst, PyObject *dst_slices, PyObject *src,
+copy_box(PyObject *dst,
+         PyObject *dst_slices,
+         PyObject *src,
          PyObject *src_slices)
 {
     PyObject *piece = PyObject_GetItem(src, src_slices);
@@ -557,19 +582,24 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t w0 = 0, wn = -1;
-    if (args[4] != Py_None &&
-        !PyArg_ParseTuple(args[4], "nn", &w0, &wn)) {
+    if (args[4] != Py_None && !dcp_parse_tuple(args[4], "nn", &w0, &wn)) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
+    PyObject *seq = dcp_sequence_fast(blocks, "blocks must be a sequence");
     if (seq == NULL) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
         PyObject *ls, *gs, *ln;
-        if (!PyArg_ParseTuple(block, "O!O!O!", &PyTuple_Type, &ls,
-                              &PyTuple_Type, &gs, &PyTuple_Type, &ln)) {
+        if (!dcp_parse_tuple(block,
+                             "O!O!O!",
+                             &PyTuple_Type,
+                             &ls,
+                             &PyTuple_Type,
+                             &gs,
+                             &PyTuple_Type,
+                             &ln)) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -592,11 +622,12 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_SETREF(l_starts, PySequence_List(ls));
             Py_SETREF(g_starts, PySequence_List(gs));
             Py_SETREF(lens, PySequence_List(ln));
-            int ok = l_starts && g_starts && lens &&
-                     PyList_SetItem(l_starts, 0,
-                                    PyLong_FromSsize_t(l0 + (lo - g0))) == 0 &&
-                     PyList_SetItem(g_starts, 0, PyLong_FromSsize_t(lo)) == 0 &&
-                     PyList_SetItem(lens, 0, PyLong_FromSsize_t(hi - lo)) == 0;
+            int ok =
+                l_starts && g_starts && lens &&
+                PyList_SetItem(
+                    l_starts, 0, PyLong_FromSsize_t(l0 + (lo - g0))) == 0 &&
+                PyList_SetItem(g_starts, 0, PyLong_FromSsize_t(lo)) == 0 &&
+                PyList_SetItem(lens, 0, PyLong_FromSsize_t(hi - lo)) == 0;
             if (ok) {
                 Py_SETREF(l_starts, PyList_AsTuple(l_starts));
                 Py_SETREF(g_starts, PyList_AsTuple(g_starts));
@@ -715,15 +746,15 @@ dcp_pack_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("pack_bytes", nargs, 3) < 0) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[1], "items must be a sequence");
+    PyObject *seq = dcp_sequence_fast(args[1], "items must be a sequence");
     if (seq == NULL) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *tensor;
         Py_ssize_t offset;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "On", &tensor,
-                              &offset)) {
+        if (!dcp_parse_tuple(
+                PySequence_Fast_GET_ITEM(seq, i), "On", &tensor, &offset)) {
             goto error;
         }
         PyObject *bytes = tensor_bytes(st, tensor, args[2]);
@@ -752,25 +783,224 @@ error:
     return NULL;
 }
 
+/* One rank's piece of a row-contiguous tensor (see row_pieces). */
+typedef struct {
+    Py_ssize_t row;    /* first global row */
+    Py_ssize_t rows;   /* row count */
+    Py_ssize_t start;  /* byte offset in the gathered buffer */
+    Py_ssize_t nbytes; /* > 0 */
+    PyObject *lshape;  /* borrowed from the layout */
+} row_piece_t;
+
+/* Predicate: `block` (local starts, global starts, lengths) is the whole
+ * local shard `lshape` and spans every dimension of `gshape` but the
+ * first.  Sets *row and *rows to its global dim-0 range.  1 / 0 / -1. */
+static int
+block_is_rows(PyObject *block,
+              PyObject *lshape,
+              PyObject *gshape,
+              Py_ssize_t *row,
+              Py_ssize_t *rows)
+{
+    PyObject *ls, *gs, *ln;
+    if (!dcp_parse_tuple(block,
+                         "O!O!O!",
+                         &PyTuple_Type,
+                         &ls,
+                         &PyTuple_Type,
+                         &gs,
+                         &PyTuple_Type,
+                         &ln)) {
+        return -1;
+    }
+    Py_ssize_t nd = PyTuple_GET_SIZE(gshape);
+    if (PyTuple_GET_SIZE(ls) != nd || PyTuple_GET_SIZE(gs) != nd ||
+        PyTuple_GET_SIZE(ln) != nd) {
+        return 0;
+    }
+    int same = PyObject_RichCompareBool(lshape, ln, Py_EQ);
+    if (same <= 0) {
+        return same;
+    }
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        Py_ssize_t l0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(ls, d));
+        Py_ssize_t g0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(gs, d));
+        Py_ssize_t n0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(ln, d));
+        Py_ssize_t full = PyLong_AsSsize_t(PyTuple_GET_ITEM(gshape, d));
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+        if (l0 != 0 || (d > 0 && (g0 != 0 || n0 != full))) {
+            return 0;
+        }
+        if (d == 0) {
+            *row = g0;
+            *rows = n0;
+        }
+    }
+    return 1;
+}
+
+/* The pieces of a full tensor whose non-empty shards are each a range of
+ * whole rows (dim 0) and together tile it -- FSDP2's Shard(0), even or
+ * not -- as typed views of the gathered buffer, in row order, so that one
+ * torch.cat assembles the tensor: two torch calls per shard instead of a
+ * slice assignment per block.  `typed` caches buffer.view(dtype) per
+ * dtype.  Returns a new list, None (not row-contiguous: use the general
+ * path), or NULL with an exception set. */
+static PyObject *
+row_pieces(dcp_state *st,
+           PyObject *buffer,
+           Py_ssize_t segment,
+           Py_ssize_t offset,
+           PyObject *dtype,
+           PyObject *gshape,
+           PyObject *layouts,
+           PyObject *typed)
+{
+    if (!PyTuple_Check(gshape) || PyTuple_GET_SIZE(gshape) == 0) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t total_rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(gshape, 0));
+    if (total_rows == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *lseq = dcp_sequence_fast(layouts, "layouts");
+    if (lseq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t nl = PySequence_Fast_GET_SIZE(lseq), count = 0;
+    row_piece_t *pc = PyMem_New(row_piece_t, nl > 0 ? nl : 1);
+    PyObject *result = NULL, *pieces = NULL, *view = NULL;
+    int usable = 1;
+    if (pc == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0; usable && r < nl; r++) {
+        PyObject *layout = PySequence_Fast_GET_ITEM(lseq, r);
+        Py_ssize_t nbytes;
+        PyObject *lshape, *blocks;
+        if (layout == Py_None) {
+            continue;
+        }
+        if (!dcp_parse_tuple(layout, "nOO", &nbytes, &lshape, &blocks)) {
+            goto done;
+        }
+        if (nbytes == 0) {
+            continue;
+        }
+        if (!PyList_Check(blocks) || PyList_GET_SIZE(blocks) != 1 ||
+            !PyTuple_Check(lshape)) {
+            usable = 0;
+            break;
+        }
+        int rc = block_is_rows(PyList_GET_ITEM(blocks, 0),
+                               lshape,
+                               gshape,
+                               &pc[count].row,
+                               &pc[count].rows);
+        if (rc < 0) {
+            goto done;
+        }
+        usable = rc;
+        pc[count].start = r * segment + offset;
+        pc[count].nbytes = nbytes;
+        pc[count].lshape = lshape;
+        count += rc;
+    }
+    /* insertion sort by first row (a handful of ranks), then the pieces
+     * must tile [0, total_rows) with rows of equal byte size */
+    for (Py_ssize_t i = 1; usable && i < count; i++) {
+        row_piece_t cur = pc[i];
+        Py_ssize_t j = i;
+        while (j > 0 && pc[j - 1].row > cur.row) {
+            pc[j] = pc[j - 1];
+            j--;
+        }
+        pc[j] = cur;
+    }
+    Py_ssize_t next = 0, itemsize = 0;
+    for (Py_ssize_t i = 0; usable && i < count; i++) {
+        Py_ssize_t numel = 1;
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(pc[i].lshape); d++) {
+            numel *= PyLong_AsSsize_t(PyTuple_GET_ITEM(pc[i].lshape, d));
+        }
+        if (PyErr_Occurred()) {
+            goto done;
+        }
+        Py_ssize_t isz = numel > 0 ? pc[i].nbytes / numel : 0;
+        usable = pc[i].row == next && isz > 0 && isz * numel == pc[i].nbytes &&
+                 pc[i].start % isz == 0 && (itemsize == 0 || isz == itemsize);
+        itemsize = isz;
+        next += pc[i].rows;
+    }
+    if (!usable || count == 0 || next != total_rows) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (dcp_dict_get_ref(typed, dtype, &view) < 0) {
+        goto done;
+    }
+    if (view == NULL) {
+        PyObject *vargs[2] = {buffer, dtype};
+        view = PyObject_VectorcallMethod(
+            st->str_view, vargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (view == NULL || PyDict_SetItem(typed, dtype, view) < 0) {
+            goto done;
+        }
+    }
+    pieces = PyList_New(count);
+    for (Py_ssize_t i = 0; pieces != NULL && i < count; i++) {
+        PyObject *flat =
+            byte_window(view, pc[i].start / itemsize, pc[i].nbytes / itemsize);
+        PyObject *piece = flat;
+        if (flat != NULL && PyTuple_GET_SIZE(pc[i].lshape) > 1) {
+            PyObject *a[2] = {flat, pc[i].lshape};
+            piece = PyObject_VectorcallMethod(
+                st->str_view, a, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            Py_DECREF(flat);
+        }
+        if (piece == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(pieces, i, piece);
+    }
+    if (pieces != NULL) {
+        result = Py_NewRef(pieces);
+    }
+done:
+    PyMem_Free(pc);
+    Py_XDECREF(pieces);
+    Py_XDECREF(view);
+    Py_DECREF(lseq);
+    return result;
+}
+
 /* unpack_gathered(buffer, segment, items, empty, device, results,
- *                 indices, offload)
+ *                 indices, offload[, cat])
  *
  * `buffer` holds R equal segments of `segment` bytes, one per rank in
  * row-major mesh order.  items: [(offset, dtype, global_shape, layouts)]
  * where layouts[r] is None (skip) or (nbytes, local_shape, blocks) for
- * rank r.  Each full tensor is created with empty(global_shape,
- * dtype=dtype, device=device), assembled, moved to `offload` unless that
- * is None, and stored in results[indices[k]]. */
+ * rank r.  Each full tensor is assembled -- by cat(pieces) when its
+ * shards are whole-row ranges (row_pieces) and `cat` is given, else
+ * created with empty(global_shape, dtype=dtype, device=device) and filled
+ * block by block --, moved to `offload` unless that is None, and stored
+ * in results[indices[k]].  Returns None. */
 PyObject *
-dcp_unpack_gathered(PyObject *module, PyObject *const *args,
-                    Py_ssize_t nargs)
+dcp_unpack_gathered(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("unpack_gathered", nargs, 8) < 0) {
+    if (nargs != 8 && nargs != 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "unpack_gathered() takes 8 or 9 arguments (%zd given)",
+                     nargs);
         return NULL;
     }
     PyObject *buffer = args[0], *empty = args[3], *device = args[4];
     PyObject *results = args[5], *offload = args[7];
+    PyObject *cat = nargs == 9 ? args[8] : Py_None;
     Py_ssize_t segment = PyLong_AsSsize_t(args[1]);
     if (segment == -1 && PyErr_Occurred()) {
         return NULL;
@@ -779,10 +1009,12 @@ dcp_unpack_gathered(PyObject *module, PyObject *const *args,
         PyErr_SetString(PyExc_TypeError, "results must be a list");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[2], "items must be a sequence");
-    PyObject *idx = seq ? PySequence_Fast(args[6], "indices") : NULL;
-    if (idx == NULL) {
+    PyObject *seq = dcp_sequence_fast(args[2], "items must be a sequence");
+    PyObject *idx = seq ? dcp_sequence_fast(args[6], "indices") : NULL;
+    PyObject *typed = idx ? PyDict_New() : NULL; /* dtype -> typed buffer */
+    if (typed == NULL) {
         Py_XDECREF(seq);
+        Py_XDECREF(idx);
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -793,29 +1025,57 @@ dcp_unpack_gathered(PyObject *module, PyObject *const *args,
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t offset;
         PyObject *dtype, *gshape, *layouts;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nOOO",
-                              &offset, &dtype, &gshape, &layouts)) {
+        if (!dcp_parse_tuple(PySequence_Fast_GET_ITEM(seq, i),
+                             "nOOO",
+                             &offset,
+                             &dtype,
+                             &gshape,
+                             &layouts)) {
             goto error;
         }
-        PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", dtype, "device",
-                                         device);
-        PyObject *cargs = kwargs ? PyTuple_Pack(1, gshape) : NULL;
-        PyObject *full = cargs ? PyObject_Call(empty, cargs, kwargs) : NULL;
-        Py_XDECREF(kwargs);
-        Py_XDECREF(cargs);
-        if (full == NULL) {
-            goto error;
+        PyObject *full = NULL;
+        if (cat != Py_None) {
+            PyObject *pieces = row_pieces(
+                st, buffer, segment, offset, dtype, gshape, layouts, typed);
+            if (pieces == NULL) {
+                goto error;
+            }
+            if (pieces != Py_None) {
+                full = PyObject_CallOneArg(cat, pieces);
+                Py_DECREF(pieces);
+                if (full == NULL) {
+                    goto error;
+                }
+            }
+            else {
+                Py_DECREF(pieces);
+            }
         }
-        PyObject *lseq = PySequence_Fast(layouts, "layouts");
-        int ok = lseq != NULL;
-        for (Py_ssize_t r = 0; ok && r < PySequence_Fast_GET_SIZE(lseq); r++) {
+        int assembled = full != NULL;
+        if (!assembled) {
+            PyObject *kwargs =
+                Py_BuildValue("{sOsO}", "dtype", dtype, "device", device);
+            PyObject *cargs = kwargs ? PyTuple_Pack(1, gshape) : NULL;
+            full = cargs ? PyObject_Call(empty, cargs, kwargs) : NULL;
+            Py_XDECREF(kwargs);
+            Py_XDECREF(cargs);
+            if (full == NULL) {
+                goto error;
+            }
+        }
+        PyObject *lseq =
+            assembled ? NULL : dcp_sequence_fast(layouts, "layouts");
+        int ok = assembled || lseq != NULL;
+        for (Py_ssize_t r = 0;
+             ok && lseq && r < PySequence_Fast_GET_SIZE(lseq);
+             r++) {
             PyObject *layout = PySequence_Fast_GET_ITEM(lseq, r);
             Py_ssize_t nbytes;
             PyObject *lshape, *blocks;
             if (layout == Py_None) {
                 continue;
             }
-            if (!PyArg_ParseTuple(layout, "nOO", &nbytes, &lshape, &blocks)) {
+            if (!dcp_parse_tuple(layout, "nOO", &nbytes, &lshape, &blocks)) {
                 ok = 0;
                 break;
             }
@@ -863,10 +1123,12 @@ dcp_unpack_gathered(PyObject *module, PyObject *const *args,
     }
     Py_DECREF(seq);
     Py_DECREF(idx);
+    Py_DECREF(typed);
     Py_RETURN_NONE;
 error:
     Py_DECREF(seq);
     Py_DECREF(idx);
+    Py_DECREF(typed);
     return NULL;
 }
 
@@ -890,16 +1152,22 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "dests must be a list");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[1], "items must be a sequence");
+    PyObject *seq = dcp_sequence_fast(args[1], "items must be a sequence");
     if (seq == NULL) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         Py_ssize_t offset, nbytes, row_start, job;
         PyObject *dtype, *cshape, *blocks;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnOOnnO",
-                              &offset, &nbytes, &dtype, &cshape, &row_start,
-                              &job, &blocks)) {
+        if (!dcp_parse_tuple(PySequence_Fast_GET_ITEM(seq, i),
+                             "nnOOnnO",
+                             &offset,
+                             &nbytes,
+                             &dtype,
+                             &cshape,
+                             &row_start,
+                             &job,
+                             &blocks)) {
             goto error;
         }
         if (job < 0 || job >= PyList_GET_SIZE(args[2])) {
@@ -918,9 +1186,10 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         int rc;
         if (blocks == Py_None) {
-            Py_ssize_t rows = PyTuple_Check(cshape) && PyTuple_GET_SIZE(cshape)
-                                  ? PyLong_AsSsize_t(PyTuple_GET_ITEM(cshape, 0))
-                                  : -1;
+            Py_ssize_t rows =
+                PyTuple_Check(cshape) && PyTuple_GET_SIZE(cshape)
+                    ? PyLong_AsSsize_t(PyTuple_GET_ITEM(cshape, 0))
+                    : -1;
             if (rows < 0) {
                 /* 0-dim tensors travel whole */
                 rc = PyErr_Occurred() ? -1 : copy_into(st, dest, chunk);
@@ -936,9 +1205,8 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         else {
-            PyObject *rows = PyTuple_GET_SIZE(cshape)
-                                 ? PyTuple_GET_ITEM(cshape, 0)
-                                 : NULL;
+            PyObject *rows =
+                PyTuple_GET_SIZE(cshape) ? PyTuple_GET_ITEM(cshape, 0) : NULL;
             PyObject *window = rows ? Py_BuildValue("(nO)", row_start, rows)
                                     : Py_NewRef(Py_None);
             PyObject *dir = PyLong_FromLong(1);
@@ -999,7 +1267,8 @@ encode_placement(PyObject *p, PyObject *classes, placement_t *out)
     out->dim = 0;
     out->split_factor = 1;
     if (kind == PL_SHARD || kind == PL_STRIDED) {
-        PyObject *dim = PyObject_GetAttrString(p, "dim"); /* cpylint-ignore: placement objects, cold */
+        PyObject *dim = PyObject_GetAttrString(
+            p, "dim"); /* cpylint-ignore: placement objects, cold */
         out->dim = dim ? PyLong_AsSsize_t(dim) : -1;
         Py_XDECREF(dim);
         if (out->dim < 0) {
@@ -1010,7 +1279,8 @@ encode_placement(PyObject *p, PyObject *classes, placement_t *out)
         }
     }
     if (kind == PL_STRIDED) {
-        PyObject *sf = PyObject_GetAttrString(p, "split_factor"); /* cpylint-ignore: cold */
+        PyObject *sf = PyObject_GetAttrString(
+            p, "split_factor"); /* cpylint-ignore: cold */
         out->split_factor = sf ? PyLong_AsSsize_t(sf) : -1;
         Py_XDECREF(sf);
         if (out->split_factor < 1) {
@@ -1051,21 +1321,29 @@ mesh_coords(const Py_ssize_t *mesh, Py_ssize_t mdim, Py_ssize_t *count)
     return out;
 }
 
-/* plan_gather(leaves, dtensor_cls, placement_classes, budget)
- *   -> [(mesh, [(segment, pack_items, unpack_items, leaf_indices)])]
+/* plan_gather(leaves, dtensor_cls, placement_classes, budget[, floor])
+ *   -> [(mesh, [(segment, pack_items, unpack_items, leaf_indices)],
+ *        signature, leaf_indices, budget)]
  *
  * Groups the DTensor leaves by device mesh (identity), computes every
  * rank's shard layout, and packs the tensors of each mesh into buckets
- * whose all-gathered size stays within `budget` bytes.  pack_items are
+ * whose all-gathered size stays within the budget.  pack_items are
  * (local tensor, offset); unpack_items are (offset, dtype, global shape,
  * layouts) with layouts[r] = (nbytes, local_shape, blocks) for the rank at
  * row-major coordinate r, or None where that rank only holds a replica of
  * data another rank provides.  Raises ValueError for Partial placements.
+ *
+ * floor > 0 makes the budget adaptive, per mesh: max(floor, the largest
+ * gathered tensor), at most `budget`; floor 0 (the default) uses `budget`
+ * as given.  The budget used is the last item of each mesh's plan.
  */
 PyObject *
 dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (dcp_check_nargs("plan_gather", nargs, 4) < 0) {
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "plan_gather() takes 4 or 5 arguments (%zd given)",
+                     nargs);
         return NULL;
     }
     PyObject *dtensor_cls = args[1], *classes = args[2];
@@ -1079,7 +1357,11 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (budget == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *leaves = PySequence_Fast(args[0], "leaves must be a sequence");
+    Py_ssize_t floor_bytes = nargs == 5 ? PyLong_AsSsize_t(args[4]) : 0;
+    if (floor_bytes == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *leaves = dcp_sequence_fast(args[0], "leaves must be a sequence");
     if (leaves == NULL) {
         return NULL;
     }
@@ -1098,7 +1380,9 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!is_dt) {
             continue;
         }
-        PyObject *mesh = PyObject_GetAttrString(leaf, "device_mesh"); /* cpylint-ignore: per leaf, DTensor property */
+        PyObject *mesh = PyObject_GetAttrString(
+            leaf,
+            "device_mesh"); /* cpylint-ignore: per leaf, DTensor property */
         if (mesh == NULL) {
             goto done;
         }
@@ -1134,7 +1418,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *idxs = PyList_GET_ITEM(members, g);
         Py_ssize_t nt = PyList_GET_SIZE(idxs);
         Py_ssize_t mshape[DCP_MAX_DIMS], mdim, ncoord;
-        PyObject *shape_obj = PyObject_GetAttrString(mesh, "shape"); /* cpylint-ignore: once per mesh */
+        PyObject *shape_obj = PyObject_GetAttrString(
+            mesh, "shape"); /* cpylint-ignore: once per mesh */
         int ok = shape_obj != NULL &&
                  parse_shape(shape_obj, mshape, &mdim, "mesh shape") == 0;
         Py_XDECREF(shape_obj);
@@ -1152,19 +1437,28 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *leaf = PySequence_Fast_GET_ITEM(leaves, li);
             Py_ssize_t gshape[DCP_MAX_DIMS], ndim, npl;
             placement_t pl[DCP_MAX_DIMS];
-            PyObject *shp = PyObject_GetAttrString(leaf, "shape"); /* cpylint-ignore: per leaf */
-            PyObject *pls = shp ? PyObject_GetAttrString(leaf, "placements") /* cpylint-ignore: per leaf */
-                                : NULL;
-            PyObject *dtype = pls ? PyObject_GetAttrString(leaf, "dtype") /* cpylint-ignore: per leaf */
-                                  : NULL;
-            PyObject *isz = dtype ? PyObject_GetAttrString(dtype, "itemsize") /* cpylint-ignore: per leaf */
-                                  : NULL;
-            PyObject *local = isz ? PyObject_GetAttrString(leaf, "_local_tensor") /* cpylint-ignore: per leaf */
-                                  : NULL;
+            PyObject *shp = PyObject_GetAttrString(
+                leaf, "shape"); /* cpylint-ignore: per leaf */
+            PyObject *pls =
+                shp ? PyObject_GetAttrString(
+                          leaf, "placements") /* cpylint-ignore: per leaf */
+                    : NULL;
+            PyObject *dtype =
+                pls ? PyObject_GetAttrString(
+                          leaf, "dtype") /* cpylint-ignore: per leaf */
+                    : NULL;
+            PyObject *isz =
+                dtype ? PyObject_GetAttrString(
+                            dtype, "itemsize") /* cpylint-ignore: per leaf */
+                      : NULL;
+            PyObject *local =
+                isz ? PyObject_GetAttrString(
+                          leaf, "_local_tensor") /* cpylint-ignore: per leaf */
+                    : NULL;
             Py_ssize_t itemsize = isz ? PyLong_AsSsize_t(isz) : -1;
             ok = local != NULL && itemsize > 0 &&
                  parse_shape(shp, gshape, &ndim, "DTensor shape") == 0;
-            PyObject *plseq = ok ? PySequence_Fast(pls, "placements") : NULL;
+            PyObject *plseq = ok ? dcp_sequence_fast(pls, "placements") : NULL;
             ok = plseq != NULL;
             npl = ok ? PySequence_Fast_GET_SIZE(plseq) : 0;
             if (ok && npl != mdim) {
@@ -1174,7 +1468,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             for (Py_ssize_t m = 0; ok && m < npl; m++) {
                 ok = encode_placement(PySequence_Fast_GET_ITEM(plseq, m),
-                                      classes, &pl[m]) == 0;
+                                      classes,
+                                      &pl[m]) == 0;
                 if (ok && pl[m].kind == PL_PARTIAL) {
                     PyErr_SetString(PyExc_ValueError,
                                     "Partial placements cannot be gathered "
@@ -1188,8 +1483,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                  * mesh must agree on before the collectives start */
                 PyObject *enc = PyTuple_New(npl);
                 for (Py_ssize_t m = 0; enc && m < npl; m++) {
-                    PyObject *e = Py_BuildValue("(inn)", pl[m].kind, pl[m].dim,
-                                                pl[m].split_factor);
+                    PyObject *e = Py_BuildValue(
+                        "(inn)", pl[m].kind, pl[m].dim, pl[m].split_factor);
                     if (e == NULL) {
                         Py_CLEAR(enc);
                         break;
@@ -1197,8 +1492,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     PyTuple_SET_ITEM(enc, m, e);
                 }
                 PyObject *gt = enc ? ssize_tuple(gshape, ndim) : NULL;
-                PyObject *sig = gt ? Py_BuildValue("(OOn)", gt, enc, itemsize)
-                                   : NULL;
+                PyObject *sig =
+                    gt ? Py_BuildValue("(OOn)", gt, enc, itemsize) : NULL;
                 Py_XDECREF(enc);
                 Py_XDECREF(gt);
                 ok = sig != NULL;
@@ -1215,8 +1510,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 for (Py_ssize_t m = 0; m < mdim; m++) {
                     replica |= pl[m].kind == PL_REPLICATE && coord[m] != 0;
                 }
-                PyObject *lay = shard_layout(gshape, ndim, mshape, mdim,
-                                             coord, pl);
+                PyObject *lay =
+                    shard_layout(gshape, ndim, mshape, mdim, coord, pl);
                 if (lay == NULL) {
                     Py_CLEAR(layouts);
                     break;
@@ -1232,7 +1527,9 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 }
                 PyObject *entry =
                     replica ? Py_NewRef(Py_None)
-                            : Py_BuildValue("(nOO)", nbytes, lshape,
+                            : Py_BuildValue("(nOO)",
+                                            nbytes,
+                                            lshape,
                                             PyTuple_GET_ITEM(lay, 1));
                 Py_DECREF(lay);
                 if (entry == NULL) {
@@ -1244,8 +1541,11 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             ok = layouts != NULL;
             if (ok) {
                 PyObject *sz = PyLong_FromSsize_t(seg);
-                PyObject *up = sz ? Py_BuildValue("(OOOO)", PyList_GET_ITEM(idxs, t),
-                                                  dtype, shp, layouts)
+                PyObject *up = sz ? Py_BuildValue("(OOOO)",
+                                                  PyList_GET_ITEM(idxs, t),
+                                                  dtype,
+                                                  shp,
+                                                  layouts)
                                   : NULL;
                 ok = up != NULL;
                 if (ok) {
@@ -1264,9 +1564,28 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(isz);
             Py_XDECREF(local);
         }
+        Py_ssize_t mesh_budget = budget;
+        if (ok && floor_bytes > 0) {
+            /* adaptive: room for the largest gathered tensor, at least
+             * the floor, at most the given budget */
+            Py_ssize_t largest = 0;
+            for (Py_ssize_t t = 0; t < nt; t++) {
+                Py_ssize_t seg = PyLong_AsSsize_t(PyList_GET_ITEM(segs, t));
+                if (align_up(seg) > largest) {
+                    largest = align_up(seg);
+                }
+            }
+            largest = ncoord < 1 || largest > budget / ncoord
+                          ? budget
+                          : largest * ncoord;
+            mesh_budget = largest > floor_bytes ? largest : floor_bytes;
+            if (mesh_budget > budget) {
+                mesh_budget = budget;
+            }
+        }
         if (ok) {
             PyObject *copies = PyLong_FromSsize_t(ncoord);
-            PyObject *bud = copies ? PyLong_FromSsize_t(budget) : NULL;
+            PyObject *bud = copies ? PyLong_FromSsize_t(mesh_budget) : NULL;
             PyObject *pb[3] = {segs, copies, bud};
             buckets = bud ? dcp_plan_buckets(module, pb, 3) : NULL;
             Py_XDECREF(copies);
@@ -1289,7 +1608,9 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 PyObject *off = PyTuple_GET_ITEM(it, 1);
                 PyObject *up = PyList_GET_ITEM(unpacks, t);
                 PyObject *pi = PyTuple_Pack(2, PyList_GET_ITEM(packs, t), off);
-                PyObject *ui = PyTuple_Pack(4, off, PyTuple_GET_ITEM(up, 1),
+                PyObject *ui = PyTuple_Pack(4,
+                                            off,
+                                            PyTuple_GET_ITEM(up, 1),
                                             PyTuple_GET_ITEM(up, 2),
                                             PyTuple_GET_ITEM(up, 3));
                 if (pi == NULL || ui == NULL) {
@@ -1302,9 +1623,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 PyList_SET_ITEM(u_items, k, ui);
                 PyList_SET_ITEM(l_idx, k, Py_NewRef(PyTuple_GET_ITEM(up, 0)));
             }
-            PyObject *entry = bok ? PyTuple_Pack(4, seg, p_items, u_items,
-                                                 l_idx)
-                                  : NULL;
+            PyObject *entry =
+                bok ? PyTuple_Pack(4, seg, p_items, u_items, l_idx) : NULL;
             Py_XDECREF(p_items);
             Py_XDECREF(u_items);
             Py_XDECREF(l_idx);
@@ -1315,7 +1635,8 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(entry);
         }
         if (bucket_list != NULL) {
-            plan = PyTuple_Pack(4, mesh, bucket_list, signature, idxs);
+            plan = Py_BuildValue(
+                "(OOOOn)", mesh, bucket_list, signature, idxs, mesh_budget);
         }
         Py_XDECREF(bucket_list);
         Py_XDECREF(coords);
@@ -1346,8 +1667,7 @@ done:
 /* My coordinate in `mesh` (cached per mesh in `cache`, a dict keyed by
  * the mesh object), as a tuple; also the mesh shape.  0 / -1. */
 static int
-mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord,
-          PyObject **shape)
+mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord, PyObject **shape)
 {
     PyObject *entry = NULL;
     int found = dcp_dict_get_ref(cache, mesh, &entry);
@@ -1355,8 +1675,10 @@ mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord,
         return -1;
     }
     if (!found) {
-        PyObject *c = PyObject_CallMethod(mesh, "get_coordinate", NULL); /* cpylint-ignore: once per mesh */
-        PyObject *s = c ? PyObject_GetAttrString(mesh, "shape") : NULL; /* cpylint-ignore: once per mesh */
+        PyObject *c = PyObject_CallMethod(
+            mesh, "get_coordinate", NULL); /* cpylint-ignore: once per mesh */
+        PyObject *s = c ? PyObject_GetAttrString(mesh, "shape")
+                        : NULL; /* cpylint-ignore: once per mesh */
         if (c != NULL && c == Py_None) {
             PyErr_SetString(PyExc_ValueError,
                             "this rank is not part of the tensor's device "
@@ -1379,12 +1701,18 @@ mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord,
 /* Layout (local_shape, blocks) of DTensor `tmpl` on this rank, for a
  * full tensor of shape `gshape_obj`. */
 static PyObject *
-my_layout(PyObject *cache, PyObject *tmpl, PyObject *gshape_obj,
+my_layout(PyObject *cache,
+          PyObject *tmpl,
+          PyObject *gshape_obj,
           PyObject *classes)
 {
-    PyObject *mesh = PyObject_GetAttrString(tmpl, "device_mesh"); /* cpylint-ignore: per tensor, DTensor property */
-    PyObject *pls = mesh ? PyObject_GetAttrString(tmpl, "placements") /* cpylint-ignore: per tensor */
-                         : NULL;
+    PyObject *mesh = PyObject_GetAttrString(
+        tmpl,
+        "device_mesh"); /* cpylint-ignore: per tensor, DTensor property */
+    PyObject *pls =
+        mesh ? PyObject_GetAttrString(
+                   tmpl, "placements") /* cpylint-ignore: per tensor */
+             : NULL;
     PyObject *coord = NULL, *mshape_obj = NULL, *result = NULL;
     if (pls == NULL || mesh_info(cache, mesh, &coord, &mshape_obj) < 0) {
         goto done;
@@ -1397,7 +1725,7 @@ my_layout(PyObject *cache, PyObject *tmpl, PyObject *gshape_obj,
         parse_shape(coord, c, &cdim, "coordinate") < 0) {
         goto done;
     }
-    PyObject *seq = PySequence_Fast(pls, "placements");
+    PyObject *seq = dcp_sequence_fast(pls, "placements");
     if (seq == NULL) {
         goto done;
     }
@@ -1409,8 +1737,8 @@ my_layout(PyObject *cache, PyObject *tmpl, PyObject *gshape_obj,
     }
     int ok = 1;
     for (Py_ssize_t m = 0; ok && m < mdim; m++) {
-        ok = encode_placement(PySequence_Fast_GET_ITEM(seq, m), classes,
-                              &pl[m]) == 0;
+        ok = encode_placement(
+                 PySequence_Fast_GET_ITEM(seq, m), classes, &pl[m]) == 0;
     }
     Py_DECREF(seq);
     if (ok) {
@@ -1456,15 +1784,18 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *dtensor_cls = args[1], *classes = args[2], *empty = args[4];
     Py_ssize_t budget = PyLong_AsSsize_t(args[3]);
+    if (budget == -1 && PyErr_Occurred()) {
+        return NULL; /* before IsTrue: it may run Python code */
+    }
     int stream = PyObject_IsTrue(args[5]);
-    if ((budget == -1 && PyErr_Occurred()) || stream < 0) {
+    if (stream < 0) {
         return NULL;
     }
     if (!PyTuple_Check(classes) || PyTuple_GET_SIZE(classes) != 3) {
         PyErr_SetString(PyExc_TypeError, "bad placement classes");
         return NULL;
     }
-    PyObject *jobs = PySequence_Fast(args[0], "jobs must be a sequence");
+    PyObject *jobs = dcp_sequence_fast(args[0], "jobs must be a sequence");
     if (jobs == NULL) {
         return NULL;
     }
@@ -1482,20 +1813,29 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *value, *tmpl, *device;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(jobs, i), "OOO",
-                              &value, &tmpl, &device)) {
+        if (!dcp_parse_tuple(PySequence_Fast_GET_ITEM(jobs, i),
+                             "OOO",
+                             &value,
+                             &tmpl,
+                             &device)) {
             goto done;
         }
         PyObject *shape = PyObject_GetAttr(value, st->str_shape);
-        PyObject *dtype = shape ? PyObject_GetAttr(value, st->str_dtype)
-                                : NULL;
-        PyObject *isz = dtype ? PyObject_GetAttrString(dtype, "itemsize") /* cpylint-ignore: per job */
-                              : NULL;
+        PyObject *dtype =
+            shape ? PyObject_GetAttr(value, st->str_dtype) : NULL;
+        PyObject *isz =
+            dtype ? PyObject_GetAttrString(
+                        dtype, "itemsize") /* cpylint-ignore: per job */
+                  : NULL;
         Py_ssize_t itemsize = isz ? PyLong_AsSsize_t(isz) : -1;
         Py_XDECREF(isz);
         PyObject *shape_t = shape ? PySequence_Tuple(shape) : NULL;
         Py_XDECREF(shape);
         int ok = shape_t != NULL && itemsize > 0;
+        if (!ok && !PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError,
+                            "plan_full_load: dtype.itemsize must be positive");
+        }
         int is_dt = 0;
         int needed = tmpl != Py_False;
         /* (dest, blocks): the caller's own destination and layout */
@@ -1526,8 +1866,8 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             dest = Py_NewRef(PyTuple_GET_ITEM(tmpl, 0));
         }
         else if (ok && needed) {
-            PyObject *kw = Py_BuildValue("{sOsO}", "dtype", dtype, "device",
-                                         device);
+            PyObject *kw =
+                Py_BuildValue("{sOsO}", "dtype", dtype, "device", device);
             PyObject *a = kw ? PyTuple_Pack(1, dest_shape) : NULL;
             dest = a ? PyObject_Call(empty, a, kw) : NULL;
             Py_XDECREF(kw);
@@ -1557,11 +1897,24 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(dest);
         /* stream plan: row chunks in buckets */
         Py_ssize_t nd = ok ? PyTuple_GET_SIZE(shape_t) : 0;
-        Py_ssize_t rows = nd ? PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_t, 0))
-                             : 1;
+        Py_ssize_t rows =
+            nd ? PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_t, 0)) : 1;
         Py_ssize_t row_bytes = itemsize;
         for (Py_ssize_t d = 1; ok && d < nd; d++) {
-            row_bytes *= PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_t, d));
+            Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_t, d));
+            if (dim < 0 || (dim > 0 && row_bytes > PY_SSIZE_T_MAX / dim)) {
+                ok = 0; /* no exception is carried past this point */
+                break;
+            }
+            row_bytes *= dim;
+        }
+        if (ok && rows < 0) {
+            ok = 0;
+        }
+        if (!ok && !PyErr_Occurred() && shape_t != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "plan_full_load: bad tensor shape %R",
+                         shape_t);
         }
         Py_ssize_t per_chunk = row_bytes > 0 ? budget / row_bytes : rows;
         if (per_chunk < 1) {
@@ -1573,8 +1926,8 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t need = align_up(nbytes);
             if (src_items != NULL && used + need > budget &&
                 PyList_GET_SIZE(src_items) > 0) {
-                PyObject *b = Py_BuildValue("(nOO)", used, src_items,
-                                            dst_items);
+                PyObject *b =
+                    Py_BuildValue("(nOO)", used, src_items, dst_items);
                 ok = b != NULL && PyList_Append(buckets, b) == 0;
                 Py_XDECREF(b);
                 Py_CLEAR(src_items);
@@ -1601,10 +1954,10 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 ok = cshape != NULL;
             }
             if (ok) {
-                PyObject *si = Py_BuildValue("(nnnn)", i, nd ? r0 : (Py_ssize_t)-1,
-                                             nr, used);
-                PyObject *di = Py_BuildValue("(nnOOnnO)", used, nbytes, dtype,
-                                             cshape, r0, i, blocks);
+                PyObject *si = Py_BuildValue(
+                    "(nnnn)", i, nd ? r0 : (Py_ssize_t)-1, nr, used);
+                PyObject *di = Py_BuildValue(
+                    "(nnOOnnO)", used, nbytes, dtype, cshape, r0, i, blocks);
                 ok = si && di && PyList_Append(src_items, si) == 0 &&
                      PyList_Append(dst_items, di) == 0;
                 Py_XDECREF(si);
@@ -1650,16 +2003,20 @@ dcp_pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("pack_rows", nargs, 4) < 0) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[1], "items");
-    PyObject *values = seq ? PySequence_Fast(args[2], "values") : NULL;
+    PyObject *seq = dcp_sequence_fast(args[1], "items");
+    PyObject *values = seq ? dcp_sequence_fast(args[2], "values") : NULL;
     if (values == NULL) {
         Py_XDECREF(seq);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         Py_ssize_t job, r0, nr, offset;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnnn", &job,
-                              &r0, &nr, &offset)) {
+        if (!dcp_parse_tuple(PySequence_Fast_GET_ITEM(seq, i),
+                             "nnnn",
+                             &job,
+                             &r0,
+                             &nr,
+                             &offset)) {
             goto error;
         }
         if (job < 0 || job >= PySequence_Fast_GET_SIZE(values)) {
@@ -1715,16 +2072,15 @@ error:
  * placements, shape=, stride=) for DTensor templates, else dest; moved to
  * `offload` when it is not None (plain results only). */
 PyObject *
-dcp_finish_full_load(PyObject *module, PyObject *const *args,
-                     Py_ssize_t nargs)
+dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("finish_full_load", nargs, 5) < 0) {
         return NULL;
     }
-    PyObject *jobs = PySequence_Fast(args[0], "jobs");
-    PyObject *dests = jobs ? PySequence_Fast(args[1], "dests") : NULL;
-    PyObject *layouts = dests ? PySequence_Fast(args[2], "layouts") : NULL;
+    PyObject *jobs = dcp_sequence_fast(args[0], "jobs");
+    PyObject *dests = jobs ? dcp_sequence_fast(args[1], "dests") : NULL;
+    PyObject *layouts = dests ? dcp_sequence_fast(args[2], "layouts") : NULL;
     PyObject *from_local = args[3], *offload = args[4];
     PyObject *out = NULL;
     if (layouts == NULL) {
@@ -1740,29 +2096,45 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args,
         PyObject *dest = PySequence_Fast_GET_ITEM(dests, i);
         PyObject *value = NULL;
         if (tmpl == NULL) {
-            PyErr_SetString(PyExc_TypeError, "jobs are (value, template, device)");
+            PyErr_SetString(PyExc_TypeError,
+                            "jobs are (value, template, device)");
         }
         else if (dest == Py_None) {
             value = Py_NewRef(Py_None);
         }
         else if (PySequence_Fast_GET_ITEM(layouts, i) != Py_None) {
-            PyObject *mesh = PyObject_GetAttrString(tmpl, "device_mesh"); /* cpylint-ignore: per tensor */
-            PyObject *pls = mesh ? PyObject_GetAttrString(tmpl, "placements") /* cpylint-ignore: per tensor */
-                                 : NULL;
-            PyObject *shape = pls ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
-            PyObject *stride = shape ? PyObject_CallMethod(tmpl, "stride", NULL) /* cpylint-ignore: per tensor */
-                                     : NULL;
-            PyObject *kw = stride ? Py_BuildValue("{sOsOsO}", "shape", shape,
-                                                  "stride", stride,
-                                                  "run_check", Py_False)
+            PyObject *mesh = PyObject_GetAttrString(
+                tmpl, "device_mesh"); /* cpylint-ignore: per tensor */
+            PyObject *pls =
+                mesh ? PyObject_GetAttrString(
+                           tmpl, "placements") /* cpylint-ignore: per tensor */
+                     : NULL;
+            PyObject *shape =
+                pls ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
+            PyObject *stride = shape
+                                   ? PyObject_CallMethod(
+                                         tmpl,
+                                         "stride",
+                                         NULL) /* cpylint-ignore: per tensor */
+                                   : NULL;
+            PyObject *kw = stride ? Py_BuildValue("{sOsOsO}",
+                                                  "shape",
+                                                  shape,
+                                                  "stride",
+                                                  stride,
+                                                  "run_check",
+                                                  Py_False)
                                   : NULL;
             PyObject *a = kw ? PyTuple_Pack(3, dest, mesh, pls) : NULL;
             value = a ? PyObject_Call(from_local, a, kw) : NULL;
             if (value != NULL && offload != Py_None) {
                 PyObject *call[2] = {value, offload};
-                Py_SETREF(value, PyObject_VectorcallMethod(
-                                     st->str_to, call,
-                                     2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+                Py_SETREF(value,
+                          PyObject_VectorcallMethod(
+                              st->str_to,
+                              call,
+                              2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                              NULL));
             }
             Py_XDECREF(mesh);
             Py_XDECREF(pls);
@@ -1802,7 +2174,7 @@ dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("to_metadata", nargs, 3) < 0) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "leaves");
+    PyObject *seq = dcp_sequence_fast(args[0], "leaves");
     if (seq == NULL) {
         return NULL;
     }
@@ -1824,8 +2196,8 @@ dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             else if (tup != NULL) {
                 PyObject *dtype = PyObject_GetAttr(t, st->str_dtype);
-                v = dtype ? PyObject_CallFunctionObjArgs(args[1], tup, dtype,
-                                                         NULL)
+                v = dtype ? PyObject_CallFunctionObjArgs(
+                                args[1], tup, dtype, NULL)
                           : NULL;
                 Py_XDECREF(dtype);
             }
@@ -1839,6 +2211,43 @@ dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_DECREF(seq);
     return out;
+}
+
+/* DTensor.from_local(val, param.device_mesh, param.placements,
+ *                    shape=pshape, run_check=False): a plain tensor that
+ * already is the parameter's local shard, wrapped like the parameter.
+ * Rare (SPEC D9): attribute lookups by name are fine here. */
+static PyObject *
+wrap_local_shard(PyObject *val,
+                 PyObject *param,
+                 PyObject *pshape,
+                 PyObject *from_local)
+{
+    PyObject *result = NULL;
+    PyObject *args = NULL;
+    PyObject *kwargs = NULL;
+    PyObject *mesh = PyObject_GetAttrString(
+        param, "device_mesh"); /* cpylint-ignore: rare */
+    PyObject *placements =
+        PyObject_GetAttrString(param, "placements"); /* cpylint-ignore: rare */
+    if (mesh == NULL || placements == NULL) {
+        goto error;
+    }
+    kwargs = Py_BuildValue("{sOsO}", "shape", pshape, "run_check", Py_False);
+    if (kwargs == NULL) {
+        goto error;
+    }
+    args = PyTuple_Pack(3, val, mesh, placements);
+    if (args == NULL) {
+        goto error;
+    }
+    result = PyObject_Call(from_local, args, kwargs);
+error:
+    Py_XDECREF(mesh);
+    Py_XDECREF(placements);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(args);
+    return result;
 }
 
 /* optim_state_jobs(index, state, dtensor_cls, mode, from_local)
@@ -1857,8 +2266,7 @@ dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  *     ValueError naming the FQN and the state key.
  * slots[i] = (container, key) where jobs[i]'s result is to be stored. */
 PyObject *
-dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
-                     Py_ssize_t nargs)
+dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("optim_state_jobs", nargs, 5) < 0 ||
@@ -1885,7 +2293,8 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
     for (Py_ssize_t t = 0; t < PyList_GET_SIZE(ix->tensors); t++) {
         PyObject *names = PyList_GET_ITEM(ix->tensor_fqns, t);
         for (Py_ssize_t j = 0; j < PyList_GET_SIZE(names); j++) {
-            if (PyDict_SetItem(by_fqn, PyList_GET_ITEM(names, j),
+            if (PyDict_SetItem(by_fqn,
+                               PyList_GET_ITEM(names, j),
                                PyList_GET_ITEM(ix->tensors, t)) < 0) {
                 goto done;
             }
@@ -1913,12 +2322,14 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
         }
         if (found) {
             param_dt = PyObject_IsInstance(param, dtensor_cls);
-            pshape = param_dt >= 0 ? PyObject_GetAttr(param, st->str_shape)
-                                   : NULL;
+            pshape =
+                param_dt >= 0 ? PyObject_GetAttr(param, st->str_shape) : NULL;
             device = pshape ? PyObject_GetAttr(param, st->str_device) : NULL;
             ok = device != NULL;
             if (ok && param_dt) {
-                PyObject *local = PyObject_GetAttrString(param, "_local_tensor"); /* cpylint-ignore: DTensor params only */
+                PyObject *local = PyObject_GetAttrString(
+                    param,
+                    "_local_tensor"); /* cpylint-ignore: DTensor params only */
                 lshape = local ? PyObject_GetAttr(local, st->str_shape) : NULL;
                 Py_XDECREF(local);
                 ok = lshape != NULL;
@@ -1967,8 +2378,8 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
                 if (!is_tensor && !is_meta) {
                     continue;
                 }
-                int val_dt = is_tensor ? PyObject_IsInstance(val, dtensor_cls)
-                                       : 0;
+                int val_dt =
+                    is_tensor ? PyObject_IsInstance(val, dtensor_cls) : 0;
                 if (val_dt < 0) {
                     ok = 0;
                     break;
@@ -1978,7 +2389,8 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
                 }
                 PyObject *vshape = PyObject_GetAttr(val, st->str_shape);
                 PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
-                PyObject *pt = (vt && pshape) ? PySequence_Tuple(pshape) : NULL;
+                PyObject *pt =
+                    (vt && pshape) ? PySequence_Tuple(pshape) : NULL;
                 Py_XDECREF(vshape);
                 if (pt == NULL) {
                     Py_XDECREF(vt);
@@ -2001,24 +2413,11 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
                             lt ? PyObject_RichCompareBool(vt, lt, Py_EQ) : -1;
                         Py_XDECREF(lt);
                         if (local_match == 1) {
-                            PyObject *mesh = PyObject_GetAttrString(param, "device_mesh"); /* cpylint-ignore: rare path */
-                            PyObject *pls = mesh ? PyObject_GetAttrString(param, "placements") /* cpylint-ignore: rare path */
-                                                 : NULL;
-                            PyObject *kw = pls ? Py_BuildValue(
-                                                     "{sOsO}", "shape", pshape,
-                                                     "run_check", Py_False)
-                                               : NULL;
-                            PyObject *a = kw ? PyTuple_Pack(3, val, mesh, pls)
-                                             : NULL;
-                            PyObject *wrapped =
-                                a ? PyObject_Call(from_local, a, kw) : NULL;
+                            PyObject *wrapped = wrap_local_shard(
+                                val, param, pshape, from_local);
                             ok = wrapped != NULL &&
                                  PyDict_SetItem(dst, key, wrapped) == 0;
                             Py_XDECREF(wrapped);
-                            Py_XDECREF(mesh);
-                            Py_XDECREF(pls);
-                            Py_XDECREF(kw);
-                            Py_XDECREF(a);
                         }
                         else if (local_match == 0) {
                             PyErr_Format(ctx->err_value != Py_None
@@ -2028,7 +2427,11 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args,
                                          "'%U' has shape %R, which is neither "
                                          "the parameter's global shape %R "
                                          "nor its local shard's %R",
-                                         key, fqn, vt, pt, lshape);
+                                         key,
+                                         fqn,
+                                         vt,
+                                         pt,
+                                         lshape);
                             ok = 0;
                         }
                         else {
@@ -2082,13 +2485,14 @@ dcp_write_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("write_slots", nargs, 2) < 0) {
         return NULL;
     }
-    PyObject *slots = PySequence_Fast(args[0], "slots");
-    PyObject *values = slots ? PySequence_Fast(args[1], "values") : NULL;
+    PyObject *slots = dcp_sequence_fast(args[0], "slots");
+    PyObject *values = slots ? dcp_sequence_fast(args[1], "values") : NULL;
     if (values == NULL) {
         Py_XDECREF(slots);
         return NULL;
     }
-    int ok = PySequence_Fast_GET_SIZE(slots) == PySequence_Fast_GET_SIZE(values);
+    int ok =
+        PySequence_Fast_GET_SIZE(slots) == PySequence_Fast_GET_SIZE(values);
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "one value per slot");
     }
@@ -2098,7 +2502,8 @@ dcp_write_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         ok = PyTuple_Check(slot) && PyTuple_GET_SIZE(slot) == 2 &&
              value != Py_None &&
              PyObject_SetItem(PyTuple_GET_ITEM(slot, 0),
-                              PyTuple_GET_ITEM(slot, 1), value) == 0;
+                              PyTuple_GET_ITEM(slot, 1),
+                              value) == 0;
         if (!ok && !PyErr_Occurred() && value != Py_None) {
             PyErr_SetString(PyExc_TypeError, "slots are (container, key)");
         }
@@ -2216,14 +2621,13 @@ done:
 /* shape_mismatches(jobs, tensor_cls) -> [(i, job shape, template shape)]
  * for jobs whose template (a tensor) has another shape than the value. */
 PyObject *
-dcp_shape_mismatches(PyObject *module, PyObject *const *args,
-                     Py_ssize_t nargs)
+dcp_shape_mismatches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("shape_mismatches", nargs, 2) < 0) {
         return NULL;
     }
-    PyObject *jobs = PySequence_Fast(args[0], "jobs");
+    PyObject *jobs = dcp_sequence_fast(args[0], "jobs");
     if (jobs == NULL) {
         return NULL;
     }
@@ -2231,7 +2635,8 @@ dcp_shape_mismatches(PyObject *module, PyObject *const *args,
     for (Py_ssize_t i = 0; out && i < PySequence_Fast_GET_SIZE(jobs); i++) {
         PyObject *job = PySequence_Fast_GET_ITEM(jobs, i);
         if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 3) {
-            PyErr_SetString(PyExc_TypeError, "jobs are (value, template, device)");
+            PyErr_SetString(PyExc_TypeError,
+                            "jobs are (value, template, device)");
             Py_CLEAR(out);
             break;
         }
@@ -2243,14 +2648,15 @@ dcp_shape_mismatches(PyObject *module, PyObject *const *args,
             }
             continue;
         }
-        PyObject *a = PyObject_GetAttr(PyTuple_GET_ITEM(job, 0), st->str_shape);
+        PyObject *a =
+            PyObject_GetAttr(PyTuple_GET_ITEM(job, 0), st->str_shape);
         PyObject *b = a ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
         PyObject *at = b ? PySequence_Tuple(a) : NULL;
         PyObject *bt = at ? PySequence_Tuple(b) : NULL;
         int eq = bt ? PyObject_RichCompareBool(at, bt, Py_EQ) : -1;
         PyObject *entry = eq == 0 ? Py_BuildValue("(nOO)", i, at, bt) : NULL;
-        if (eq < 0 || (eq == 0 && (entry == NULL ||
-                                   PyList_Append(out, entry) < 0))) {
+        if (eq < 0 ||
+            (eq == 0 && (entry == NULL || PyList_Append(out, entry) < 0))) {
             Py_CLEAR(out);
         }
         Py_XDECREF(entry);

@@ -21,8 +21,12 @@
 
 /* Substitutes the placeholders in a tuple.  New tuple or NULL. */
 static PyObject *
-substitute_args(PyObject *args, PyObject *param_mark, PyObject *param,
-                PyObject *device_mark, PyObject **device, dcp_state *st)
+substitute_args(PyObject *args,
+                PyObject *param_mark,
+                PyObject *param,
+                PyObject *device_mark,
+                PyObject **device,
+                dcp_state *st)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *out = PyTuple_New(n);
@@ -50,8 +54,12 @@ substitute_args(PyObject *args, PyObject *param_mark, PyObject *param,
 }
 
 static PyObject *
-substitute_kwargs(PyObject *kwargs, PyObject *param_mark, PyObject *param,
-                  PyObject *device_mark, PyObject **device, dcp_state *st)
+substitute_kwargs(PyObject *kwargs,
+                  PyObject *param_mark,
+                  PyObject *param,
+                  PyObject *device_mark,
+                  PyObject **device,
+                  dcp_state *st)
 {
     if (kwargs == Py_None) {
         return Py_NewRef(Py_None);
@@ -104,10 +112,14 @@ check_specs(PyObject *specs)
             (PyTuple_GET_ITEM(spec, 3) != Py_None &&
              !PyDict_Check(PyTuple_GET_ITEM(spec, 3))) ||
             (PyTuple_GET_ITEM(spec, 4) != Py_None &&
-             !PyTuple_Check(PyTuple_GET_ITEM(spec, 4)))) {
+             !PyTuple_Check(PyTuple_GET_ITEM(spec, 4))) ||
+            (PyTuple_GET_ITEM(spec, 5) != Py_None &&
+             (!PyTuple_Check(PyTuple_GET_ITEM(spec, 5)) ||
+              PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 5)) != 2))) {
             PyErr_SetString(PyExc_TypeError,
                             "a state spec is (name, factory, args tuple, "
-                            "kwargs dict or None, complex args or None)");
+                            "kwargs dict or None, complex args or None, "
+                            "(lo, hi) dims or None)");
             return -1;
         }
     }
@@ -116,8 +128,11 @@ check_specs(PyObject *specs)
 
 /* One parameter's pristine state dict.  New dict or NULL. */
 static PyObject *
-materialize_one(dcp_state *st, PyObject *param, PyObject *specs,
-                PyObject *param_mark, PyObject *device_mark)
+materialize_one(dcp_state *st,
+                PyObject *param,
+                PyObject *specs,
+                PyObject *param_mark,
+                PyObject *device_mark)
 {
     PyObject *state = PyDict_New(), *device = NULL;
     int is_complex = -1; /* not asked yet */
@@ -153,7 +168,8 @@ materialize_one(dcp_state *st, PyObject *param, PyObject *specs,
         }
         if (complex_args != Py_None) {
             if (is_complex < 0) {
-                PyObject *r = PyObject_CallMethodNoArgs(param, st->str_is_complex);
+                PyObject *r =
+                    PyObject_CallMethodNoArgs(param, st->str_is_complex);
                 is_complex = r ? PyObject_IsTrue(r) : -1;
                 Py_XDECREF(r);
                 if (is_complex < 0) {
@@ -164,18 +180,21 @@ materialize_one(dcp_state *st, PyObject *param, PyObject *specs,
                 args = complex_args;
             }
         }
-        PyObject *call_args = substitute_args(args, param_mark, param,
-                                              device_mark, &device, st);
+        PyObject *call_args =
+            substitute_args(args, param_mark, param, device_mark, &device, st);
         PyObject *call_kwargs =
             call_args ? substitute_kwargs(PyTuple_GET_ITEM(spec, 3),
-                                          param_mark, param, device_mark,
-                                          &device, st)
+                                          param_mark,
+                                          param,
+                                          device_mark,
+                                          &device,
+                                          st)
                       : NULL;
         PyObject *value = NULL;
         if (call_kwargs != NULL) {
-            value = PyObject_Call(PyTuple_GET_ITEM(spec, 1), call_args,
-                                  call_kwargs == Py_None ? NULL
-                                                         : call_kwargs);
+            value = PyObject_Call(PyTuple_GET_ITEM(spec, 1),
+                                  call_args,
+                                  call_kwargs == Py_None ? NULL : call_kwargs);
         }
         Py_XDECREF(call_args);
         Py_XDECREF(call_kwargs);
@@ -203,7 +222,8 @@ error:
  * missing: list of (param, group index, fqn) as optim_missing returns;
  * specs_by_group[g]: list of specs, or None for "no synthetic state". */
 PyObject *
-dcp_materialize_state(PyObject *module, PyObject *const *args,
+dcp_materialize_state(PyObject *module,
+                      PyObject *const *args,
                       Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -227,7 +247,8 @@ dcp_materialize_state(PyObject *module, PyObject *const *args,
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(missing); i++) {
         PyObject *item = PyList_GET_ITEM(missing, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(item, 2))) {
             PyErr_SetString(PyExc_TypeError,
                             "missing entries are (param, group, fqn)");
             goto error;
@@ -244,12 +265,13 @@ dcp_materialize_state(PyObject *module, PyObject *const *args,
         if (group_specs == Py_None) {
             continue;
         }
-        PyObject *state = materialize_one(st, PyTuple_GET_ITEM(item, 0),
-                                          group_specs, args[2], args[3]);
+        PyObject *state = materialize_one(
+            st, PyTuple_GET_ITEM(item, 0), group_specs, args[2], args[3]);
         if (state == NULL) {
-            dcp_note_format("while building pristine optimizer state for "
-                            "'%U'",
-                            PyTuple_GET_ITEM(item, 2));
+            dcp_note_format(
+                "while building pristine optimizer state for "
+                "'%U'",
+                PyTuple_GET_ITEM(item, 2));
             goto error;
         }
         int rc = PyDict_SetItem(out, PyTuple_GET_ITEM(item, 2), state);

@@ -25,11 +25,12 @@
  */
 #include "dcp.h"
 
+#include <stdlib.h> /* qsort */
+
 /* view_from_nested(osd) -> (state, groups, fqn_group, empties, unexpected)
  */
 PyObject *
-dcp_view_from_nested(PyObject *module, PyObject *const *args,
-                     Py_ssize_t nargs)
+dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *state = NULL, *groups = NULL, *glist = NULL;
@@ -60,8 +61,9 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args,
                      Py_TYPE(state)->tp_name);
         goto done;
     }
-    glist = groups ? dcp_as_list(groups, "optimizer state dict "
-                                         "['param_groups']")
+    glist = groups ? dcp_as_list(groups,
+                                 "optimizer state dict "
+                                 "['param_groups']")
                    : PyList_New(0);
     fqn_group = PyDict_New();
     empties = PyList_New(0);
@@ -75,7 +77,8 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args,
         PyObject *params = NULL, *plist = NULL;
         if (!PyDict_Check(group)) {
             PyErr_Format(PyExc_TypeError,
-                         "param_groups[%zd] must be a dict, not %.200s", g,
+                         "param_groups[%zd] must be a dict, not %.200s",
+                         g,
                          Py_TYPE(group)->tp_name);
             goto done;
         }
@@ -83,8 +86,8 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args,
         if (rc < 0) {
             goto done;
         }
-        plist = rc ? dcp_as_list(params, "param_group['params']")
-                   : PyList_New(0);
+        plist =
+            rc ? dcp_as_list(params, "param_group['params']") : PyList_New(0);
         Py_XDECREF(params);
         if (plist == NULL) {
             goto done;
@@ -155,8 +158,12 @@ view_unpack(PyObject *obj, dcp_view *v)
 /* The FQN a live parameter answers to: the first of its FQNs the loaded
  * view mentions, else its named_parameters() FQN.  New reference. */
 static PyObject *
-choose_fqn(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *param,
-           Py_ssize_t opt_i, Py_ssize_t group_i)
+choose_fqn(dcp_state *st,
+           dcp_ModelIndex *ix,
+           dcp_view *v,
+           PyObject *param,
+           Py_ssize_t opt_i,
+           Py_ssize_t group_i)
 {
     Py_ssize_t t = dcp_index_tensor_slot(ix, param);
     Py_ssize_t np = dcp_index_param_slot(ix, param);
@@ -165,7 +172,9 @@ choose_fqn(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *param,
         PyErr_Format(ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError,
                      "optimizer %zd, param group %zd holds a parameter "
                      "(%.200s) that is not a parameter of the model",
-                     opt_i, group_i, Py_TYPE(param)->tp_name);
+                     opt_i,
+                     group_i,
+                     Py_TYPE(param)->tp_name);
         return NULL;
     }
     if (t >= 0) {
@@ -200,15 +209,15 @@ empty_identity(PyObject *fqn_lists, Py_ssize_t g, Py_ssize_t opt_i)
     for (Py_ssize_t j = g - 1; j >= 0; j--) {
         PyObject *fqns = PyList_GET_ITEM(fqn_lists, j);
         if (PyList_GET_SIZE(fqns) > 0) {
-            return PyUnicode_FromFormat("%U|after|%zd",
-                                        PyList_GET_ITEM(fqns, 0), g - j);
+            return PyUnicode_FromFormat(
+                "%U|after|%zd", PyList_GET_ITEM(fqns, 0), g - j);
         }
     }
     for (Py_ssize_t j = g + 1; j < n; j++) {
         PyObject *fqns = PyList_GET_ITEM(fqn_lists, j);
         if (PyList_GET_SIZE(fqns) > 0) {
-            return PyUnicode_FromFormat("%U|before|%zd",
-                                        PyList_GET_ITEM(fqns, 0), j - g);
+            return PyUnicode_FromFormat(
+                "%U|before|%zd", PyList_GET_ITEM(fqns, 0), j - g);
         }
     }
     return PyUnicode_FromFormat("__optimizer_%zd_empty_group_%zd__", opt_i, g);
@@ -251,7 +260,39 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
         PyErr_SetString(PyExc_IndexError, "loaded group index out of range");
         return -1;
     }
-    PyObject *items = dcp_items_list(PyList_GET_ITEM(v->groups, gi));
+    PyObject *group = PyList_GET_ITEM(v->groups, gi);
+    if (PyDict_CheckExact(group)) {
+        /* A flattened dict has one loaded group per parameter, all
+         * applied to one live group: no items list per group.  Key and
+         * value are pinned across the store (a replaced value is
+         * released) and the size is checked after it. */
+        Py_ssize_t pos = 0, n = PyDict_GET_SIZE(group);
+        PyObject *key, *value;
+        Py_INCREF(group);
+        int rc = 0;
+        while (rc == 0 && PyDict_Next(group, &pos, &key, &value)) {
+            if (PyUnicode_CheckExact(key) && key == st->str_params) {
+                continue;
+            }
+            Py_INCREF(key);
+            Py_INCREF(value);
+            if (!(PyUnicode_Check(key) &&
+                  PyUnicode_Compare(key, st->str_params) == 0)) {
+                rc = PyDict_SetItem(out, key, value);
+            }
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (rc == 0 && PyDict_GET_SIZE(group) != n) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "loaded param group changed size during "
+                                "iteration");
+                rc = -1;
+            }
+        }
+        Py_DECREF(group);
+        return rc;
+    }
+    PyObject *items = dcp_items_list(group);
     if (items == NULL) {
         return -1;
     }
@@ -290,12 +331,14 @@ keep_live_keys(dcp_state *st, PyObject *live, PyObject *out)
 }
 
 static int
-list_of_params(dcp_state *st, PyObject *optim, Py_ssize_t o,
-               PyObject **groups_out, PyObject **params_out)
+list_of_params(dcp_state *st,
+               PyObject *optim,
+               Py_ssize_t o,
+               PyObject **groups_out,
+               PyObject **params_out)
 {
     PyObject *raw = PyObject_GetAttr(optim, st->str_param_groups);
-    PyObject *groups = raw ? dcp_as_list(raw, "optimizer.param_groups")
-                           : NULL;
+    PyObject *groups = raw ? dcp_as_list(raw, "optimizer.param_groups") : NULL;
     Py_XDECREF(raw);
     if (groups == NULL) {
         return -1;
@@ -314,7 +357,8 @@ list_of_params(dcp_state *st, PyObject *optim, Py_ssize_t o,
                 PyErr_Format(PyExc_KeyError,
                              "optimizer %zd param group %zd has no "
                              "'params'",
-                             o, g);
+                             o,
+                             g);
             }
             Py_DECREF(groups);
             Py_DECREF(plists);
@@ -347,17 +391,86 @@ requires_grad(dcp_state *st, PyObject *param)
     return r;
 }
 
+/* The loaded groups one live group draws its keys from.  A flattened dict
+ * has one loaded group per parameter, so a live group can touch as many
+ * loaded groups as it has parameters: membership is a mark per loaded
+ * group (O(1)), not a scan of the list of touched ones (O(n^2) overall).
+ * The marks are cleared after each live group by walking `touched`. */
+typedef struct {
+    unsigned char *seen; /* one flag per loaded group */
+    Py_ssize_t *touched; /* loaded group indices, first-touch order */
+    Py_ssize_t n;        /* number of loaded groups */
+} dcp_group_marks;
+
+/* 0, or -1 with MemoryError set. */
+static int
+group_marks_init(dcp_group_marks *m, Py_ssize_t n)
+{
+    /* +1: PyMem_Calloc(0, ...) may return NULL */
+    m->seen = PyMem_Calloc((size_t)n + 1, 1);
+    m->touched = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    m->n = n;
+    if (m->seen == NULL || m->touched == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void
+group_marks_free(dcp_group_marks *m)
+{
+    PyMem_Free(m->seen);
+    PyMem_Free(m->touched);
+    m->seen = NULL;
+    m->touched = NULL;
+}
+
+/* Records loaded group `k` (from PyLong_AsSsize_t: -1 may carry an
+ * error) once.  0, or -1 with an exception set. */
+static int
+touch_group(dcp_group_marks *m, Py_ssize_t k, Py_ssize_t *ntouched)
+{
+    if (k == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (k < 0 || k >= m->n) {
+        PyErr_SetString(PyExc_IndexError, "loaded group index out of range");
+        return -1;
+    }
+    if (!m->seen[k]) {
+        m->seen[k] = 1;
+        m->touched[(*ntouched)++] = k;
+    }
+    return 0;
+}
+
+static int
+cmp_ssize(const void *a, const void *b)
+{
+    Py_ssize_t x = *(const Py_ssize_t *)a, y = *(const Py_ssize_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* Splits for one optimizer; appends to `results`, `missing`; marks the
  * FQNs it claims in `claimed`.  `expect` is None (auto) or a sequence of
  * bools per group.  `*empty_k` counts empty groups across optimizers. */
 static int
-split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
-          Py_ssize_t o, PyObject *expect, PyObject *results,
-          PyObject *missing, PyObject *claimed, Py_ssize_t *empty_k)
+split_one(dcp_state *st,
+          dcp_ModelIndex *ix,
+          dcp_view *v,
+          PyObject *optim,
+          Py_ssize_t o,
+          PyObject *expect,
+          PyObject *results,
+          PyObject *missing,
+          PyObject *claimed,
+          Py_ssize_t *empty_k)
 {
     PyObject *groups = NULL, *plists = NULL, *fqn_lists = NULL;
     PyObject *out_state = NULL, *out_groups = NULL, *out = NULL;
     PyObject *expect_list = NULL;
+    dcp_group_marks marks = {NULL, NULL, 0};
     int rc = -1;
 
     if (list_of_params(st, optim, o, &groups, &plists) < 0) {
@@ -389,8 +502,8 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
         }
         PyList_SET_ITEM(fqn_lists, g, fqns);
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
-            PyObject *fqn = choose_fqn(st, ix, v, PyList_GET_ITEM(params, i),
-                                       o, g);
+            PyObject *fqn =
+                choose_fqn(st, ix, v, PyList_GET_ITEM(params, i), o, g);
             if (fqn == NULL) {
                 goto done;
             }
@@ -407,14 +520,15 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
     /* Pass 2: state and groups. */
     out_state = PyDict_New();
     out_groups = PyList_New(0);
-    if (out_state == NULL || out_groups == NULL) {
+    if (out_state == NULL || out_groups == NULL ||
+        group_marks_init(&marks, PyList_GET_SIZE(v->groups)) < 0) {
         goto done;
     }
     for (Py_ssize_t g = 0; g < ngroups; g++) {
         PyObject *params = PyList_GET_ITEM(plists, g);
         PyObject *fqns = PyList_GET_ITEM(fqn_lists, g);
         PyObject *new_group = PyDict_New();
-        PyObject *touched = NULL;
+        Py_ssize_t ntouched = 0;
         int group_rc = -1;
         if (new_group == NULL || PyList_Append(out_groups, new_group) < 0 ||
             PyDict_SetItem(new_group, st->str_params, fqns) < 0) {
@@ -428,10 +542,6 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
             if (expects < 0) {
                 goto done;
             }
-        }
-        touched = PyList_New(0);
-        if (touched == NULL) {
-            goto done;
         }
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
             PyObject *fqn = PyList_GET_ITEM(fqns, i);
@@ -455,7 +565,10 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
                  * on this rank) has no state to miss. */
                 int trainable = requires_grad(st, PyList_GET_ITEM(params, i));
                 if (trainable > 0) {
-                    PyObject *n = PyObject_CallMethod(PyList_GET_ITEM(params, i), "numel", NULL); /* cpylint-ignore: missing-state path only */
+                    PyObject *n = PyObject_CallMethod(
+                        PyList_GET_ITEM(params, i),
+                        "numel",
+                        NULL); /* cpylint-ignore: missing-state path only */
                     Py_ssize_t numel = n ? PyLong_AsSsize_t(n) : -1;
                     Py_XDECREF(n);
                     trainable = numel < 0 ? -1 : numel > 0;
@@ -470,12 +583,11 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
                 goto group_done;
             }
             if (has) {
-                int seen = PySequence_Contains(touched, gi);
-                if (seen < 0 || (!seen && PyList_Append(touched, gi) < 0)) {
-                    Py_DECREF(gi);
+                Py_ssize_t k = PyLong_AsSsize_t(gi);
+                Py_DECREF(gi);
+                if (touch_group(&marks, k, &ntouched) < 0) {
                     goto group_done;
                 }
-                Py_DECREF(gi);
             }
         }
         if (PyList_GET_SIZE(params) == 0) {
@@ -489,22 +601,14 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
             if (gi == -2) {
                 goto group_done;
             }
-            if (gi >= 0) {
-                PyObject *idx = PyLong_FromSsize_t(gi);
-                if (idx == NULL || PyList_Append(touched, idx) < 0) {
-                    Py_XDECREF(idx);
-                    goto group_done;
-                }
-                Py_DECREF(idx);
+            if (gi >= 0 && touch_group(&marks, gi, &ntouched) < 0) {
+                goto group_done;
             }
         }
-        if (PyList_Sort(touched) < 0) {
-            goto group_done;
-        }
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(touched); j++) {
-            Py_ssize_t gi = PyLong_AsSsize_t(PyList_GET_ITEM(touched, j));
-            if ((gi == -1 && PyErr_Occurred()) ||
-                apply_loaded_group(st, v, gi, new_group) < 0) {
+        /* Loaded groups apply in loaded order (later ones win). */
+        qsort(marks.touched, (size_t)ntouched, sizeof(Py_ssize_t), cmp_ssize);
+        for (Py_ssize_t j = 0; j < ntouched; j++) {
+            if (apply_loaded_group(st, v, marks.touched[j], new_group) < 0) {
                 goto group_done;
             }
         }
@@ -514,13 +618,15 @@ split_one(dcp_state *st, dcp_ModelIndex *ix, dcp_view *v, PyObject *optim,
         /* keep_live_keys set "params" only if absent; it is present. */
         group_rc = 0;
     group_done:
-        Py_XDECREF(touched);
+        for (Py_ssize_t j = 0; j < ntouched; j++) {
+            marks.seen[marks.touched[j]] = 0;
+        }
         if (group_rc < 0) {
             goto done;
         }
     }
-    out = Py_BuildValue("{sOsO}", "state", out_state, "param_groups",
-                        out_groups);
+    out = Py_BuildValue(
+        "{sOsO}", "state", out_state, "param_groups", out_groups);
     if (out == NULL || PyList_Append(results, out) < 0) {
         goto done;
     }
@@ -533,6 +639,7 @@ done:
     Py_XDECREF(out_groups);
     Py_XDECREF(out);
     Py_XDECREF(expect_list);
+    group_marks_free(&marks);
     return rc;
 }
 
@@ -574,8 +681,15 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t empty_k = 0;
     for (Py_ssize_t o = 0; o < PyList_GET_SIZE(optims); o++) {
-        if (split_one(st, ix, &v, PyList_GET_ITEM(optims, o), o,
-                      PyList_GET_ITEM(expects, o), results, missing, claimed,
+        if (split_one(st,
+                      ix,
+                      &v,
+                      PyList_GET_ITEM(optims, o),
+                      o,
+                      PyList_GET_ITEM(expects, o),
+                      results,
+                      missing,
+                      claimed,
                       &empty_k) < 0) {
             goto done;
         }
@@ -624,7 +738,9 @@ typedef struct {
     PyObject *live;     /* the param's current state dict, or NULL */
 } dcp_cast_ctx;
 
-static PyObject *cast_value(dcp_cast_ctx *c, PyObject *value, PyObject *key,
+static PyObject *cast_value(dcp_cast_ctx *c,
+                            PyObject *value,
+                            PyObject *key,
                             PyObject *live);
 
 /* The tensor `value` as the optimizer should hold it under `key`:
@@ -695,8 +811,8 @@ cast_dict(dcp_cast_ctx *c, PyObject *value, PyObject *live)
             dcp_dict_get_ref(live, key, &sub_live) < 0) {
             goto error;
         }
-        PyObject *cast = cast_value(c, PyTuple_GET_ITEM(pair, 1), key,
-                                    sub_live);
+        PyObject *cast =
+            cast_value(c, PyTuple_GET_ITEM(pair, 1), key, sub_live);
         Py_XDECREF(sub_live);
         if (cast == NULL) {
             goto error;
@@ -741,8 +857,8 @@ cast_value(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
             goto done;
         }
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *item = cast_value(
-                c, PySequence_Fast_GET_ITEM(value, i), NULL, NULL);
+            PyObject *item =
+                cast_value(c, PySequence_Fast_GET_ITEM(value, i), NULL, NULL);
             if (item == NULL) {
                 Py_DECREF(list);
                 goto done;
@@ -800,19 +916,24 @@ group_step_on_device(dcp_state *st, PyObject *group)
  * the state key.  Empty state (a pristine parameter) is always fine.
  * 0 / -1. */
 static int
-validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
-               PyObject *param, PyObject *value, PyObject *expected)
+validate_state(dcp_state *st,
+               dcp_Context *ctx,
+               PyObject *fqn,
+               PyObject *param,
+               PyObject *value,
+               PyObject *expected)
 {
     if (expected == Py_None) {
         return 0;
     }
-    PyObject *err = ctx->err_value != Py_None ? ctx->err_value
-                                              : PyExc_ValueError;
+    PyObject *err =
+        ctx->err_value != Py_None ? ctx->err_value : PyExc_ValueError;
     if (!PyDict_Check(value)) {
         PyErr_Format(err,
                      "optimizer state of parameter '%U' must be a dict, got "
                      "%.200s",
-                     fqn, Py_TYPE(value)->tp_name);
+                     fqn,
+                     Py_TYPE(value)->tp_name);
         return -1;
     }
     if (PyDict_GET_SIZE(value) == 0) {
@@ -821,14 +942,24 @@ validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
     PyObject *items = dcp_items_list(expected);
     PyObject *pshape = items ? PyObject_GetAttr(param, st->str_shape) : NULL;
     PyObject *pt = pshape ? PySequence_Tuple(pshape) : NULL;
-    PyObject *pfloat = pt ? PyObject_CallMethodNoArgs(param,
-                                                      st->str_is_floating_point)
-                          : NULL;
+    PyObject *pfloat =
+        pt ? PyObject_CallMethodNoArgs(param, st->str_is_floating_point)
+           : NULL;
     int param_floating = pfloat ? PyObject_IsTrue(pfloat) : -1;
     int rc = param_floating < 0 ? -1 : 0;
     for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
         PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
-        long need = PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1));
+        long need =
+            PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1));
+        if ((need == -1 && PyErr_Occurred()) || !PyUnicode_Check(key)) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_TypeError,
+                             "optimizer state schema keys must be str, got %R",
+                             key);
+            }
+            rc = -1;
+            break;
+        }
         PyObject *v = NULL;
         int found = dcp_dict_get_ref(value, key, &v);
         if (found <= 0) {
@@ -838,7 +969,9 @@ validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
                              "optimizer state of parameter '%U' has no '%U' "
                              "(it has %R): is this a checkpoint of another "
                              "optimizer class?",
-                             fqn, key, have ? have : Py_None);
+                             fqn,
+                             key,
+                             have ? have : Py_None);
                 Py_XDECREF(have);
             }
             rc = -1;
@@ -850,7 +983,9 @@ validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
                 PyErr_Format(err,
                              "optimizer state '%U' of parameter '%U' must be "
                              "a tensor shaped like the parameter, got %.200s",
-                             key, fqn, Py_TYPE(v)->tp_name);
+                             key,
+                             fqn,
+                             Py_TYPE(v)->tp_name);
                 rc = -1;
             }
             else if (is_tensor < 0) {
@@ -865,24 +1000,29 @@ validate_state(dcp_state *st, dcp_Context *ctx, PyObject *fqn,
                     PyErr_Format(err,
                                  "optimizer state '%U' of parameter '%U' has "
                                  "shape %R, expected the parameter's shape %R",
-                                 key, fqn, vt, pt);
+                                 key,
+                                 fqn,
+                                 vt,
+                                 pt);
                 }
                 rc = eq == 1 ? 0 : -1;
                 if (rc == 0 && param_floating) {
                     PyObject *fl = PyObject_CallMethodNoArgs(
                         v, st->str_is_floating_point);
-                    PyObject *cx = fl ? PyObject_CallMethodNoArgs(
-                                            v, st->str_is_complex)
-                                      : NULL;
-                    int ok = cx ? (PyObject_IsTrue(fl) || PyObject_IsTrue(cx))
-                                : -1;
+                    PyObject *cx =
+                        fl ? PyObject_CallMethodNoArgs(v, st->str_is_complex)
+                           : NULL;
+                    int ok =
+                        cx ? (PyObject_IsTrue(fl) || PyObject_IsTrue(cx)) : -1;
                     if (ok == 0) {
                         PyObject *dt = PyObject_GetAttr(v, st->str_dtype);
                         PyErr_Format(err,
                                      "optimizer state '%U' of parameter '%U' "
                                      "has dtype %R, expected a floating-point "
                                      "tensor",
-                                     key, fqn, dt ? dt : Py_None);
+                                     key,
+                                     fqn,
+                                     dt ? dt : Py_None);
                         Py_XDECREF(dt);
                     }
                     rc = ok == 1 ? 0 : -1;
@@ -968,7 +1108,8 @@ dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             dcp_dict_get_ref(sgroup, st->str_params, &fqns) <= 0) {
             if (!PyErr_Occurred()) {
                 PyErr_Format(PyExc_KeyError,
-                             "split param group %zd has no 'params'", g);
+                             "split param group %zd has no 'params'",
+                             g);
             }
             goto done;
         }
@@ -1063,6 +1204,14 @@ dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
             continue;
+        }
+        if (!PyUnicode_Check(key)) {
+            /* the messages below name the FQN with %U */
+            PyErr_Format(PyExc_TypeError,
+                         "optimizer state keys must be FQN strings, got %R",
+                         key);
+            Py_DECREF(target);
+            goto done;
         }
         PyObject *param = PyTuple_GET_ITEM(target, 0);
         Py_ssize_t g = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));

@@ -139,7 +139,8 @@ tree_visit(dcp_tree *t, PyObject *obj)
         }
     }
     else if (t->type_check) {
-        PyErr_Format(PyExc_ValueError, "Unexpected value type %R",
+        PyErr_Format(PyExc_ValueError,
+                     "Unexpected value type %R",
                      (PyObject *)Py_TYPE(obj));
     }
     else if (t->leaves != NULL) {
@@ -166,8 +167,7 @@ dcp_tree_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (type_check < 0) {
         return NULL;
     }
-    dcp_tree t = {(dcp_Context *)args[0], type_check, PyList_New(0), NULL,
-                  0};
+    dcp_tree t = {(dcp_Context *)args[0], type_check, PyList_New(0), NULL, 0};
     if (t.leaves == NULL) {
         return NULL;
     }
@@ -310,17 +310,18 @@ dcp_indices_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("indices_of", nargs, 2) < 0) {
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "values must be a sequence");
+    PyObject *seq = dcp_sequence_fast(args[0], "values must be a sequence");
     if (seq == NULL) {
         return NULL;
     }
     PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(seq);
          i++) {
-        int rc = PyObject_IsInstance(PySequence_Fast_GET_ITEM(seq, i), args[1]);
+        int rc =
+            PyObject_IsInstance(PySequence_Fast_GET_ITEM(seq, i), args[1]);
         PyObject *index = rc > 0 ? PyLong_FromSsize_t(i) : NULL;
-        if (rc < 0 || (rc > 0 && (index == NULL ||
-                                  PyList_Append(out, index) < 0))) {
+        if (rc < 0 ||
+            (rc > 0 && (index == NULL || PyList_Append(out, index) < 0))) {
             Py_CLEAR(out);
         }
         Py_XDECREF(index);
@@ -331,7 +332,9 @@ dcp_indices_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* Appends the dotted paths of the tensor leaves under `obj` to `out`. */
 static int
-tree_paths_visit(dcp_Context *ctx, PyObject *obj, PyObject *prefix,
+tree_paths_visit(dcp_Context *ctx,
+                 PyObject *obj,
+                 PyObject *prefix,
                  PyObject *out)
 {
     int rc = PyObject_IsInstance(obj, ctx->tensor_type);
@@ -402,8 +405,8 @@ dcp_tree_paths(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL) {
         return NULL;
     }
-    if (tree_paths_visit((dcp_Context *)args[0], args[1], st->str_empty,
-                         out) < 0) {
+    if (tree_paths_visit((dcp_Context *)args[0], args[1], st->str_empty, out) <
+        0) {
         Py_DECREF(out);
         return NULL;
     }

@@ -8,7 +8,8 @@ Two modes, both planned natively (``plan_full_load``):
   first in one object broadcast, then the tensors travel in byte buckets
   (large tensors in row chunks), and each rank keeps only its shard of
   each bucket before the next one arrives.  Peak memory on a receiving
-  rank is its local shards plus one bucket.
+  rank is its local shards plus one bucket (adaptive budget, see
+  ``_collectives``: 16 MiB unless a tensor is larger).
 
 The "rank 0" of a broadcast is the first rank of the model's device mesh
 (global rank 0 whenever the mesh spans all ranks; SPEC D18): for a model
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import errors
-from ._collectives import bucket_bytes
+from ._collectives import bucket_bytes, bucket_setting
 from ._core import C, context
 
 _CLASSES = (Shard, _StridedShard, Replicate)
@@ -110,8 +111,10 @@ def run_full_load(
     local slicing when ``route`` is None, else a bucketed broadcast stream.
     Returns the loaded value of each job (None where not needed)."""
     stream = route is not None
+    # Every rank of a stream derives the budget from the same metadata.
+    budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
     dests, layouts, buckets = C.plan_full_load(
-        jobs, DTensor, _CLASSES, bucket_bytes(), torch.empty, stream
+        jobs, DTensor, _CLASSES, budget, torch.empty, stream
     )
     if stream and buckets:
         # One buffer for the whole stream: re-allocating per bucket lets
@@ -125,6 +128,18 @@ def run_full_load(
             C.extract_rows(buf, dst_items, dests)
         del storage, buf
     return C.finish_full_load(jobs, dests, layouts, DTensor.from_local, offload)
+
+
+def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
+    """Bytes of the largest full tensor of a load (what the adaptive
+    bucket budget is sized for)."""
+    largest = 0
+    for value, _, _ in jobs:
+        n = value.dtype.itemsize
+        for d in value.shape:
+            n *= d
+        largest = max(largest, n)
+    return largest
 
 
 # --- model ---------------------------------------------------------------------
@@ -156,7 +171,7 @@ def broadcast_model_state_dict(
     """Only the route's source holds ``full``; everyone ends with its
     local dict updated (upstream's _broadcast_state_dict semantics)."""
     ctx = context()
-    route.agree("model load options", ("model", strict, cpu_offload, bucket_bytes()))
+    route.agree("model load options", ("model", strict, cpu_offload, bucket_setting()))
     if route.is_source:
         leaves = C.tree_leaves(ctx, full, False)
         meta = C.tree_rebuild(ctx, full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
@@ -225,10 +240,8 @@ def require_full_dict_everywhere(has_data: Any, index: Any, what: str) -> None:
     call), compared across the ranks of the model's mesh."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from ._consistency import mesh_all_gather_object
-
     route = route_for(index, None)
-    flags, ranks = mesh_all_gather_object(route.mesh, has_data)
+    flags, ranks = _gather_flags(route.mesh, has_data)
     if all(f == flags[0] for f in flags):
         return
     empty = [r for r, f in zip(ranks, flags) if f != max(flags)]
@@ -238,6 +251,24 @@ def require_full_dict_everywhere(has_data: Any, index: Any, what: str) -> None:
         "only rank 0 holds, use StateDictOptions(full_state_dict=True, "
         "broadcast_from_rank0=True)."
     )
+
+
+def _gather_flags(mesh: Any, flags: Any) -> tuple[list[Any], list[int]]:
+    """Every mesh rank's ``flags`` (a bool or a short tuple of bools): one
+    all-gather of 16 bytes (an object all-gather costs two collectives and
+    pickling)."""
+    from ._consistency import mesh_all_gather_bytes, mesh_all_gather_object
+
+    seq = flags if isinstance(flags, tuple) else (flags,)
+    if len(seq) > 14 or not all(isinstance(f, bool) for f in seq):
+        return mesh_all_gather_object(mesh, flags)
+    data = bytes([isinstance(flags, tuple), len(seq), *map(int, seq)]).ljust(16, b"\0")
+    blobs, ranks = mesh_all_gather_bytes(mesh, data)
+    out = []
+    for b in blobs:
+        values = tuple(bool(x) for x in b[2 : 2 + b[1]])
+        out.append(values if b[0] else values[0])
+    return out, ranks
 
 
 # --- optimizer -----------------------------------------------------------------
@@ -257,7 +288,7 @@ def localize_optim_view(view: tuple, info: Any, *, full: bool) -> tuple:
     if full and info.broadcast_from_rank0:
         device = _state_device(info.index)
         route = route_for(info.index, device)
-        route.agree("optimizer load options", ("optim", info.strict, bucket_bytes()))
+        route.agree("optimizer load options", ("optim", info.strict, bucket_setting()))
         ctx = context()
         if route.is_source:
             leaves = C.tree_leaves(ctx, state, False)

@@ -55,7 +55,8 @@ def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
         return {}
     with info.fsdp_context():
         state_dict = state_dict_fn(model, "state_dict")()
-    C.canonicalize_model_keys(context(), model, state_dict, info.dsd_fqn_modifiers)
+    if not _keys_are_canonical(info.index, state_dict):
+        C.canonicalize_model_keys(context(), model, state_dict, info.dsd_fqn_modifiers)
     if info.submodule_prefixes:
         state_dict = C.filter_prefixes(
             state_dict, list(info.submodule_prefixes), info.keep_submodule_prefixes
@@ -63,6 +64,21 @@ def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
     if info.ignore_frozen_params:
         C.drop_frozen(info.index, state_dict)
     return maybe_full_or_cpu_state_dict(state_dict, info)
+
+
+def _keys_are_canonical(index: Any, state_dict: Any) -> bool:
+    """True when canonicalising ``state_dict`` would rename nothing: every
+    key is a name the walk recorded as its own FQN, in a tree whose walk is
+    replayable (``index.trace``: no modifier hooks, no FSDP1, no overridden
+    ``named_*``/``get_extra_state``/attribute access -- csrc/walk.c).
+    Resolving such a name (upstream's ``_get_fqns``) steps through
+    registered, unwrapped modules only and returns it unchanged."""
+    if index is None or index.trace is None or not isinstance(state_dict, dict):
+        return False
+    raw = index.raw_names
+    if raw != index.fqns:  # a wrapper level or a hidden child somewhere
+        return False
+    return state_dict.keys() <= set(raw)
 
 
 def unflatten_model_state_dict(
@@ -170,9 +186,18 @@ def check_load(model: nn.Module, load_sd: dict[str, Any], info: Any) -> None:
     torch's.  Models whose load hooks rename keys get the per-tensor checks
     only (their keys cannot be known up front)."""
     index = info.index
+    # A module under several paths (``self.b = self.a``): the walk, like
+    # upstream's, keeps the first path, but load_state_dict recurses into
+    # every one and wants the keys under each; those come from torch's own
+    # state_dict() (rare: one extra Python walk).
+    keys_known = not index.custom_load and not index.shared_modules
     missing, unexpected, errs = C.check_model_load(
-        index, load_sd, info.strict, not index.custom_load
+        index, load_sd, info.strict, keys_known
     )
+    if info.strict and index.shared_modules and not index.custom_load:
+        expected = model.state_dict(keep_vars=True).keys()
+        missing = [k for k in expected if k not in load_sd]
+        unexpected = [k for k in load_sd if k not in expected]
     messages = list(errs)
     if unexpected:
         messages.insert(0, "Unexpected key(s) in state_dict: {}. ".format(

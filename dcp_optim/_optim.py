@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import errors
@@ -292,8 +293,15 @@ def prepare_optim(
     else:
         # Full tensors of sharded parameters become local shards (full
         # loads); plain tensors given for DTensor parameters are sharded
-        # too (D9).
-        view = localize_optim_view(view, info, full=info.full_state_dict)
+        # too (D9).  A sharded load into a model without DTensors only
+        # copies the containers there, which the native install does
+        # anyway (it casts into new containers): skipped.
+        if (
+            info.full_state_dict
+            or not all(_native_load(optim) for optim in optimizers)
+            or C.indices_of(info.index.tensors, DTensor)
+        ):
+            view = localize_optim_view(view, info, full=info.full_state_dict)
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
     if missing and info.strict:

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import gc
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,10 +23,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
-    FullyShardedDataParallel as FSDP,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictType,
+)
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
 )
 from torch.distributed.fsdp._common_utils import (
     _get_module_fsdp_state_if_fully_sharded_module,
@@ -159,6 +162,61 @@ def _submodule_prefixes(model: nn.Module, submodules: Iterable[nn.Module]) -> se
     return prefixes
 
 
+# --- the model walk, replayed while the model is unchanged ---------------------
+
+# id(model) -> (weak reference to the model, WalkTrace of its last walk).
+# A trace holds strings and decisions only, never a module or a tensor, so
+# this cache keeps nothing alive; an entry goes when its model dies.  The
+# bound keeps the strings of models that are alive but unused from piling
+# up (least recently walked first out).
+_WALK_TRACES: dict[int, tuple[weakref.ref, Any]] = {}
+_WALK_TRACES_MAX = 16
+
+
+def _forget_trace(key: int, ref: weakref.ref) -> None:
+    entry = _WALK_TRACES.get(key)
+    if entry is not None and entry[0] is ref:
+        _WALK_TRACES.pop(key, None)
+
+
+def walk(model: nn.Module, modifiers: str) -> Any:
+    """``C.walk_model(context(), model, modifiers)``.
+
+    When the model was walked before, the recorded walk is replayed
+    instead: the replay reads the same containers in the same order and
+    compares every name and decision with the record (see "Replaying a
+    walk" in csrc/walk.c), returning what a walk would build or None at the
+    first difference -- then the model is walked afresh.  Models whose walk
+    could run user code (custom ``named_*``, ``_fqn_modifiers`` hooks,
+    ``get_extra_state``, FSDP1, mapping subclasses) are never replayed.
+    """
+    ctx = context()
+    key = id(model)
+    entry = _WALK_TRACES.get(key)
+    if entry is not None and entry[0]() is model:
+        index = entry[1].replay(ctx, model, modifiers)
+        if index is not None:
+            if next(reversed(_WALK_TRACES), None) != key:  # least recently
+                _WALK_TRACES.pop(key, None)  # walked goes first (another
+                _WALK_TRACES[key] = entry  # thread may have evicted it)
+            return index
+    index = C.walk_model(ctx, model, modifiers)
+    trace = index.trace
+    if trace is None:
+        if entry is not None:
+            _WALK_TRACES.pop(key, None)
+        return index
+    try:
+        ref = weakref.ref(model, functools.partial(_forget_trace, key))
+    except TypeError:  # a module class without __weakref__
+        return index
+    _WALK_TRACES.pop(key, None)
+    _WALK_TRACES[key] = (ref, trace)
+    while len(_WALK_TRACES) > _WALK_TRACES_MAX:
+        _WALK_TRACES.pop(next(iter(_WALK_TRACES)), None)
+    return index
+
+
 def _prepare(
     model: nn.Module,
     optims: tuple[torch.optim.Optimizer, ...],
@@ -178,7 +236,7 @@ def _prepare(
         raise errors.StateDictTypeError(
             f"model must be a torch.nn.Module, not {type(model).__name__}"
         )
-    index = C.walk_model(context(), model, opts.dsd_fqn_modifiers)
+    index = walk(model, opts.dsd_fqn_modifiers)
     prefixes = _submodule_prefixes(model, submodules) if submodules else set()
     if opts.broadcast_from_rank0 and not opts.full_state_dict:
         raise ValueError(errors.E6_BROADCAST_NEEDS_FULL)

@@ -20,15 +20,19 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import errors
-from ._core import C, EXTRA_STATE as _EXTRA_STATE, context
+
+# _EXTRA_STATE and _verify_options: upstream module names, kept importable
+# from here like the rest of upstream's private helpers (test_wrappers).
+from ._core import EXTRA_STATE as _EXTRA_STATE  # noqa: F401
+from ._core import C, context
 from ._model import PATCH_MARK, get_model, load_model, prepare_model, unflatten_model_state_dict
 from ._optim import get_optim, init_optim_state, load_optim, prepare_optim
 from ._verify import (
-    _StateDictInfo,
     _gc_context,
     _normalize_optimizers,
     _prepare,
-    _verify_options,
+    _StateDictInfo,
+    _verify_options,  # noqa: F401
     _verify_state_dict,
 )
 from .options import StateDictOptions

@@ -167,3 +167,78 @@ def test_case_count() -> None:
     assert any(len(c.optim.kinds) > 1 for c in CASES)
     assert any(c.optim.groups_per_optimizer > 1 for c in CASES)
     assert torch.__version__.startswith("2.13")
+
+
+class _SharedModules(torch.nn.Module):
+    """One Linear under two paths (``self.alias = self.body.inner``), one
+    of them nested: model.state_dict() and load_state_dict() visit both
+    paths, upstream's walk (and ours) keeps the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Sequential()
+        self.body.add_module("inner", torch.nn.Linear(3, 3))
+        self.alias = self.body.inner
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.alias(self.body(x)))
+
+
+def _shared_modules_pair():
+    pairs = []
+    for _ in range(2):
+        m = _SharedModules()
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+        m(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        pairs.append((m, opt))
+    return pairs
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is compared
+        return type(e), str(e)
+
+
+def test_module_under_two_paths() -> None:
+    """Model keys under every path, optimizer keys under the first; loads
+    accept the dict the getter wrote, and the errors of a dict that lacks
+    the alias's keys are torch's, raised before anything is copied."""
+    (mu, ou), (md, od) = _shared_modules_pair()
+    theirs = upstream.get_model_state_dict(mu)
+    ours = dcp_optim.get_model_state_dict(md)
+    assert_same_tree(theirs, ours)
+    assert "alias.weight" in ours and "body.inner.weight" in ours
+    flat = upstream.StateDictOptions(flatten_optimizer_state_dict=True)
+    for options in (None, flat):
+        assert_same_tree(
+            upstream.get_optimizer_state_dict(mu, ou, options=options),
+            dcp_optim.get_optimizer_state_dict(md, od, options=options),
+        )
+    # round trips, model and optimizer
+    assert _outcome(lambda: upstream.set_model_state_dict(mu, theirs)) == _outcome(
+        lambda: dcp_optim.set_model_state_dict(md, ours)
+    )
+    dcp_optim.set_optimizer_state_dict(md, od, dcp_optim.get_optimizer_state_dict(md, od))
+    # a dict without the alias's keys: strict fails the same way, with
+    # nothing copied by dcp_optim; non-strict reports the same keys
+    partial = {k: torch.zeros_like(v) for k, v in ours.items() if not k.startswith("alias.")}
+    before = params_snapshot(md)
+    up = _outcome(lambda: upstream.set_model_state_dict(mu, dict(partial)))
+    dc = _outcome(lambda: dcp_optim.set_model_state_dict(md, dict(partial)))
+    assert up == dc and up[0] is RuntimeError and '"alias.weight"' in up[1]
+    assert_same_tree(params_snapshot(md), before)
+    loose = upstream.StateDictOptions(strict=False)
+    up = upstream.set_model_state_dict(mu, dict(partial), options=loose)
+    dc = dcp_optim.set_model_state_dict(md, dict(partial), options=loose)
+    assert (sorted(up.missing_keys), up.unexpected_keys) == (sorted(dc.missing_keys), dc.unexpected_keys)
+    assert_same_tree(params_snapshot(mu), params_snapshot(md))
+    # an unexpected key next to the aliases
+    extra = dict(ours, **{"alias.nope": torch.zeros(1)})
+    assert _outcome(lambda: upstream.set_model_state_dict(mu, dict(extra))) == _outcome(
+        lambda: dcp_optim.set_model_state_dict(md, dict(extra))
+    )
