@@ -113,16 +113,16 @@ NOTORCH_INI   := tests/refleak/pytest.ini
         format build-asan test-asan build-refleak test-refleak build-valgrind \
         test-valgrind ci
 
-tools:
+tools: $(STAMP)
 	$(TOOLS)
 
 lint: lint-format lint-cppcheck lint-cpylint lint-ruff lint-tidy
 
-lint-format:
+lint-format: $(STAMP)
 	@$(TOOLS) lint
 	$(CLANG_FORMAT) --dry-run --Werror $(CSRC) $(CHDR)
 
-format:
+format: $(STAMP)
 	@$(TOOLS) lint
 	$(CLANG_FORMAT) -i $(CSRC) $(CHDR)
 
@@ -135,7 +135,7 @@ lint-tidy: $(STAMP)
 
 # --library=python teaches cppcheck the CPython macros (Py_RETURN_NONE, ...)
 # without parsing Python.h.
-lint-cppcheck:
+lint-cppcheck: $(STAMP)
 	@$(TOOLS) lint
 	$(CPPCHECK) --library=python --enable=warning,performance,portability \
 	    --error-exitcode=1 --inline-suppr --std=c11 -q -I csrc \
