@@ -77,6 +77,8 @@
     X(device_mesh, "device_mesh")                    \
     X(load_pre_hooks, "_load_state_dict_pre_hooks")  \
     X(placements, "placements")                      \
+    X(local_tensor, "_local_tensor")                 \
+    X(is_contiguous, "is_contiguous")                \
     X(getattribute, "__getattribute__")              \
     X(getattr_hook, "__getattr__")                   \
     X(dunder_class, "__class__")

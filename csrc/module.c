@@ -359,7 +359,8 @@ static PyMethodDef dcp_methods[] = {
     {"plan_full_load",
      DCP_FASTCALL(dcp_plan_full_load),
      METH_FASTCALL,
-     "plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream, /)"
+     "plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream,"
+     " in_place=False, /)"
      "\n--\n\n"
      "Destinations, layouts and stream buckets for a full -> local load."},
     {"pack_rows",

@@ -1757,8 +1757,60 @@ done:
     return result;
 }
 
-/* plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream)
- *   -> (dests, layouts, buckets)
+/* The live local tensor of DTensor `tmpl` when a load may write this
+ * rank's shard straight into it: of shape `dest_shape`, dtype `dtype`
+ * (the bytes are copied as they are) and device `device`, and contiguous.
+ * New reference, NULL with no error set when it may not, NULL with an
+ * error on failure. */
+static PyObject *
+in_place_dest(dcp_state *st,
+              PyObject *tmpl,
+              PyObject *dest_shape,
+              PyObject *dtype,
+              PyObject *device)
+{
+    PyObject *attr = NULL;
+    int ok = -1; /* -1 error, 0 no, 1 yes */
+    PyObject *local = PyObject_GetAttr(tmpl, st->str_local_tensor);
+    if (local == NULL) {
+        goto done;
+    }
+    attr = PyObject_GetAttr(local, st->str_shape);
+    if (attr == NULL ||
+        (ok = PyObject_RichCompareBool(attr, dest_shape, Py_EQ)) != 1) {
+        goto done;
+    }
+    ok = -1;
+    Py_SETREF(attr, PyObject_GetAttr(local, st->str_dtype));
+    if (attr == NULL ||
+        (ok = PyObject_RichCompareBool(attr, dtype, Py_EQ)) != 1) {
+        goto done;
+    }
+    ok = -1;
+    Py_SETREF(attr, PyObject_GetAttr(local, st->str_device));
+    if (attr == NULL ||
+        (ok = PyObject_RichCompareBool(attr, device, Py_EQ)) != 1) {
+        goto done;
+    }
+    Py_SETREF(attr, PyObject_CallMethodNoArgs(local, st->str_is_contiguous));
+    ok = attr == NULL ? -1 : PyObject_IsTrue(attr);
+done:
+    Py_XDECREF(attr);
+    if (ok == 1) {
+        return local;
+    }
+    Py_XDECREF(local);
+    return NULL; /* with an error set when ok < 0 */
+}
+
+/* plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream
+ *                [, in_place]) -> (dests, layouts, buckets)
+ *
+ * in_place (default False): a DTensor template's shard is written straight
+ * into the template's own local tensor where in_place_dest allows (the
+ * caller has validated the whole load first: the model changes only once
+ * the data arrives, as upstream's loads do, without a second copy of the
+ * shards).
  *
  * jobs: [(value, template, device)] -- value is the full tensor (or, on
  * receiving ranks of a stream, any object with .shape and .dtype);
@@ -1779,7 +1831,11 @@ PyObject *
 dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("plan_full_load", nargs, 6) < 0) {
+    if (nargs != 7 && dcp_check_nargs("plan_full_load", nargs, 6) < 0) {
+        return NULL;
+    }
+    int in_place = nargs == 7 ? PyObject_IsTrue(args[6]) : 0;
+    if (in_place < 0) {
         return NULL;
     }
     PyObject *dtensor_cls = args[1], *classes = args[2], *empty = args[4];
@@ -1865,7 +1921,11 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (ok && explicit) {
             dest = Py_NewRef(PyTuple_GET_ITEM(tmpl, 0));
         }
-        else if (ok && needed) {
+        else if (ok && is_dt && in_place) {
+            dest = in_place_dest(st, tmpl, dest_shape, dtype, device);
+            ok = dest != NULL || !PyErr_Occurred();
+        }
+        if (ok && needed && dest == NULL) {
             PyObject *kw =
                 Py_BuildValue("{sOsO}", "dtype", dtype, "device", device);
             PyObject *a = kw ? PyTuple_Pack(1, dest_shape) : NULL;

@@ -18,6 +18,7 @@ sharded on a sub-mesh the data travels within that mesh.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -106,15 +107,19 @@ def run_full_load(
     *,
     route: Route | None,
     offload: torch.device | None = None,
+    in_place: bool = False,
 ) -> list[Any]:
     """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
     local slicing when ``route`` is None, else a bucketed broadcast stream.
-    Returns the loaded value of each job (None where not needed)."""
+    With ``in_place`` a DTensor template's shard lands straight in the
+    template's own local tensor where dtype, device and layout allow (the
+    caller has validated the whole load).  Returns the loaded value of each
+    job (None where not needed)."""
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
     dests, layouts, buckets = C.plan_full_load(
-        jobs, DTensor, _CLASSES, budget, torch.empty, stream
+        jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place
     )
     if stream and buckets:
         # One buffer for the whole stream: re-allocating per bucket lets
@@ -146,15 +151,27 @@ def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
 
 
 def distribute_model_state_dict(
-    full: dict[str, Any], local: dict[str, Any], device: torch.device
+    full: dict[str, Any],
+    local: dict[str, Any],
+    device: torch.device,
+    *,
+    precheck: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Every rank holds ``full``: upstream's _distribute_state_dict +
-    update(local), with DTensors sliced locally into new DTensors (nothing
-    is written to the model before load_state_dict validates the dict)."""
+    update(local).  With ``precheck`` (the model load's full validation)
+    and the same keys as the model's, the dict is validated first and each
+    shard is then copied straight into the parameter's local tensor, as
+    upstream does (no second copy of the shards); otherwise DTensors are
+    sliced into new DTensors and nothing is written to the model before
+    load_state_dict validates the result."""
     merged, jobs = C.full_load_merge(context(), full, local, device)
+    in_place = precheck is not None and full.keys() == local.keys()
+    if in_place:
+        # Full tensors have the global shapes the check compares with.
+        precheck(full)
     if jobs:
         job_list = [(full_t, local_t, local_t.device) for _, full_t, local_t in jobs]
-        values = run_full_load(job_list, route=None)
+        values = run_full_load(job_list, route=None, in_place=in_place)
         C.write_slots([(merged, key) for key, _, _ in jobs], values)
     return merged
 
@@ -167,9 +184,11 @@ def broadcast_model_state_dict(
     strict: bool,
     cpu_offload: bool,
     route: Route,
+    precheck: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Only the route's source holds ``full``; everyone ends with its
-    local dict updated (upstream's _broadcast_state_dict semantics)."""
+    local dict updated (upstream's _broadcast_state_dict semantics).
+    ``precheck`` as for distribute_model_state_dict."""
     ctx = context()
     route.agree("model load options", ("model", strict, cpu_offload, bucket_setting()))
     if route.is_source:
@@ -185,11 +204,21 @@ def broadcast_model_state_dict(
         )
     keys, jobs, non_tensor = _broadcast_jobs(meta, full if route.is_source else None, local, device)
     _check_broadcast_shapes(keys, jobs)
-    values = run_full_load(jobs, route=route, offload=_CPU if cpu_offload else None)
     out = dict(local)
     for key, value in non_tensor:
         if key in out:
             out[key] = value
+    # In place (shards streamed straight into the parameters, peak one
+    # bucket, as upstream) only once the whole load is known to pass: the
+    # same keys as the model's, and the dict as it will be loaded -- the
+    # live tensors standing in for the streamed ones, whose shapes were
+    # just checked -- passes the model load's own checks.
+    in_place = precheck is not None and meta.keys() == local.keys()
+    if in_place:
+        precheck(out)
+    values = run_full_load(
+        jobs, route=route, offload=_CPU if cpu_offload else None, in_place=in_place
+    )
     C.write_slots([(out, k) for k in keys], values)
     if strict:
         for key in [k for k in out if k not in meta]:

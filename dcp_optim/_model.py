@@ -156,14 +156,22 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
     assign = False
     if full_path:
         device, assign = _load_device(info, local)
+        # Where the model load's checks can run before any data moves, the
+        # shards are written straight into the parameters (see
+        # _distribute); FSDP1 and models whose load hooks rename keys keep
+        # the load-then-copy path.
+        precheck = None
+        if not info.fsdp_modules and not info.index.custom_load:
+            def precheck(sd: dict[str, Any]) -> None:
+                check_load(model, sd, info)
         if route is not None:
             route.device = collective_device(device, info.index)
             load_sd = broadcast_model_state_dict(
                 load_sd, local, device, strict=info.strict,
-                cpu_offload=info.cpu_offload, route=route,
+                cpu_offload=info.cpu_offload, route=route, precheck=precheck,
             )
         else:
-            load_sd = distribute_model_state_dict(load_sd, local, device)
+            load_sd = distribute_model_state_dict(load_sd, local, device, precheck=precheck)
     if not info.fsdp_modules:
         check_load(model, load_sd, info)
 

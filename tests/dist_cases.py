@@ -9,6 +9,7 @@ plain data.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import threading
@@ -623,4 +624,58 @@ def broadcast_memory_case(rank: int, ws: int, state_mb: int, bucket_mb: int, imp
         "bucket_bytes": bucket_mb * 2**20,
         "peak_delta": mem.peak - mem.base,
         "full_state_bytes": state_mb * 2**20,
+    }
+
+
+def broadcast_model_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[str, Any]:
+    """A broadcast_from_rank0 model load whose checks all pass up front
+    streams each shard straight into the parameter's own local tensor:
+    peak RSS growth on a receiving rank is about one bucket (not its local
+    shard + a bucket), the parameters keep their storage, and loads that
+    fail a check raise on every rank with the model unchanged."""
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    # 4 x 16 MB weights: 32 MB of local shards per rank
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().fill_(0.5)
+    names = [n for n, _ in model.named_parameters()]
+    full = {n: torch.full(p.shape, float(i)) for i, (n, p) in enumerate(model.named_parameters())} if rank == 0 else {}
+    storage = [p.to_local().data_ptr() for p in model.parameters()]
+    opts = Opts(full_state_dict=True, broadcast_from_rank0=True)
+    previous = _collectives.set_bucket_bytes(bucket_mb * 2**20)
+    try:
+        gc.collect()
+        dist.barrier()
+        with PeakRSS() as mem:
+            dcp_optim.set_model_state_dict(model, full, options=opts)
+        errors = {}
+        for what in ("non-tensor value", "wrong shape"):
+            bad = {}
+            if rank == 0:
+                bad = dict(full)
+                bad[names[0]] = 7.0 if what == "non-tensor value" else torch.zeros(3)
+            try:
+                dcp_optim.set_model_state_dict(model, bad, options=opts)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                errors[what] = f"{type(e).__name__}: {e}"
+            else:
+                errors[what] = None
+    finally:
+        _collectives.set_bucket_bytes(previous)
+    values_ok = all(
+        bool((p.to_local() == float(i)).all()) for i, p in enumerate(model.parameters())
+    )
+    return {
+        "peak_delta": mem.peak - mem.base,
+        "bucket_bytes": bucket_mb * 2**20,
+        "local_bytes": sum(p.to_local().numel() * 4 for p in model.parameters()),
+        "same_storage": storage == [p.to_local().data_ptr() for p in model.parameters()],
+        "values_ok": values_ok,
+        "errors": errors,
+        "first": names[0],
     }

@@ -63,3 +63,26 @@ def test_broadcast_load_peak_memory(capsys):
             f"upstream {theirs[1]['peak_delta'] / mb:.0f} MB"
         )
     assert r1["peak_delta"] <= bound
+
+
+def test_broadcast_model_load_writes_in_place(capsys):
+    """A broadcast model load that passes every check up front streams the
+    shards straight into the parameters (upstream's footprint: no second
+    copy of the local shards), and one that fails a check raises on every
+    rank and leaves the parameters as they were."""
+    bucket_mb = 16
+    results = run_ranks(2, dist_cases.broadcast_model_in_place_case, bucket_mb, timeout=300)
+    mb = 2**20
+    r1 = results[1]
+    with capsys.disabled():
+        print(
+            f"\nbroadcast model load, rank 1: local shard {r1['local_bytes'] / mb:.0f} MB, "
+            f"bucket {bucket_mb} MB, peak RSS growth {r1['peak_delta'] / mb:.1f} MB"
+        )
+    for r in results:
+        assert r["values_ok"] and r["same_storage"]
+        non_tensor, shape = r["errors"]["non-tensor value"], r["errors"]["wrong shape"]
+        assert non_tensor and non_tensor.startswith("RuntimeError") and r["first"] in non_tensor
+        assert shape and "size mismatch" in shape and r["first"] in shape
+    # one bucket and Python objects, never the 32 MB of local shards again
+    assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb
