@@ -561,6 +561,23 @@ copy_box(PyObject *dst,
     return rc;
 }
 
+/* A block (local_starts, global_starts, lengths): three tuples, borrowed.
+ * 0 or -1. */
+static int
+parse_block(PyObject *block, PyObject **ls, PyObject **gs, PyObject **ln)
+{
+    return dcp_parse_tuple(block,
+                           "O!O!O!",
+                           &PyTuple_Type,
+                           ls,
+                           &PyTuple_Type,
+                           gs,
+                           &PyTuple_Type,
+                           ln)
+               ? 0
+               : -1;
+}
+
 /* copy_blocks(dst, src, blocks, direction, row_window)
  *
  * direction 0: assemble -- dst is the full tensor, src a local shard:
@@ -592,14 +609,7 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
         PyObject *ls, *gs, *ln;
-        if (!dcp_parse_tuple(block,
-                             "O!O!O!",
-                             &PyTuple_Type,
-                             &ls,
-                             &PyTuple_Type,
-                             &gs,
-                             &PyTuple_Type,
-                             &ln)) {
+        if (parse_block(block, &ls, &gs, &ln) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -803,14 +813,7 @@ block_is_rows(PyObject *block,
               Py_ssize_t *rows)
 {
     PyObject *ls, *gs, *ln;
-    if (!dcp_parse_tuple(block,
-                         "O!O!O!",
-                         &PyTuple_Type,
-                         &ls,
-                         &PyTuple_Type,
-                         &gs,
-                         &PyTuple_Type,
-                         &ln)) {
+    if (parse_block(block, &ls, &gs, &ln) < 0) {
         return -1;
     }
     Py_ssize_t nd = PyTuple_GET_SIZE(gshape);
