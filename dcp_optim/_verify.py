@@ -196,9 +196,7 @@ def walk(model: nn.Module, modifiers: str) -> Any:
     if entry is not None and entry[0]() is model:
         index = entry[1].replay(ctx, model, modifiers)
         if index is not None:
-            if next(reversed(_WALK_TRACES), None) != key:  # least recently
-                _WALK_TRACES.pop(key, None)  # walked goes first (another
-                _WALK_TRACES[key] = entry  # thread may have evicted it)
+            _touch_trace(key, entry)
             return index
     index = C.walk_model(ctx, model, modifiers)
     trace = index.trace
@@ -212,9 +210,25 @@ def walk(model: nn.Module, modifiers: str) -> Any:
         return index
     _WALK_TRACES.pop(key, None)
     _WALK_TRACES[key] = (ref, trace)
-    while len(_WALK_TRACES) > _WALK_TRACES_MAX:
-        _WALK_TRACES.pop(next(iter(_WALK_TRACES)), None)
+    _touch_trace(key, (ref, trace))
     return index
+
+
+def _touch_trace(key: int, entry: tuple[weakref.ref, Any]) -> None:
+    """Make ``entry`` the most recently used trace and evict the least
+    recently used beyond the bound.  Best effort: another thread, or a
+    model's weakref callback fired by a collection in the middle of this,
+    may change the dict under an iterator (RuntimeError); the cache is then
+    left as it is, which is still correct (it only holds traces that are
+    checked before use)."""
+    try:
+        if next(reversed(_WALK_TRACES), None) != key:
+            _WALK_TRACES.pop(key, None)
+            _WALK_TRACES[key] = entry
+        while len(_WALK_TRACES) > _WALK_TRACES_MAX:
+            _WALK_TRACES.pop(next(iter(_WALK_TRACES)), None)
+    except (RuntimeError, StopIteration):
+        pass
 
 
 def _prepare(
