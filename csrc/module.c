@@ -382,7 +382,8 @@ static PyMethodDef dcp_methods[] = {
     {"optim_state_jobs",
      DCP_FASTCALL(dcp_optim_state_jobs),
      METH_FASTCALL,
-     "optim_state_jobs(index, state, dtensor_cls, mode, from_local, /)"
+     "optim_state_jobs(index, state, dtensor_cls, mode, from_local,"
+     " existing=None, /)"
      "\n--\n\n"
      "Copy loaded optimizer state and list the tensors to localise."},
     {"write_slots",

@@ -2313,8 +2313,57 @@ error:
     return result;
 }
 
-/* optim_state_jobs(index, state, dtensor_cls, mode, from_local)
- *   -> (new_state, jobs, slots)
+/* The optimizer's current state tensor `held[key]` when it can stand as
+ * the template of a full -> local load of that state (so that the loaded
+ * shard may land in it, see plan_full_load's in_place): a DTensor on the
+ * parameter's mesh with the parameter's placements.  New reference, NULL
+ * with no error when it cannot, NULL with an error on failure. */
+static PyObject *
+held_state_template(dcp_state *st,
+                    PyObject *held,
+                    PyObject *key,
+                    PyObject *param,
+                    PyObject *dtensor_cls)
+{
+    PyObject *value = NULL, *a = NULL, *b = NULL;
+    int ok = -1; /* -1 error, 0 no, 1 yes */
+    if (!PyDict_Check(held)) {
+        return NULL;
+    }
+    int found = dcp_dict_get_ref(held, key, &value);
+    if (found <= 0) {
+        return NULL; /* error set when found < 0 */
+    }
+    ok = PyObject_IsInstance(value, dtensor_cls);
+    if (ok != 1) {
+        goto done;
+    }
+    ok = -1;
+    a = PyObject_GetAttr(value, st->str_device_mesh);
+    b = a ? PyObject_GetAttr(param, st->str_device_mesh) : NULL;
+    if (b == NULL || (ok = PyObject_RichCompareBool(a, b, Py_EQ)) != 1) {
+        goto done;
+    }
+    ok = -1;
+    Py_CLEAR(a);
+    Py_CLEAR(b);
+    a = PyObject_GetAttr(value, st->str_placements);
+    b = a ? PyObject_GetAttr(param, st->str_placements) : NULL;
+    if (b != NULL) {
+        ok = PyObject_RichCompareBool(a, b, Py_EQ);
+    }
+done:
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    if (ok == 1) {
+        return value;
+    }
+    Py_DECREF(value);
+    return NULL; /* error set when ok < 0 */
+}
+
+/* optim_state_jobs(index, state, dtensor_cls, mode, from_local
+ *                  [, existing]) -> (new_state, jobs, slots, n_held)
  *
  * Copies the containers of a loaded optimizer `state` (fqn -> nested
  * dict) and lists the tensor leaves to localise for the parameters they
@@ -2327,17 +2376,28 @@ error:
  *     parameters: of the parameter's global shape -> a slicing job; of
  *     its local shape -> wrapped here with from_local; any other shape ->
  *     ValueError naming the FQN and the state key.
- * slots[i] = (container, key) where jobs[i]'s result is to be stored. */
+ * slots[i] = (container, key) where jobs[i]'s result is to be stored.
+ * existing (optional, mode 0): {fqn: the optimizer's current state dict};
+ * where held_state_template accepts the current state tensor of a
+ * top-level key, it is the job's template instead of the parameter (same
+ * mesh and placements: the result is the same), so that an in-place load
+ * can write the shard into it; n_held counts those jobs. */
 PyObject *
 dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("optim_state_jobs", nargs, 5) < 0 ||
+    if ((nargs != 6 && dcp_check_nargs("optim_state_jobs", nargs, 5) < 0) ||
         !dcp_index_check(st, args[0])) {
         return NULL;
     }
     dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
     PyObject *state = args[1], *dtensor_cls = args[2], *from_local = args[4];
+    PyObject *existing = nargs == 6 ? args[5] : Py_None;
+    Py_ssize_t n_held = 0; /* jobs whose template is held state */
+    if (existing != Py_None && !PyDict_Check(existing)) {
+        PyErr_SetString(PyExc_TypeError, "existing must be a dict or None");
+        return NULL;
+    }
     dcp_Context *ctx = (dcp_Context *)ix->ctx;
     long mode = PyLong_AsLong(args[3]);
     if (mode == -1 && PyErr_Occurred()) {
@@ -2371,7 +2431,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *fqn = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
         PyObject *entry = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
         PyObject *param = NULL, *pshape = NULL, *lshape = NULL;
-        PyObject *device = NULL;
+        PyObject *device = NULL, *held = NULL;
         int param_dt = 0, ok = 1;
         if (!PyDict_Check(entry)) {
             if (PyDict_SetItem(new_state, fqn, entry) < 0) {
@@ -2381,6 +2441,11 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         int found = dcp_dict_get_ref(by_fqn, fqn, &param);
         if (found < 0) {
+            goto done;
+        }
+        if (found && existing != Py_None &&
+            dcp_dict_get_ref(existing, fqn, &held) < 0) {
+            Py_DECREF(param);
             goto done;
         }
         if (found) {
@@ -2462,9 +2527,16 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 }
                 int global_match = PyObject_RichCompareBool(vt, pt, Py_EQ);
                 int zero_dim = PyTuple_GET_SIZE(vt) == 0;
-                PyObject *tmpl = NULL;
+                PyObject *tmpl = NULL, *held_tmpl = NULL;
                 if (mode == 0 && !zero_dim) {
                     tmpl = (param_dt && global_match == 1) ? param : Py_None;
+                    if (tmpl == param && held != NULL && dst == copy) {
+                        held_tmpl = held_state_template(
+                            st, held, key, param, dtensor_cls);
+                        ok = held_tmpl != NULL || !PyErr_Occurred();
+                        tmpl = held_tmpl ? held_tmpl : tmpl;
+                        n_held += held_tmpl != NULL;
+                    }
                 }
                 else if (mode == 1 && param_dt && !zero_dim) {
                     if (global_match == 1) {
@@ -2513,6 +2585,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     Py_XDECREF(job);
                     Py_XDECREF(slot);
                 }
+                Py_XDECREF(held_tmpl);
                 Py_DECREF(vt);
                 Py_DECREF(pt);
             }
@@ -2522,6 +2595,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_CLEAR(stack);
         Py_XDECREF(copy);
         Py_XDECREF(param);
+        Py_XDECREF(held);
         Py_XDECREF(pshape);
         Py_XDECREF(lshape);
         Py_XDECREF(device);
@@ -2530,7 +2604,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    result = PyTuple_Pack(3, new_state, jobs, slots);
+    result = Py_BuildValue("(OOOn)", new_state, jobs, slots, n_held);
 done:
     Py_XDECREF(by_fqn);
     Py_XDECREF(new_state);

@@ -303,7 +303,14 @@ def _gather_flags(mesh: Any, flags: Any) -> tuple[list[Any], list[int]]:
 # --- optimizer -----------------------------------------------------------------
 
 
-def localize_optim_view(view: tuple, info: Any, *, full: bool) -> tuple:
+def localize_optim_view(
+    view: tuple,
+    info: Any,
+    *,
+    full: bool,
+    held: Callable[[], dict[str, Any]] | None = None,
+    precheck: Callable[[tuple], Any] | None = None,
+) -> tuple:
     """Make the tensors of a loaded optimizer view local to this rank.
 
     full=True (full_state_dict loads): full tensors of DTensor parameters
@@ -311,6 +318,15 @@ def localize_optim_view(view: tuple, info: Any, *, full: bool) -> tuple:
     the view itself first travels from the source.
     full=False (sharded loads): only plain tensors given for DTensor
     parameters are converted (D9); everything else is left as is.
+
+    ``held()`` (the optimizers' current state by FQN) and ``precheck(view)``
+    (the load's whole validation): on full loads where every streamed
+    tensor belongs to a DTensor parameter, the view is validated first with
+    the current state tensors (or the parameters) standing in for the
+    incoming ones, and the shards are then written straight into the
+    current state tensors where dtype and layout allow -- upstream's
+    footprint, without a second copy of the optimizer state, and still
+    nothing changed when a check fails.
     """
     state, groups, fqn_group, empties, unexpected = view
     route = None
@@ -335,11 +351,18 @@ def localize_optim_view(view: tuple, info: Any, *, full: bool) -> tuple:
             )
         if not route.is_source:
             state, groups, fqn_group, empties, unexpected = payload
-    new_state, jobs, slots = C.optim_state_jobs(
-        info.index, state, DTensor, 0 if full else 1, DTensor.from_local
+    existing = held() if full and held is not None and precheck is not None else None
+    new_state, jobs, slots, n_held = C.optim_state_jobs(
+        info.index, state, DTensor, 0 if full else 1, DTensor.from_local, existing
     )
+    # Only when every job's template is a held state tensor: an in-place
+    # load writes into its templates, and a parameter is never one here.
+    in_place = bool(jobs) and n_held == len(jobs)
+    if in_place:
+        C.write_slots(slots, [job[1] for job in jobs])
+        precheck((new_state, groups, fqn_group, empties, unexpected))
     if jobs:
-        values = run_full_load(jobs, route=route)
+        values = run_full_load(jobs, route=route, in_place=in_place)
         C.write_slots(slots, values)
     return (new_state, groups, fqn_group, empties, unexpected)
 

@@ -256,6 +256,40 @@ def _nothing() -> None:
     return None
 
 
+def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
+    """Validate a loaded view against every optimizer and build what
+    commit installs: (prepared, missing, unexpected).  Raises on bad input;
+    installs nothing."""
+    expect = [_expect_state(optim) for optim in optimizers]
+    splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
+    if missing and info.strict:
+        message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
+        if len(missing) > 1:
+            message += f" ({len(missing)} parameters lack state: {missing})"
+        raise errors.MissingOptimizerStateError(message, list(missing))
+    ctx = context()
+    prepared = []
+    for optim, split in zip(optimizers, splits):
+        _drop_sgd_placeholders(optim, split)
+        expected = _param_shaped(optim)
+        if _native_load(optim):
+            prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
+        else:
+            # validate the same way, then let the optimizer's own
+            # load_state_dict install it
+            C.prepare_install(ctx, optim, split, expected)
+            prepared.append((False, split))
+    return prepared, missing, unexpected
+
+
+def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]:
+    """The optimizers' current state keyed by FQN (the live tensors, no
+    pristine state added): where a load may write into it."""
+    state: dict[str, Any] = {}
+    C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [])
+    return state
+
+
 @torch.no_grad()
 def prepare_optim(
     model: nn.Module,
@@ -301,26 +335,14 @@ def prepare_optim(
             or not all(_native_load(optim) for optim in optimizers)
             or C.indices_of(info.index.tensors, DTensor)
         ):
-            view = localize_optim_view(view, info, full=info.full_state_dict)
-    expect = [_expect_state(optim) for optim in optimizers]
-    splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
-    if missing and info.strict:
-        message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
-        if len(missing) > 1:
-            message += f" ({len(missing)} parameters lack state: {missing})"
-        raise errors.MissingOptimizerStateError(message, list(missing))
-    ctx = context()
-    prepared = []
-    for optim, split in zip(optimizers, splits):
-        _drop_sgd_placeholders(optim, split)
-        expected = _param_shaped(optim)
-        if _native_load(optim):
-            prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
-        else:
-            # validate the same way, then let the optimizer's own
-            # load_state_dict install it
-            C.prepare_install(ctx, optim, split, expected)
-            prepared.append((False, split))
+            view = localize_optim_view(
+                view,
+                info,
+                full=info.full_state_dict,
+                held=lambda: held_state(info.index, optimizers),
+                precheck=lambda v: _prepare_view(optimizers, v, info),
+            )
+    prepared, missing, unexpected = _prepare_view(optimizers, view, info)
 
     def commit():
         for optim, (native, payload) in zip(optimizers, prepared):

@@ -679,3 +679,81 @@ def broadcast_model_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[st
         "errors": errors,
         "first": names[0],
     }
+
+
+def broadcast_optim_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[str, Any]:
+    """A broadcast_from_rank0 optimizer load into an optimizer that holds
+    state already: validated first with the held state standing in, then
+    each shard lands in the held state tensor (peak about one bucket, the
+    state keeps its storage); loads that fail a check raise on every rank
+    with the state unchanged."""
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    # 4 x 8 MB weights: 2 moments x 16 MB of local state per rank
+    model = nn.Sequential(*[nn.Linear(1024, 2048, bias=False) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+
+    def full_osd(bad: str = "") -> dict[str, Any]:
+        if rank != 0:
+            return {}
+        state = {
+            n: {"step": torch.tensor(5.0), "exp_avg": torch.full(p.shape, float(i)),
+                "exp_avg_sq": torch.full(p.shape, i + 0.5)}
+            for i, (n, p) in enumerate(zip(names, params))
+        }
+        if bad == "shape":
+            state[names[1]]["exp_avg"] = torch.zeros(3, 3)
+        elif bad == "missing":
+            del state[names[2]]
+        group = {k: v for k, v in optim.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**group, "params": list(names)}]}
+
+    def storage() -> list[int]:
+        return [optim.state[p][k].to_local().data_ptr() for p in params for k in ("exp_avg", "exp_avg_sq")]
+
+    def loaded() -> bool:
+        return all(
+            bool((optim.state[p]["exp_avg"].to_local() == float(i)).all())
+            and bool((optim.state[p]["exp_avg_sq"].to_local() == i + 0.5).all())
+            and float(optim.state[p]["step"]) == 5.0
+            for i, p in enumerate(params)
+        )
+
+    before = storage()
+    opts = Opts(full_state_dict=True, broadcast_from_rank0=True)
+    previous = _collectives.set_bucket_bytes(bucket_mb * 2**20)
+    try:
+        osd = full_osd()
+        gc.collect()
+        dist.barrier()
+        with PeakRSS() as mem:
+            dcp_optim.set_optimizer_state_dict(model, optim, osd, options=opts)
+        del osd
+        errors = {}
+        for bad in ("shape", "missing"):
+            try:
+                dcp_optim.set_optimizer_state_dict(model, optim, full_osd(bad), options=opts)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                errors[bad] = f"{type(e).__name__}: {e}"
+            else:
+                errors[bad] = None
+    finally:
+        _collectives.set_bucket_bytes(previous)
+    return {
+        "peak_delta": mem.peak - mem.base,
+        "bucket_bytes": bucket_mb * 2**20,
+        "local_bytes": sum(p.to_local().numel() * 4 * 2 for p in params),
+        "same_storage": before == storage(),
+        "values_ok": loaded(),
+        "errors": errors,
+        "names": names,
+    }

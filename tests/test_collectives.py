@@ -86,3 +86,24 @@ def test_broadcast_model_load_writes_in_place(capsys):
         assert shape and "size mismatch" in shape and r["first"] in shape
     # one bucket and Python objects, never the 32 MB of local shards again
     assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb
+
+
+def test_broadcast_optimizer_load_writes_into_held_state(capsys):
+    """An optimizer that already holds state receives a broadcast load in
+    place (no second copy of its state), after the whole load validated;
+    failing loads raise on every rank and change nothing."""
+    bucket_mb = 16
+    results = run_ranks(2, dist_cases.broadcast_optim_in_place_case, bucket_mb, timeout=300)
+    mb = 2**20
+    r1 = results[1]
+    with capsys.disabled():
+        print(
+            f"\nbroadcast optimizer load, rank 1: local state {r1['local_bytes'] / mb:.0f} MB, "
+            f"bucket {bucket_mb} MB, peak RSS growth {r1['peak_delta'] / mb:.1f} MB"
+        )
+    for r in results:
+        assert r["values_ok"] and r["same_storage"]
+        shape, missing = r["errors"]["shape"], r["errors"]["missing"]
+        assert shape and r["names"][1] in shape and "exp_avg" in shape, shape
+        assert missing and missing.startswith("MissingOptimizerStateError") and r["names"][2] in missing
+    assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb

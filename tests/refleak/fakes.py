@@ -99,6 +99,9 @@ class FakeTensor:
     def dim(self) -> int:
         return len(self.shape)
 
+    def is_contiguous(self) -> bool:
+        return True
+
     def numel(self) -> int:
         n = 1
         for s in self.shape:

@@ -543,6 +543,34 @@ def _():
     C.optim_state_jobs(INDEX, state, FakeDTensor, 1, FakeDTensor.from_local)
 
 
+def _dtensor_model():
+    root = FakeModule()
+    root._parameters["w"] = FakeDTensor((4, 2))
+    return root
+
+
+DT_MODEL = _dtensor_model()
+DT_INDEX = C.walk_model(CTX, DT_MODEL, "_fqn_modifiers")
+
+
+@case("optim_state_jobs", "held-state")
+def _():
+    state = {"w": {"exp_avg": FakeTensor((4, 2)), "exp_avg_sq": FakeTensor((4, 2)),
+                   "step": FakeTensor(())}}
+    # exp_avg held on the parameter's mesh and placements (taken), exp_avg_sq
+    # on another mesh (not taken)
+    held = {"w": {"exp_avg": FakeDTensor((4, 2), mesh=DT_MODEL._parameters["w"].device_mesh,
+                                         placements=DT_MODEL._parameters["w"].placements),
+                  "exp_avg_sq": FakeDTensor((4, 2))}}
+    _, jobs, _, n_held = C.optim_state_jobs(DT_INDEX, state, FakeDTensor, 0, FakeDTensor.from_local, held)
+    assert n_held == 1 and jobs[0][1] is held["w"]["exp_avg"], (n_held, jobs)
+
+
+@case("optim_state_jobs", "held-not-dict", TypeError, "existing must be a dict")
+def _():
+    C.optim_state_jobs(DT_INDEX, {}, FakeDTensor, 0, FakeDTensor.from_local, [])
+
+
 @case("optim_state_jobs", "not-dict", TypeError, "must be a dict")
 def _():
     C.optim_state_jobs(INDEX, 1, FakeDTensor, 0, None)
@@ -683,6 +711,16 @@ LOAD_JOBS = [(FakeTensor((4, 2)), FakeDTensor((4, 2)), "cpu"), (FakeTensor((3,))
 def _():
     C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)
     C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True)
+
+
+@case("plan_full_load", "in-place")
+def _():
+    # the DTensor template's local tensor (4 -> 2 rows on rank 0 of 2) is
+    # the destination; a wrong-dtype one is not
+    C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False, True)
+    C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True, True)
+    other = [(FakeTensor((4, 2), UINT8), FakeDTensor((4, 2)), "cpu")]
+    C.plan_full_load(other, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False, True)
 
 
 @case("plan_full_load", "bad-job", TypeError)
