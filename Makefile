@@ -155,11 +155,13 @@ build-asan: $(STAMP)
 	find dcp_optim -maxdepth 1 -type f ! -name '*.so' -exec cp -p {} $(ASAN_DIR)/dcp_optim/ \;
 
 # LD_PRELOAD goes on the real interpreter binary (.venv/bin/python is a
-# symlink to it), never on a shell shim.
+# symlink to it), never on a shell shim.  --capture=sys: with pytest's
+# default fd capture a sanitizer report written to fd 2 lands in the
+# capture file and is lost when the process dies.
 test-asan: build-asan
 	$(ASAN_ENV) $(PY) -c "import dcp_optim._dcp_optim as m; \
 	    assert m.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), m.__file__"
-	$(ASAN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) --import-mode=append -m "$(UNIT_MARK)" tests
+	$(ASAN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) --capture=sys --import-mode=append -m "$(UNIT_MARK)" tests
 
 build-refleak:
 	@$(TOOLS) refleak

@@ -317,7 +317,7 @@ empty_group_prefix(dcp_state *st,
     for (Py_ssize_t j = g - 1; j >= lo; j--) {
         PyObject *params = PyList_GET_ITEM(plist, j);
         if (PyList_GET_SIZE(params) > 0) {
-            return PyUnicode_FromFormat("param_groups.%U.%s%zd__.",
+            return PyUnicode_FromFormat("param_groups.%S.%s%zd__.",
                                         PyList_GET_ITEM(params, 0),
                                         EMPTY_AFTER,
                                         g - j);
@@ -326,7 +326,7 @@ empty_group_prefix(dcp_state *st,
     for (Py_ssize_t j = g + 1; j < hi; j++) {
         PyObject *params = PyList_GET_ITEM(plist, j);
         if (PyList_GET_SIZE(params) > 0) {
-            return PyUnicode_FromFormat("param_groups.%U.%s%zd__.",
+            return PyUnicode_FromFormat("param_groups.%S.%s%zd__.",
                                         PyList_GET_ITEM(params, 0),
                                         EMPTY_BEFORE,
                                         j - g);
@@ -577,7 +577,7 @@ store_leaf(PyObject *root,
     }
     if (found && PyDict_Check(existing)) {
         PyErr_Format(PyExc_ValueError,
-                     "flattened optimizer key '%U' collides with nested "
+                     "flattened optimizer key '%S' collides with nested "
                      "state under the same name",
                      key_for_errors);
         Py_DECREF(existing);
@@ -618,7 +618,7 @@ nested_store(dcp_state *st,
         }
         else if (!PyDict_Check(next)) {
             PyErr_Format(PyExc_ValueError,
-                         "flattened optimizer key '%U' nests under a "
+                         "flattened optimizer key '%S' nests under a "
                          "non-dict state value",
                          key_for_errors);
             Py_DECREF(next);
@@ -768,7 +768,7 @@ parse_empty_tail(PyObject *anchor,
         if (digits == NULL) {
             return -1;
         }
-        *identity = PyUnicode_FromFormat("%U|%s|%U", anchor, names[k], digits);
+        *identity = PyUnicode_FromFormat("%S|%s|%S", anchor, names[k], digits);
         Py_DECREF(digits);
         *key = *identity ? PyUnicode_Substring(tail, i + 3, len) : NULL;
         if (*key == NULL) {

@@ -182,7 +182,7 @@ resolve_token(dcp_resolver *r,
             }
             if (PyUnicode_Compare(tok, st->str_module) != 0) {
                 PyErr_Format(
-                    PyExc_AssertionError, "Expected 'module', got '%U'", tok);
+                    PyExc_AssertionError, "Expected 'module', got '%S'", tok);
                 return -1;
             }
             child = PyObject_GetAttr(obj, st->str_module);
@@ -226,7 +226,7 @@ resolve_token(dcp_resolver *r,
                 }
                 for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
                     if (!PyUnicode_Check(PyList_GET_ITEM(list, i))) {
-                        /* callers treat the FQNs as str (%U, lengths) */
+                        /* callers treat the FQNs as str (%S, lengths) */
                         PyErr_Format(
                             PyExc_TypeError,
                             "FlatParameter._fqns must hold str, "
@@ -277,7 +277,7 @@ resolve_token(dcp_resolver *r,
             }
             if (PyUnicode_Compare(tok, st->str_orig_mod) != 0) {
                 PyErr_Format(PyExc_AssertionError,
-                             "Expected '_orig_mod', got '%U'",
+                             "Expected '_orig_mod', got '%S'",
                              tok);
                 return -1;
             }
@@ -851,7 +851,7 @@ dcp_canonicalize_model_keys(PyObject *module,
             }
             if (PySet_GET_SIZE(fqns) != 1) {
                 PyErr_Format(PyExc_AssertionError,
-                             "Expected 1 FQN for key '%U', got %zd: %R",
+                             "Expected 1 FQN for key '%S', got %zd: %R",
                              key,
                              PySet_GET_SIZE(fqns),
                              fqns);
@@ -875,7 +875,7 @@ dcp_canonicalize_model_keys(PyObject *module,
             if (ok <= 0) {
                 if (ok == 0) {
                     PyErr_Format(PyExc_RuntimeError,
-                                 "An unexpected key, %U, exists. FQN is %U",
+                                 "An unexpected key, %S, exists. FQN is %S",
                                  key,
                                  fqn);
                 }

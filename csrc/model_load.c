@@ -93,7 +93,7 @@ dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!found || value == Py_None) {
             Py_XDECREF(value);
             if (strict) {
-                PyErr_Format(PyExc_RuntimeError, "Missing key: %U.", fqn);
+                PyErr_Format(PyExc_RuntimeError, "Missing key: %S.", fqn);
                 goto done;
             }
             continue;
@@ -305,7 +305,7 @@ dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *msg = NULL;
         if (!is_tensor) {
             msg = PyUnicode_FromFormat(
-                "While copying the parameter named \"%U\", expected "
+                "While copying the parameter named \"%S\", expected "
                 "torch.Tensor or Tensor-like object from checkpoint but "
                 "received %R",
                 key,
@@ -326,7 +326,7 @@ dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             if (eq == 0) {
                 msg = PyUnicode_FromFormat(
-                    "size mismatch for %U: copying a param with shape %R "
+                    "size mismatch for %S: copying a param with shape %R "
                     "from checkpoint, the shape in current model is %R.",
                     key,
                     vs,

@@ -166,10 +166,10 @@ dcp_note_format(const char *format, ...)
 void
 dcp_note_key(PyObject *key)
 {
-    /* %U on anything but a str reads it as one: keys of state dicts and
+    /* %S on anything but a str reads it as one: keys of state dicts and
      * optimizer state are arbitrary objects (ints, tuples, ...). */
     if (PyUnicode_Check(key)) {
-        dcp_note_format("at key '%U'", key);
+        dcp_note_format("at key '%S'", key);
     }
     else {
         dcp_note_format("at key %R", key);

@@ -169,7 +169,7 @@ param_fqn_at(dcp_ModelIndex *ix,
         Py_ssize_t n =
             t < 0 ? 0 : PyList_GET_SIZE(PyList_GET_ITEM(ix->tensor_fqns, t));
         PyErr_Format(PyExc_AssertionError,
-                     "Expected 1 FQN for key '%U', got %zd",
+                     "Expected 1 FQN for key '%S', got %zd",
                      PyList_GET_ITEM(ix->np_names, slot),
                      n);
         return NULL;

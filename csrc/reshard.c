@@ -2150,6 +2150,16 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(jobs);
+    if (PySequence_Fast_GET_SIZE(dests) != n ||
+        PySequence_Fast_GET_SIZE(layouts) != n) {
+        PyErr_Format(PyExc_ValueError,
+                     "finish_full_load: %zd jobs but %zd dests and %zd "
+                     "layouts",
+                     n,
+                     PySequence_Fast_GET_SIZE(dests),
+                     PySequence_Fast_GET_SIZE(layouts));
+        goto done;
+    }
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         PyObject *job = PySequence_Fast_GET_ITEM(jobs, i);
@@ -2558,8 +2568,8 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                             PyErr_Format(ctx->err_value != Py_None
                                              ? ctx->err_value
                                              : PyExc_ValueError,
-                                         "optimizer state '%U' of parameter "
-                                         "'%U' has shape %R, which is neither "
+                                         "optimizer state '%S' of parameter "
+                                         "'%S' has shape %R, which is neither "
                                          "the parameter's global shape %R "
                                          "nor its local shard's %R",
                                          key,
@@ -2600,7 +2610,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(lshape);
         Py_XDECREF(device);
         if (!ok) {
-            dcp_note_format("while loading optimizer state of '%U'", fqn);
+            dcp_note_format("while loading optimizer state of '%S'", fqn);
             goto done;
         }
     }

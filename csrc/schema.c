@@ -270,7 +270,7 @@ dcp_materialize_state(PyObject *module,
         if (state == NULL) {
             dcp_note_format(
                 "while building pristine optimizer state for "
-                "'%U'",
+                "'%S'",
                 PyTuple_GET_ITEM(item, 2));
             goto error;
         }

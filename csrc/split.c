@@ -210,14 +210,14 @@ empty_identity(PyObject *fqn_lists, Py_ssize_t g, Py_ssize_t opt_i)
         PyObject *fqns = PyList_GET_ITEM(fqn_lists, j);
         if (PyList_GET_SIZE(fqns) > 0) {
             return PyUnicode_FromFormat(
-                "%U|after|%zd", PyList_GET_ITEM(fqns, 0), g - j);
+                "%S|after|%zd", PyList_GET_ITEM(fqns, 0), g - j);
         }
     }
     for (Py_ssize_t j = g + 1; j < n; j++) {
         PyObject *fqns = PyList_GET_ITEM(fqn_lists, j);
         if (PyList_GET_SIZE(fqns) > 0) {
             return PyUnicode_FromFormat(
-                "%U|before|%zd", PyList_GET_ITEM(fqns, 0), j - g);
+                "%S|before|%zd", PyList_GET_ITEM(fqns, 0), j - g);
         }
     }
     return PyUnicode_FromFormat("__optimizer_%zd_empty_group_%zd__", opt_i, g);
@@ -930,7 +930,7 @@ validate_state(dcp_state *st,
         ctx->err_value != Py_None ? ctx->err_value : PyExc_ValueError;
     if (!PyDict_Check(value)) {
         PyErr_Format(err,
-                     "optimizer state of parameter '%U' must be a dict, got "
+                     "optimizer state of parameter '%S' must be a dict, got "
                      "%.200s",
                      fqn,
                      Py_TYPE(value)->tp_name);
@@ -966,7 +966,7 @@ validate_state(dcp_state *st,
             if (found == 0) {
                 PyObject *have = PySequence_List(value);
                 PyErr_Format(err,
-                             "optimizer state of parameter '%U' has no '%U' "
+                             "optimizer state of parameter '%S' has no '%S' "
                              "(it has %R): is this a checkpoint of another "
                              "optimizer class?",
                              fqn,
@@ -981,7 +981,7 @@ validate_state(dcp_state *st,
             int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
             if (is_tensor == 0) {
                 PyErr_Format(err,
-                             "optimizer state '%U' of parameter '%U' must be "
+                             "optimizer state '%S' of parameter '%S' must be "
                              "a tensor shaped like the parameter, got %.200s",
                              key,
                              fqn,
@@ -998,7 +998,7 @@ validate_state(dcp_state *st,
                 int eq = vt ? PyObject_RichCompareBool(vt, pt, Py_EQ) : -1;
                 if (eq == 0) {
                     PyErr_Format(err,
-                                 "optimizer state '%U' of parameter '%U' has "
+                                 "optimizer state '%S' of parameter '%S' has "
                                  "shape %R, expected the parameter's shape %R",
                                  key,
                                  fqn,
@@ -1017,7 +1017,7 @@ validate_state(dcp_state *st,
                     if (ok == 0) {
                         PyObject *dt = PyObject_GetAttr(v, st->str_dtype);
                         PyErr_Format(err,
-                                     "optimizer state '%U' of parameter '%U' "
+                                     "optimizer state '%S' of parameter '%S' "
                                      "has dtype %R, expected a floating-point "
                                      "tensor",
                                      key,
@@ -1206,7 +1206,7 @@ dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         if (!PyUnicode_Check(key)) {
-            /* the messages below name the FQN with %U */
+            /* the messages below name the FQN with %S */
             PyErr_Format(PyExc_TypeError,
                          "optimizer state keys must be FQN strings, got %R",
                          key);

@@ -378,7 +378,7 @@ tree_paths_visit(dcp_Context *ctx,
         PyObject *path = NULL;
         if (key != NULL) {
             path = PyUnicode_GET_LENGTH(prefix)
-                       ? PyUnicode_FromFormat("%U.%U", prefix, key)
+                       ? PyUnicode_FromFormat("%S.%S", prefix, key)
                        : Py_NewRef(key);
         }
         rc = path ? tree_paths_visit(ctx, PyTuple_GET_ITEM(pair, 1), path, out)

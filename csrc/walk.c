@@ -502,7 +502,7 @@ walker_record_tensors(dcp_walker *w,
         if (!PyUnicode_Check(name)) {
             PyErr_Format(PyExc_TypeError,
                          "module member names must be str, got %.200s in "
-                         "module '%U'",
+                         "module '%S'",
                          Py_TYPE(name)->tp_name,
                          pre->full_raw);
             goto done;
@@ -629,7 +629,7 @@ walker_members(dcp_walker *w,
         PyObject *pair = PyList_GET_ITEM(list, i);
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
             PyErr_Format(PyExc_TypeError,
-                         "%U() of %.200s must yield (name, value) pairs",
+                         "%S() of %.200s must yield (name, value) pairs",
                          method,
                          Py_TYPE(module)->tp_name);
             Py_DECREF(list);
@@ -722,7 +722,7 @@ walker_token_rules(dcp_walker *w,
     if (parent_flags & TF_DDP) {
         if (PyUnicode_Compare(name, st->str_module) != 0) {
             PyErr_Format(
-                PyExc_AssertionError, "Expected 'module', got '%U'", name);
+                PyExc_AssertionError, "Expected 'module', got '%S'", name);
             return -1;
         }
         *skip_canon = 1;
@@ -731,7 +731,7 @@ walker_token_rules(dcp_walker *w,
     if (parent_flags & TF_COMPILED) {
         if (PyUnicode_Compare(name, st->str_orig_mod) != 0) {
             PyErr_Format(
-                PyExc_AssertionError, "Expected '_orig_mod', got '%U'", name);
+                PyExc_AssertionError, "Expected '_orig_mod', got '%S'", name);
             return -1;
         }
         *skip_canon = 1;
@@ -858,7 +858,7 @@ walker_visit_children(dcp_walker *w,
         if (!PyUnicode_Check(name)) {
             PyErr_Format(PyExc_TypeError,
                          "child module names must be str, got %.200s under "
-                         "'%U'",
+                         "'%S'",
                          Py_TYPE(name)->tp_name,
                          pre->full_raw);
             goto done;
@@ -1043,7 +1043,7 @@ done:
         /* Name the innermost module only; outer levels add nothing. */
         w->noted = 1;
         Py_ssize_t len = PyUnicode_GET_LENGTH(pre->full_raw);
-        dcp_note_format("while walking module '%U' (%.200s)",
+        dcp_note_format("while walking module '%S' (%.200s)",
                         len ? pre->full_raw : st->str_empty,
                         Py_TYPE(module)->tp_name);
     }

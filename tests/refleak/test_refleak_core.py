@@ -749,6 +749,12 @@ def _():
     C.finish_full_load(LOAD_JOBS, dests, layouts, FakeDTensor.from_local, "cpu")
 
 
+@case("finish_full_load", "lengths", ValueError, "2 jobs but 1 dests and 2 layouts")
+def _():
+    # fewer dests than jobs: read past the end before this was checked
+    C.finish_full_load(LOAD_JOBS[:2], [None], [None, None], FakeDTensor.from_local, None)
+
+
 @case("finish_full_load", "bad-job", TypeError, "jobs are")
 def _():
     C.finish_full_load([1], [None], [None], FakeDTensor.from_local, None)
