@@ -1343,6 +1343,7 @@ mesh_coords(const Py_ssize_t *mesh, Py_ssize_t mdim, Py_ssize_t *count)
 PyObject *
 dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    dcp_state *st = dcp_get_state(module);
     if (nargs != 4 && nargs != 5) {
         PyErr_Format(PyExc_TypeError,
                      "plan_gather() takes 4 or 5 arguments (%zd given)",
@@ -1383,9 +1384,7 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!is_dt) {
             continue;
         }
-        PyObject *mesh = PyObject_GetAttrString(
-            leaf,
-            "device_mesh"); /* cpylint-ignore: per leaf, DTensor property */
+        PyObject *mesh = PyObject_GetAttr(leaf, st->str_device_mesh);
         if (mesh == NULL) {
             goto done;
         }
@@ -1421,8 +1420,7 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *idxs = PyList_GET_ITEM(members, g);
         Py_ssize_t nt = PyList_GET_SIZE(idxs);
         Py_ssize_t mshape[DCP_MAX_DIMS], mdim, ncoord;
-        PyObject *shape_obj = PyObject_GetAttrString(
-            mesh, "shape"); /* cpylint-ignore: once per mesh */
+        PyObject *shape_obj = PyObject_GetAttr(mesh, st->str_shape);
         int ok = shape_obj != NULL &&
                  parse_shape(shape_obj, mshape, &mdim, "mesh shape") == 0;
         Py_XDECREF(shape_obj);
@@ -1440,24 +1438,17 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *leaf = PySequence_Fast_GET_ITEM(leaves, li);
             Py_ssize_t gshape[DCP_MAX_DIMS], ndim, npl;
             placement_t pl[DCP_MAX_DIMS];
-            PyObject *shp = PyObject_GetAttrString(
-                leaf, "shape"); /* cpylint-ignore: per leaf */
+            PyObject *shp = PyObject_GetAttr(leaf, st->str_shape);
             PyObject *pls =
-                shp ? PyObject_GetAttrString(
-                          leaf, "placements") /* cpylint-ignore: per leaf */
-                    : NULL;
+                shp ? PyObject_GetAttr(leaf, st->str_placements) : NULL;
             PyObject *dtype =
-                pls ? PyObject_GetAttrString(
-                          leaf, "dtype") /* cpylint-ignore: per leaf */
-                    : NULL;
+                pls ? PyObject_GetAttr(leaf, st->str_dtype) : NULL;
             PyObject *isz =
                 dtype ? PyObject_GetAttrString(
                             dtype, "itemsize") /* cpylint-ignore: per leaf */
                       : NULL;
             PyObject *local =
-                isz ? PyObject_GetAttrString(
-                          leaf, "_local_tensor") /* cpylint-ignore: per leaf */
-                    : NULL;
+                isz ? PyObject_GetAttr(leaf, st->str_local_tensor) : NULL;
             Py_ssize_t itemsize = isz ? PyLong_AsSsize_t(isz) : -1;
             ok = local != NULL && itemsize > 0 &&
                  parse_shape(shp, gshape, &ndim, "DTensor shape") == 0;
@@ -1704,18 +1695,14 @@ mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord, PyObject **shape)
 /* Layout (local_shape, blocks) of DTensor `tmpl` on this rank, for a
  * full tensor of shape `gshape_obj`. */
 static PyObject *
-my_layout(PyObject *cache,
+my_layout(dcp_state *st,
+          PyObject *cache,
           PyObject *tmpl,
           PyObject *gshape_obj,
           PyObject *classes)
 {
-    PyObject *mesh = PyObject_GetAttrString(
-        tmpl,
-        "device_mesh"); /* cpylint-ignore: per tensor, DTensor property */
-    PyObject *pls =
-        mesh ? PyObject_GetAttrString(
-                   tmpl, "placements") /* cpylint-ignore: per tensor */
-             : NULL;
+    PyObject *mesh = PyObject_GetAttr(tmpl, st->str_device_mesh);
+    PyObject *pls = mesh ? PyObject_GetAttr(tmpl, st->str_placements) : NULL;
     PyObject *coord = NULL, *mshape_obj = NULL, *result = NULL;
     if (pls == NULL || mesh_info(cache, mesh, &coord, &mshape_obj) < 0) {
         goto done;
@@ -1908,7 +1895,7 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             blocks = PyTuple_GET_ITEM(tmpl, 1);
         }
         else if (ok && is_dt) {
-            layout = my_layout(cache, tmpl, shape_t, classes);
+            layout = my_layout(st, cache, tmpl, shape_t, classes);
             ok = layout != NULL;
             if (ok) {
                 dest_shape = PyTuple_GET_ITEM(layout, 0);
@@ -2176,12 +2163,9 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             value = Py_NewRef(Py_None);
         }
         else if (PySequence_Fast_GET_ITEM(layouts, i) != Py_None) {
-            PyObject *mesh = PyObject_GetAttrString(
-                tmpl, "device_mesh"); /* cpylint-ignore: per tensor */
+            PyObject *mesh = PyObject_GetAttr(tmpl, st->str_device_mesh);
             PyObject *pls =
-                mesh ? PyObject_GetAttrString(
-                           tmpl, "placements") /* cpylint-ignore: per tensor */
-                     : NULL;
+                mesh ? PyObject_GetAttr(tmpl, st->str_placements) : NULL;
             PyObject *shape =
                 pls ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
             PyObject *stride = shape
@@ -2289,9 +2273,10 @@ dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* DTensor.from_local(val, param.device_mesh, param.placements,
  *                    shape=pshape, run_check=False): a plain tensor that
  * already is the parameter's local shard, wrapped like the parameter.
- * Rare (SPEC D9): attribute lookups by name are fine here. */
+ * Rare (SPEC D9). */
 static PyObject *
-wrap_local_shard(PyObject *val,
+wrap_local_shard(dcp_state *st,
+                 PyObject *val,
                  PyObject *param,
                  PyObject *pshape,
                  PyObject *from_local)
@@ -2299,10 +2284,8 @@ wrap_local_shard(PyObject *val,
     PyObject *result = NULL;
     PyObject *args = NULL;
     PyObject *kwargs = NULL;
-    PyObject *mesh = PyObject_GetAttrString(
-        param, "device_mesh"); /* cpylint-ignore: rare */
-    PyObject *placements =
-        PyObject_GetAttrString(param, "placements"); /* cpylint-ignore: rare */
+    PyObject *mesh = PyObject_GetAttr(param, st->str_device_mesh);
+    PyObject *placements = PyObject_GetAttr(param, st->str_placements);
     if (mesh == NULL || placements == NULL) {
         goto error;
     }
@@ -2465,9 +2448,8 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             device = pshape ? PyObject_GetAttr(param, st->str_device) : NULL;
             ok = device != NULL;
             if (ok && param_dt) {
-                PyObject *local = PyObject_GetAttrString(
-                    param,
-                    "_local_tensor"); /* cpylint-ignore: DTensor params only */
+                PyObject *local =
+                    PyObject_GetAttr(param, st->str_local_tensor);
                 lshape = local ? PyObject_GetAttr(local, st->str_shape) : NULL;
                 Py_XDECREF(local);
                 ok = lshape != NULL;
@@ -2559,7 +2541,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         Py_XDECREF(lt);
                         if (local_match == 1) {
                             PyObject *wrapped = wrap_local_shard(
-                                val, param, pshape, from_local);
+                                st, val, param, pshape, from_local);
                             ok = wrapped != NULL &&
                                  PyDict_SetItem(dst, key, wrapped) == 0;
                             Py_XDECREF(wrapped);
