@@ -107,6 +107,55 @@ dcp_parse_tuple(PyObject *obj, const char *format, ...)
     return ok;
 }
 
+/* A type's attribute dict, as a new reference (NULL without an exception
+ * when the type has none yet).  From 3.12 the tp_dict slot of static
+ * builtin types (object, int, ...) is always NULL: their dicts live on
+ * the interpreter and PyType_GetDict is the only way to reach them. */
+static inline PyObject *
+dcp_type_dict(PyTypeObject *tp)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyType_GetDict(tp);
+#else
+    return Py_XNewRef(tp->tp_dict);
+#endif
+}
+
+/* PyType_GetModuleByDef (3.11+): the module, defined by `def`, of the
+ * first heap type in tp's MRO created with PyType_FromModuleAndSpec.
+ * Borrowed reference, or NULL with TypeError.  On 3.10 the same walk is
+ * made with PyType_GetModule (3.9+), skipping static types and heap
+ * types without a module. */
+#if PY_VERSION_HEX >= 0x030B0000
+#define dcp_type_module_by_def PyType_GetModuleByDef
+#else
+static inline PyObject *
+dcp_type_module_by_def(PyTypeObject *tp, PyModuleDef *def)
+{
+    PyObject *mro = tp->tp_mro;
+    Py_ssize_t n = mro != NULL ? PyTuple_GET_SIZE(mro) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!PyType_HasFeature(base, Py_TPFLAGS_HEAPTYPE)) {
+            continue;
+        }
+        PyObject *module = PyType_GetModule(base);
+        if (module == NULL) {
+            PyErr_Clear(); /* a heap type from a class statement */
+            continue;
+        }
+        if (PyModule_GetDef(module) == def) {
+            return module;
+        }
+    }
+    PyErr_Format(PyExc_TypeError,
+                 "PyType_GetModuleByDef: No superclass of '%s' has "
+                 "the given module",
+                 tp->tp_name);
+    return NULL;
+}
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define DCP_NOINLINE __attribute__((noinline))
 #define DCP_UNLIKELY(x) __builtin_expect(!!(x), 0)

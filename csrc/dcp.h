@@ -106,7 +106,7 @@ dcp_get_state(PyObject *module)
 static inline dcp_state *
 dcp_get_state_by_type(PyTypeObject *tp)
 {
-    PyObject *module = PyType_GetModuleByDef(tp, &dcp_moduledef);
+    PyObject *module = dcp_type_module_by_def(tp, &dcp_moduledef);
     assert(module != NULL);
     return dcp_get_state(module);
 }

@@ -91,11 +91,12 @@ dcp_type_lookup(PyTypeObject *tp, PyObject *name)
     PyObject *found = NULL;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
         PyObject *base = PyTuple_GET_ITEM(mro, i);
-        PyObject *dict = ((PyTypeObject *)base)->tp_dict;
+        PyObject *dict = dcp_type_dict((PyTypeObject *)base);
         if (dict == NULL) {
             continue;
         }
         int rc = dcp_dict_get_ref(dict, name, &found);
+        Py_DECREF(dict);
         if (rc < 0) {
             found = NULL;
             break;
