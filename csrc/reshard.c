@@ -107,6 +107,42 @@ runs_select(const runlist_t *in, Py_ssize_t a, Py_ssize_t len, runlist_t *out)
     return 0;
 }
 
+/* a * b for sizes (a, b >= 0); -1 with OverflowError naming `what`
+ * when the product does not fit a Py_ssize_t (a (2**31, 2**31) float
+ * tensor must not plan as 0 bytes). */
+static Py_ssize_t
+size_product(Py_ssize_t a, Py_ssize_t b, const char *what)
+{
+    if (a < 0 || b < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: negative size", what);
+        return -1;
+    }
+    if (b > 0 && a > PY_SSIZE_T_MAX / b) {
+        PyErr_Format(PyExc_OverflowError, "%s: size overflows", what);
+        return -1;
+    }
+    return a * b;
+}
+
+/* The number of bytes of a tensor of `shape` (a tuple of ints) with
+ * `itemsize`-byte elements; -1 with an exception on a bad or
+ * overflowing shape. */
+static Py_ssize_t
+shape_nbytes(PyObject *shape, Py_ssize_t itemsize, const char *what)
+{
+    Py_ssize_t n = itemsize;
+    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++) {
+        Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
+        if (dim == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if ((n = size_product(n, dim, what)) < 0) {
+            return -1;
+        }
+    }
+    return n;
+}
+
 /* torch.chunk-style split of `size` into `n` chunks: chunk `k`. */
 static void
 chunk_range(Py_ssize_t size,
@@ -618,9 +654,24 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t shift = 0;
         if (wn >= 0 && PyTuple_GET_SIZE(gs) > 0) {
             /* clip dim 0 of the block to the row window */
-            Py_ssize_t g0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(gs, 0));
-            Py_ssize_t l0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(ls, 0));
-            Py_ssize_t n0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(ln, 0));
+            Py_ssize_t g0 = -1, l0 = -1, n0 = -1;
+            if (PyTuple_GET_SIZE(ls) > 0 && PyTuple_GET_SIZE(ln) > 0) {
+                g0 = PyLong_AsSsize_t(PyTuple_GET_ITEM(gs, 0));
+                l0 = g0 < 0 ? -1 : PyLong_AsSsize_t(PyTuple_GET_ITEM(ls, 0));
+                n0 = l0 < 0 ? -1 : PyLong_AsSsize_t(PyTuple_GET_ITEM(ln, 0));
+            }
+            if (g0 < 0 || l0 < 0 || n0 < 0 || w0 < 0 ||
+                g0 > PY_SSIZE_T_MAX - n0 || w0 > PY_SSIZE_T_MAX - wn) {
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_ValueError,
+                                    "copy_blocks: bad block or row window");
+                }
+                Py_DECREF(l_starts);
+                Py_DECREF(g_starts);
+                Py_DECREF(lens);
+                Py_DECREF(seq);
+                return NULL;
+            }
             Py_ssize_t lo = g0 > w0 ? g0 : w0;
             Py_ssize_t hi = (g0 + n0) < (w0 + wn) ? (g0 + n0) : (w0 + wn);
             if (lo >= hi) {
@@ -632,12 +683,23 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_SETREF(l_starts, PySequence_List(ls));
             Py_SETREF(g_starts, PySequence_List(gs));
             Py_SETREF(lens, PySequence_List(ln));
-            int ok =
-                l_starts && g_starts && lens &&
-                PyList_SetItem(
-                    l_starts, 0, PyLong_FromSsize_t(l0 + (lo - g0))) == 0 &&
-                PyList_SetItem(g_starts, 0, PyLong_FromSsize_t(lo)) == 0 &&
-                PyList_SetItem(lens, 0, PyLong_FromSsize_t(hi - lo)) == 0;
+            /* PyList_SetItem stores a NULL item without complaint: make
+             * the ints first, and hand each over only once it exists. */
+            PyObject *nl = PyLong_FromSsize_t(l0 + (lo - g0));
+            PyObject *ng = nl ? PyLong_FromSsize_t(lo) : NULL;
+            PyObject *nn = ng ? PyLong_FromSsize_t(hi - lo) : NULL;
+            int ok = l_starts && g_starts && lens && nn;
+            if (ok) {
+                ok = PyList_SetItem(l_starts, 0, nl) == 0;
+                nl = NULL;
+                ok = ok && PyList_SetItem(g_starts, 0, ng) == 0;
+                ng = NULL;
+                ok = ok && PyList_SetItem(lens, 0, nn) == 0;
+                nn = NULL;
+            }
+            Py_XDECREF(nl);
+            Py_XDECREF(ng);
+            Py_XDECREF(nn);
             if (ok) {
                 Py_SETREF(l_starts, PyList_AsTuple(l_starts));
                 Py_SETREF(g_starts, PyList_AsTuple(g_starts));
@@ -925,11 +987,8 @@ row_pieces(dcp_state *st,
     }
     Py_ssize_t next = 0, itemsize = 0;
     for (Py_ssize_t i = 0; usable && i < count; i++) {
-        Py_ssize_t numel = 1;
-        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(pc[i].lshape); d++) {
-            numel *= PyLong_AsSsize_t(PyTuple_GET_ITEM(pc[i].lshape, d));
-        }
-        if (PyErr_Occurred()) {
+        Py_ssize_t numel = shape_nbytes(pc[i].lshape, 1, "row pieces");
+        if (numel < 0) {
             goto done;
         }
         Py_ssize_t isz = numel > 0 ? pc[i].nbytes / numel : 0;
@@ -1173,18 +1232,29 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                              &blocks)) {
             goto error;
         }
+        if (!PyTuple_Check(cshape)) {
+            PyErr_Format(
+                PyExc_TypeError,
+                "extract_rows: chunk_shape must be a tuple, not %.200s",
+                Py_TYPE(cshape)->tp_name);
+            goto error;
+        }
         if (job < 0 || job >= PyList_GET_SIZE(args[2])) {
             PyErr_SetString(PyExc_IndexError, "job out of range");
             goto error;
         }
-        PyObject *dest = PyList_GET_ITEM(args[2], job);
+        /* Strong reference: the torch calls below may run code that
+         * changes the caller's dests list. */
+        PyObject *dest = Py_NewRef(PyList_GET_ITEM(args[2], job));
         if (nbytes == 0 || dest == Py_None) {
+            Py_DECREF(dest);
             continue;
         }
         PyObject *win = byte_window(args[0], offset, nbytes);
         PyObject *chunk = win ? typed_view(st, win, dtype, cshape) : NULL;
         Py_XDECREF(win);
         if (chunk == NULL) {
+            Py_DECREF(dest);
             goto error;
         }
         int rc;
@@ -1224,6 +1294,7 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(none);
         }
         Py_DECREF(chunk);
+        Py_DECREF(dest);
         if (rc < 0) {
             goto error;
         }
@@ -1511,11 +1582,13 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     break;
                 }
                 PyObject *lshape = PyTuple_GET_ITEM(lay, 0);
-                Py_ssize_t numel = 1;
-                for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(lshape); d++) {
-                    numel *= PyLong_AsSsize_t(PyTuple_GET_ITEM(lshape, d));
+                Py_ssize_t nbytes =
+                    shape_nbytes(lshape, itemsize, "gather plan");
+                if (nbytes < 0) {
+                    Py_DECREF(lay);
+                    Py_CLEAR(layouts);
+                    break;
                 }
-                Py_ssize_t nbytes = numel * itemsize;
                 if (nbytes > seg) {
                     seg = nbytes;
                 }
@@ -1623,7 +1696,6 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(u_items);
             Py_XDECREF(l_idx);
             if (entry == NULL || PyList_Append(bucket_list, entry) < 0) {
-                Py_XDECREF(entry);
                 Py_CLEAR(bucket_list);
             }
             Py_XDECREF(entry);
@@ -1900,7 +1972,7 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (ok) {
                 dest_shape = PyTuple_GET_ITEM(layout, 0);
                 blocks = PyTuple_GET_ITEM(layout, 1);
-                PyList_SetItem(layouts, i, Py_NewRef(layout));
+                ok = PyList_SetItem(layouts, i, Py_NewRef(layout)) == 0;
             }
         }
         else if (ok) {
@@ -1941,7 +2013,7 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(none);
         }
         if (ok && needed) {
-            PyList_SetItem(dests, i, dest);
+            ok = PyList_SetItem(dests, i, dest) == 0; /* steals dest */
             dest = NULL;
         }
         Py_XDECREF(dest);

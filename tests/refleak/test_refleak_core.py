@@ -691,6 +691,51 @@ def _():
     C.extract_rows(FakeTensor((64,), UINT8), [(0, 16, FLOAT32, (2,), 0, 5, None)], [])
 
 
+@case("extract_rows", "list-chunk-shape", TypeError, "chunk_shape must be a tuple")
+def _():
+    # a list used as a tuple once crashed the interpreter (blocks path)
+    C.extract_rows(FakeTensor((64,), UINT8), [(0, 16, FLOAT32, [2, 2], 2, 0, BLOCKS)],
+                   [FakeTensor((2, 2))])
+
+
+class _ClearingBuffer(FakeTensor):
+    """A buffer whose slicing empties the dests list it was given: the
+    destination tensor must stay alive (pinned) while torch runs."""
+
+    def __init__(self, dests):
+        super().__init__((64,), UINT8)
+        self.dests = dests
+
+    def __getitem__(self, key):
+        self.dests.clear()
+        return FakeTensor((16,), UINT8)
+
+
+@case("extract_rows", "dests-mutated")
+def _():
+    dests = [FakeTensor((4, 2))]
+    C.extract_rows(_ClearingBuffer(dests), [(0, 16, FLOAT32, (2, 2), 0, 0, None)], dests)
+
+
+@case("copy_blocks", "bad-window-block", TypeError)
+def _():
+    # a non-int block start with a row window once left an exception
+    # pending behind a result (SystemError)
+    C.copy_blocks(FakeTensor((2, 2)), FakeTensor((4, 2)), [((0, 0), ("x", 0), (2, 2))], 1, (1, 2))
+
+
+@case("copy_blocks", "window-overflow", ValueError, "bad block or row window")
+def _():
+    big = sys.maxsize
+    C.copy_blocks(FakeTensor((2, 2)), FakeTensor((4, 2)), [((0, 0), (big, 0), (2, 2))], 1, (1, 2))
+
+
+@case("plan_gather", "overflow", OverflowError, "size overflows")
+def _():
+    # (2**31, 2**31) float32: 2**64 bytes, once planned as 0 bytes
+    C.plan_gather([FakeDTensor((1 << 31, 1 << 31))], FakeDTensor, PLACEMENT_CLASSES, 1 << 20)
+
+
 @case("plan_gather", "ok")
 def _():
     leaves = [FakeDTensor((4, 2)), FakeTensor((2,)),
