@@ -203,11 +203,13 @@ typedef struct {
     PyObject *fsdp1_modules; /* list of FSDP1 instances, pre-order */
     PyObject *trace;         /* WalkTrace that replays this walk, or None (see
                                 walk.c: only trees whose walk runs no user code) */
-    int shared_modules;      /* a module is reachable under several paths
-                              * (self.b = self.a): the walk keeps the first,
-                              * load_state_dict expects keys under every path */
-    int custom_load; /* some module has load_state_dict pre-hooks that may
-                        rename keys (activation-checkpoint wrappers aside) */
+    PyObject *views;    /* dict: name -> the read-only copy Python sees of a
+                           container above (NULL until first asked for) */
+    int shared_modules; /* a module is reachable under several paths
+                         * (self.b = self.a): the walk keeps the first,
+                         * load_state_dict expects keys under every path */
+    int custom_load;    /* some module has load_state_dict pre-hooks that may
+                           rename keys (activation-checkpoint wrappers aside) */
     dcp_ptrmap tensor_map; /* tensor -> index in `tensors` */
     dcp_ptrmap param_map;  /* param -> index in np_params */
 } dcp_ModelIndex;

@@ -1070,7 +1070,23 @@ done:
     X(np_names)                      \
     X(np_fqns)                       \
     X(fsdp1_modules)                 \
-    X(trace)
+    X(trace)                         \
+    X(views)
+
+/* The containers Python reads through ModelIndex_view. */
+#define MODEL_INDEX_VIEW_FIELDS(X) \
+    X(raw_names)                   \
+    X(fqns)                        \
+    X(load_keys)                   \
+    X(values)                      \
+    X(kinds)                       \
+    X(tensors)                     \
+    X(tensor_fqns)                 \
+    X(tensor_loads)                \
+    X(np_params)                   \
+    X(np_names)                    \
+    X(np_fqns)                     \
+    X(fsdp1_modules)
 
 static int
 ModelIndex_traverse(PyObject *self, visitproc visit, void *arg)
@@ -1161,16 +1177,94 @@ static PyMethodDef ModelIndex_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The containers the C core indexes with cached slot numbers (lists,
+ * the kinds bytearray) are handed to Python as read-only copies: tuples
+ * (inner lists as tuples too) and bytes.  Python code that cleared or
+ * reordered the real lists would make every later C call read past
+ * their ends.  The walk fills them before Python sees the index and
+ * nothing changes them afterwards, so each copy is made once and cached
+ * in ix->views. */
+static PyObject *
+frozen_copy(PyObject *obj)
+{
+    if (PyByteArray_Check(obj)) {
+        return PyBytes_FromStringAndSize(PyByteArray_AS_STRING(obj),
+                                         PyByteArray_GET_SIZE(obj));
+    }
+    if (!PyList_Check(obj)) {
+        return Py_NewRef(obj);
+    }
+    Py_ssize_t n = PyList_GET_SIZE(obj);
+    PyObject *result = PyTuple_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(obj, i);
+        item = PyList_Check(item) ? PyList_AsTuple(item) : Py_NewRef(item);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyTuple_SET_ITEM(result, i, item);
+    }
+    return result;
+}
+
+static PyObject *
+ModelIndex_view(PyObject *self, void *closure)
+{
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)self;
+    const char *name = (const char *)closure;
+    PyObject *field = NULL;
+#define DCP_IX_FIELD(fname)          \
+    if (strcmp(name, #fname) == 0) { \
+        field = ix->fname;           \
+    }
+    MODEL_INDEX_VIEW_FIELDS(DCP_IX_FIELD)
+#undef DCP_IX_FIELD
+    if (field == NULL) {
+        PyErr_Format(PyExc_AttributeError, "ModelIndex has no %s", name);
+        return NULL;
+    }
+    if (ix->views == NULL && (ix->views = PyDict_New()) == NULL) {
+        return NULL;
+    }
+    PyObject *key = PyUnicode_FromString(name);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *view = NULL;
+    int rc = dcp_dict_get_ref(ix->views, key, &view);
+    if (rc == 0) {
+        view = frozen_copy(field);
+        if (view != NULL && PyDict_SetItem(ix->views, key, view) < 0) {
+            Py_CLEAR(view);
+        }
+    }
+    Py_DECREF(key);
+    return view;
+}
+
+static PyGetSetDef ModelIndex_getset[] = {
+#define DCP_IX_GETSET(name) \
+    {#name, ModelIndex_view, NULL, "read-only copy", (void *)#name},
+    MODEL_INDEX_VIEW_FIELDS(DCP_IX_GETSET)
+#undef DCP_IX_GETSET
+        {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef ModelIndex_members[] = {
-#define DCP_IX_MEMBER(name) \
-    {#name, T_OBJECT_EX, offsetof(dcp_ModelIndex, name), READONLY, NULL},
-    MODEL_INDEX_OBJECT_FIELDS(DCP_IX_MEMBER)
-#undef DCP_IX_MEMBER
-        {"custom_load",
-         T_INT,
-         offsetof(dcp_ModelIndex, custom_load),
-         READONLY,
-         NULL},
+    {"ctx", T_OBJECT_EX, offsetof(dcp_ModelIndex, ctx), READONLY, NULL},
+    {"model", T_OBJECT_EX, offsetof(dcp_ModelIndex, model), READONLY, NULL},
+    {"modifiers_name",
+     T_OBJECT_EX,
+     offsetof(dcp_ModelIndex, modifiers_name),
+     READONLY,
+     NULL},
+    {"trace", T_OBJECT_EX, offsetof(dcp_ModelIndex, trace), READONLY, NULL},
+    {"custom_load",
+     T_INT,
+     offsetof(dcp_ModelIndex, custom_load),
+     READONLY,
+     NULL},
     {"shared_modules",
      T_INT,
      offsetof(dcp_ModelIndex, shared_modules),
@@ -1185,6 +1279,7 @@ static PyType_Slot ModelIndex_slots[] = {
     {Py_tp_clear, ModelIndex_clear},
     {Py_tp_methods, ModelIndex_methods},
     {Py_tp_members, ModelIndex_members},
+    {Py_tp_getset, ModelIndex_getset},
     {Py_tp_doc, "The result of one native walk over a module tree."},
     {0, NULL},
 };

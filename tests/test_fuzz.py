@@ -296,7 +296,7 @@ def test_walk_deep_nesting(depth):
     if depth > sys.getrecursionlimit():
         assert isinstance(result, RecursionError), result
     else:
-        assert result.fqns == [".".join(["c"] * depth + ["w"])]
+        assert result.fqns == (".".join(["c"] * depth + ["w"]),)
 
 
 def test_walk_huge_key_counts():

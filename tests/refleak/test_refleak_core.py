@@ -691,6 +691,34 @@ def _():
     C.extract_rows(FakeTensor((64,), UINT8), [(0, 16, FLOAT32, (2,), 0, 5, None)], [])
 
 
+def test_model_index_is_read_only():
+    """Python sees copies of the containers the core indexes by cached
+    slot numbers: clearing what it gets (once: ``ix.tensors.clear()``
+    followed by ``optim_missing`` crashed the interpreter) changes
+    nothing, and the attributes cannot be rebound."""
+    ix = C.walk_model(CTX, small_model(), "_fqn_modifiers")
+    names = ("raw_names", "fqns", "load_keys", "values", "tensors", "tensor_fqns",
+             "tensor_loads", "np_params", "np_names", "np_fqns", "fsdp1_modules")
+    for name in names:
+        view = getattr(ix, name)
+        assert isinstance(view, tuple), name
+        assert all(not isinstance(item, list) for item in view), name
+        assert getattr(ix, name) is view, name  # made once
+        with pytest.raises(AttributeError):
+            setattr(ix, name, [])
+    assert isinstance(ix.kinds, bytes)
+    params = fakes.params_of(ix.model)
+    opt = FakeOptimizer([params])
+    before = C.optim_missing(ix, opt)
+    for name in names:
+        try:
+            getattr(ix, name).clear()  # what once broke the index
+        except AttributeError:
+            pass
+    assert [fqn for _, _, fqn in before] == ["a.weight", "a.bias", "b.bias"]
+    assert C.optim_missing(ix, opt) == before
+
+
 @case("extract_rows", "list-chunk-shape", TypeError, "chunk_shape must be a tuple")
 def _():
     # a list used as a tuple once crashed the interpreter (blocks path)
