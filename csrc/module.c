@@ -264,7 +264,7 @@ static PyMethodDef dcp_methods[] = {
     {"prepare_install",
      DCP_FASTCALL(dcp_install_optim),
      METH_FASTCALL,
-     "prepare_install(ctx, optimizer, split_dict, /)\n--\n\n"
+     "prepare_install(ctx, optimizer, split_dict, expected, /)\n--\n\n"
      "The (state, param_groups) Optimizer.load_state_dict would install, "
      "without its quadratic scan."},
     {"tree_leaves",
@@ -344,7 +344,7 @@ static PyMethodDef dcp_methods[] = {
     {"extract_rows",
      DCP_FASTCALL(dcp_extract_rows),
      METH_FASTCALL,
-     "extract_rows(buffer, items, /)\n--\n\n"
+     "extract_rows(buffer, items, dests, /)\n--\n\n"
      "Keep this rank's part of broadcast row chunks."},
     {"plan_gather",
      DCP_FASTCALL(dcp_plan_gather),
