@@ -71,6 +71,7 @@ PATCHED_NAMES = (
     "set_state_dict",
     "_patch_model_state_dict",
     "_patch_optimizer_state_dict",
+    "_init_optim_state",
 )
 
 _MARK = "__dcp_optim_forwarder__"
