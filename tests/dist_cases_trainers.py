@@ -356,5 +356,7 @@ def torchtune_helpers(rank: int, ws: int, steps: int) -> dict[str, Any]:
                 rec[f"dsd_api={dsd_api}"] = _torchtune_flow(rank, steps, dsd_api)
         rec["restored"] = sorted(n for n in bound if getattr(ttd, n) is originals[n])
         out[impl] = rec
-    out["torchtune"] = torchtune.__version__
+    import torchao
+
+    out["torchtune"], out["torchao"] = torchtune.__version__, torchao.__version__
     return out
