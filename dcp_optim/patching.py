@@ -48,9 +48,12 @@ Not replaced:
 * private helpers other than the three above (``_get_fqns``,
   ``_verify_options``, ...): their callers pass and expect upstream's
   internal objects; the compatible versions live in ``dcp_optim.state_dict``;
-* references held anywhere but as a module attribute (a class attribute, a
-  closure, a ``functools.partial``, a dict of callbacks) -- call ``patch()``
-  before such references are taken, e.g. first thing in the program.
+* references to upstream's functions held anywhere but as a module
+  attribute (a class attribute, a closure, a ``functools.partial``, a dict
+  of callbacks) -- call ``patch()`` before such references are taken, e.g.
+  first thing in the program.  The other way round, a forwarder that such
+  a place took while patched stays there after ``unpatch()`` but runs
+  upstream's function again.
 
 ``patch()`` is idempotent (a second call only rescans ``sys.modules`` for
 references taken meanwhile), ``patch()``/``unpatch()`` are serialised by a
@@ -93,6 +96,9 @@ _lock = threading.RLock()
 _originals: dict[str, Callable] | None = None
 _forwarders: dict[str, Callable] = {}
 _records: list[tuple[dict[str, Any], str, Callable]] = []
+# upstream's functions as of the last patch(): what a forwarder runs once
+# unpatched
+_upstream: dict[str, Callable] = {}
 
 
 def _make_forwarder(name: str) -> Callable:
@@ -102,6 +108,11 @@ def _make_forwarder(name: str) -> Callable:
 
     @functools.wraps(target)
     def forwarder(*args, **kwargs):
+        if _originals is None:
+            # unpatched, but this forwarder was kept somewhere unpatch()
+            # cannot see (a class attribute, a closure, a callback list):
+            # upstream's function, as if it had never been patched
+            return _upstream[name](*args, **kwargs)
         # looked up per call: dcp_optim.state_dict.<name> may be wrapped
         # (profilers, spies) after patch()
         return getattr(ours, name)(*args, **kwargs)
@@ -190,6 +201,7 @@ def patch() -> _PatchHandle:
                 for name in PATCHED_NAMES:
                     _forwarders[name] = _make_forwarder(name)
             _records.clear()
+            _upstream.update(originals)
             _originals = originals
         _replace_everywhere(_originals)
         return _PatchHandle(applied)

@@ -324,3 +324,27 @@ def test_patched_init_optim_state_fills_pristine_state():
     _, optim_up = _fresh()
     upstream._init_optim_state(optim_up)  # unpatched: upstream's fake step
     assert [float(s["step"]) for s in optim_up.state.values()] == [1.0] * 4
+
+
+def test_forwarder_kept_past_unpatch_runs_upstream():
+    """A reference taken while patched where unpatch() cannot see it (a
+    class attribute, a callback list) runs dcp_optim's function while
+    patched and upstream's after unpatch()."""
+    model, optim = _fresh()
+
+    class Trainer:
+        pass
+
+    with dcp_optim.patch():
+        Trainer.get_osd = staticmethod(upstream.get_optimizer_state_dict)
+        callbacks = [upstream.get_optimizer_state_dict]
+        Trainer.get_osd(model, optim)
+        assert len(optim.state) == 0  # dcp_optim's: no fake step
+    for fn in (Trainer.get_osd, callbacks[0]):
+        assert patching.is_patched_function(fn)
+        fn(model, optim)  # upstream's: fake-steps the never-stepped optimizer
+        assert [float(s["step"]) for s in optim.state.values()] == [1.0] * 4
+        optim.state.clear()
+    with dcp_optim.patch():
+        callbacks[0](model, optim)
+        assert len(optim.state) == 0
