@@ -101,10 +101,11 @@ def _spy(module, names, counts) -> dict[str, Any]:
 
 @contextmanager
 def impl_run(impl: str, record: dict[str, Any]):
-    """Run the block on ``impl``'s functions: ``dcp_optim.patch()`` or
-    upstream's.  Records the calls that reached dcp_optim's public
-    functions (``client_calls``), upstream's public functions while *not*
-    patched (``client_calls`` too), and upstream's internals."""
+    """Run the block on ``impl``'s functions: under ``dcp_optim.patch()``
+    or on upstream's.  ``record["client_calls"]``: the calls that reached
+    dcp_optim's functions (patched), or upstream's public functions looked
+    up on its module (not patched); ``record["upstream_internal_calls"]``:
+    the calls that reached upstream's implementation."""
     client: dict[str, int] = {}
     internal: dict[str, int] = {}
     with ExitStack() as stack:
