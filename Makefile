@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	# accelerate: the client test drives its FSDP save/load helpers;
 	# matplotlib: the benchmark plot.  torch stays pinned on the same line.
 	$(PIP) install -q numpy "pytest>=8" pytest-timeout hypothesis accelerate==1.15.0 matplotlib "$(TORCH)"
+	# trainers whose checkpoint code tests/test_trainers.py runs through
+	# dcp_optim.patch(): Lightning Fabric, torchtune (torchao 0.15.0 is the
+	# newest torchao torchtune 0.6.1 imports with).  torch stays pinned.
+	$(PIP) install -q lightning==2.6.6 torchtune==0.6.1 torchao==0.15.0 "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -8,17 +8,28 @@
 After ``patch()``, the functions of ``torch.distributed.checkpoint.state_dict``
 -- the six public ones (``get_model_state_dict``, ``get_optimizer_state_dict``,
 ``get_state_dict``, ``set_model_state_dict``, ``set_optimizer_state_dict``,
-``set_state_dict``) and the two patch helpers third parties import
-(``_patch_model_state_dict``, ``_patch_optimizer_state_dict``) -- run
-dcp_optim's implementation:
+``set_state_dict``) and the private helpers third parties import
+(``_patch_model_state_dict``, ``_patch_optimizer_state_dict``, and
+``_init_optim_state``, which torchtune imports; it takes only an optimizer)
+-- run dcp_optim's implementation:
 
 * the attributes of the upstream module are replaced, so code that imports
-  them later (``from torch.distributed.checkpoint.state_dict import
-  get_state_dict`` inside a function, as HuggingFace Accelerate does) gets
-  dcp_optim's;
+  them later gets dcp_optim's: imports inside a function at call time
+  (HuggingFace Accelerate's FSDP helpers, Lightning Fabric's
+  ``ModelParallelStrategy``), modules first imported after ``patch()``
+  (``from torch.distributed.checkpoint.state_dict import ...`` at the top
+  binds the forwarders), and module aliases (``from
+  torch.distributed.checkpoint import state_dict as dsd``:
+  ``dsd.get_model_state_dict`` is the module's attribute);
 * every module already in ``sys.modules`` that holds one of upstream's
   function objects as a module attribute (``from ... import get_state_dict``
-  at the top of a file, under any alias) has that attribute replaced too.
+  at the top of a file, under any alias, or ``import *``) has that
+  attribute replaced too.
+
+(Upstream's own private functions look ``_init_optim_state`` up in their
+module too, so code that calls them directly while patched --
+``_get_optim_state_dict(model, optims, info)`` -- gets dcp_optim's
+pristine state instead of a fake ``step()``.)
 
 What is installed is a thin forwarding function per name (``__wrapped__`` is
 dcp_optim's function; ``is_patched_function(fn)`` recognises it), which
@@ -34,12 +45,15 @@ Not replaced:
 * ``StateDictOptions``: dcp_optim's functions accept upstream's options
   objects (same fields), so the class stays upstream's and existing
   ``isinstance`` checks and ``dataclasses.replace`` calls keep working;
-* private helpers other than the two ``_patch_*`` functions (``_get_fqns``,
+* private helpers other than the three above (``_get_fqns``,
   ``_verify_options``, ...): their callers pass and expect upstream's
   internal objects; the compatible versions live in ``dcp_optim.state_dict``;
-* references held anywhere but as a module attribute (a class attribute, a
-  closure, a ``functools.partial``, a dict of callbacks) -- call ``patch()``
-  before such references are taken, e.g. first thing in the program.
+* references to upstream's functions held anywhere but as a module
+  attribute (a class attribute, a closure, a ``functools.partial``, a dict
+  of callbacks) -- call ``patch()`` before such references are taken, e.g.
+  first thing in the program.  The other way round, a forwarder that such
+  a place took while patched stays there after ``unpatch()`` but runs
+  upstream's function again.
 
 ``patch()`` is idempotent (a second call only rescans ``sys.modules`` for
 references taken meanwhile), ``patch()``/``unpatch()`` are serialised by a
@@ -71,6 +85,7 @@ PATCHED_NAMES = (
     "set_state_dict",
     "_patch_model_state_dict",
     "_patch_optimizer_state_dict",
+    "_init_optim_state",
 )
 
 _MARK = "__dcp_optim_forwarder__"
@@ -81,6 +96,9 @@ _lock = threading.RLock()
 _originals: dict[str, Callable] | None = None
 _forwarders: dict[str, Callable] = {}
 _records: list[tuple[dict[str, Any], str, Callable]] = []
+# upstream's functions as of the last patch(): what a forwarder runs once
+# unpatched
+_upstream: dict[str, Callable] = {}
 
 
 def _make_forwarder(name: str) -> Callable:
@@ -90,6 +108,11 @@ def _make_forwarder(name: str) -> Callable:
 
     @functools.wraps(target)
     def forwarder(*args, **kwargs):
+        if _originals is None:
+            # unpatched, but this forwarder was kept somewhere unpatch()
+            # cannot see (a class attribute, a closure, a callback list):
+            # upstream's function, as if it had never been patched
+            return _upstream[name](*args, **kwargs)
         # looked up per call: dcp_optim.state_dict.<name> may be wrapped
         # (profilers, spies) after patch()
         return getattr(ours, name)(*args, **kwargs)
@@ -178,6 +201,7 @@ def patch() -> _PatchHandle:
                 for name in PATCHED_NAMES:
                     _forwarders[name] = _make_forwarder(name)
             _records.clear()
+            _upstream.update(originals)
             _originals = originals
         _replace_everywhere(_originals)
         return _PatchHandle(applied)

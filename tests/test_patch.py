@@ -30,6 +30,7 @@ from . import dist_cases_adoption
 from .harness import run_ranks
 
 ORIGINALS = {name: getattr(upstream, name) for name in patching.PATCHED_NAMES}
+OURS = {name: getattr(ours, name) for name in patching.PATCHED_NAMES}
 
 
 @pytest.fixture(autouse=True)
@@ -218,3 +219,132 @@ def test_accelerate_fsdp2_save_resume_runs_dcp_optim(tmp_path):
         assert r["state_equal"] and r["state_entries"] == 13
         assert r["resumed"] == r["reference"]
         assert r["files"] == ["optimizer_0", "pytorch_model_fsdp_0"]
+
+
+_CLIENT_SOURCE = '''
+from torch.distributed.checkpoint import state_dict as dsd
+import torch.distributed.checkpoint.state_dict as dsd_full
+from torch.distributed.checkpoint.state_dict import get_model_state_dict as gmsd
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.checkpoint.state_dict import *  # noqa: F403
+
+
+def call_time():
+    # Lightning's pattern: imported inside the function, at call time
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    return get_model_state_dict, set_optimizer_state_dict, StateDictOptions
+'''
+
+
+def _import_client(tmp_path, name):
+    (tmp_path / f"{name}.py").write_text(_CLIENT_SOURCE)
+    return __import__(name)
+
+
+@pytest.fixture
+def client_files(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in ("early_dsd_client", "late_dsd_client"):
+        sys.modules.pop(name, None)
+
+
+def _names_of(mod):
+    """Every way the client module reaches the patched functions."""
+    get_now, set_now, options = mod.call_time()
+    return {
+        "dsd.get_model_state_dict": mod.dsd.get_model_state_dict,
+        "dsd.set_state_dict": mod.dsd.set_state_dict,
+        "dsd_full.get_optimizer_state_dict": mod.dsd_full.get_optimizer_state_dict,
+        "gmsd": mod.gmsd,
+        "_init_optim_state": mod._init_optim_state,
+        "star get_state_dict": mod.get_state_dict,
+        "star set_model_state_dict": mod.set_model_state_dict,
+        "call-time get_model_state_dict": get_now,
+        "call-time set_optimizer_state_dict": set_now,
+    }, options
+
+
+def test_patch_covers_call_time_imports_late_modules_and_module_aliases(client_files):
+    """Modules loaded before and after patch(), reaching the functions
+    through a module alias (``from torch.distributed.checkpoint import
+    state_dict as dsd``), ``from ... import`` (renamed, ``*``) and imports
+    inside a function at call time: all get dcp_optim's while patched --
+    calls reach dcp_optim's implementation -- and upstream's after
+    unpatch()."""
+    early = _import_client(client_files, "early_dsd_client")
+    before, _ = _names_of(early)
+    for what, fn in before.items():
+        assert fn is ORIGINALS[fn.__name__], what
+
+    dcp_optim.patch()
+    late = _import_client(client_files, "late_dsd_client")  # first imported while patched
+    calls = []
+    original = ours.get_model_state_dict
+    ours.get_model_state_dict = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        for mod in (early, late):
+            names, options = _names_of(mod)
+            assert options is upstream.StateDictOptions
+            for what, fn in names.items():
+                assert patching.is_patched_function(fn), (mod.__name__, what)
+                assert fn.__wrapped__ is OURS[fn.__name__], (mod.__name__, what)
+            model, _ = _fresh()
+            for fn in (names["dsd.get_model_state_dict"], names["gmsd"],
+                       names["call-time get_model_state_dict"]):
+                assert set(fn(model)) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+        assert len(calls) == 6
+    finally:
+        ours.get_model_state_dict = original
+
+    dcp_optim.unpatch()
+    for mod in (early, late):
+        names, options = _names_of(mod)
+        assert options is upstream.StateDictOptions
+        for what, fn in names.items():
+            assert fn is ORIGINALS[fn.__name__], (mod.__name__, what)
+    assert _names_of(early)[0] == before
+
+
+def test_patched_init_optim_state_fills_pristine_state():
+    """torchtune imports _init_optim_state: patched, it is dcp_optim's (no
+    fake step: the parameters and their gradients stay untouched)."""
+    model, optim = _fresh()
+    before = [p.detach().clone() for p in model.parameters()]
+    with dcp_optim.patch():
+        upstream._init_optim_state(optim)
+    assert [float(optim.state[p]["step"]) for p in model.parameters()] == [0.0] * 4
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    _, optim_up = _fresh()
+    upstream._init_optim_state(optim_up)  # unpatched: upstream's fake step
+    assert [float(s["step"]) for s in optim_up.state.values()] == [1.0] * 4
+
+
+def test_forwarder_kept_past_unpatch_runs_upstream():
+    """A reference taken while patched where unpatch() cannot see it (a
+    class attribute, a callback list) runs dcp_optim's function while
+    patched and upstream's after unpatch()."""
+    model, optim = _fresh()
+
+    class Trainer:
+        pass
+
+    with dcp_optim.patch():
+        Trainer.get_osd = staticmethod(upstream.get_optimizer_state_dict)
+        callbacks = [upstream.get_optimizer_state_dict]
+        Trainer.get_osd(model, optim)
+        assert len(optim.state) == 0  # dcp_optim's: no fake step
+    for fn in (Trainer.get_osd, callbacks[0]):
+        assert patching.is_patched_function(fn)
+        fn(model, optim)  # upstream's: fake-steps the never-stepped optimizer
+        assert [float(s["step"]) for s in optim.state.values()] == [1.0] * 4
+        optim.state.clear()
+    with dcp_optim.patch():
+        callbacks[0](model, optim)
+        assert len(optim.state) == 0
