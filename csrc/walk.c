@@ -1054,25 +1054,6 @@ done:
  * The ModelIndex type
  */
 
-#define MODEL_INDEX_OBJECT_FIELDS(X) \
-    X(ctx)                           \
-    X(model)                         \
-    X(modifiers_name)                \
-    X(raw_names)                     \
-    X(fqns)                          \
-    X(load_keys)                     \
-    X(values)                        \
-    X(kinds)                         \
-    X(tensors)                       \
-    X(tensor_fqns)                   \
-    X(tensor_loads)                  \
-    X(np_params)                     \
-    X(np_names)                      \
-    X(np_fqns)                       \
-    X(fsdp1_modules)                 \
-    X(trace)                         \
-    X(views)
-
 /* The containers Python reads through ModelIndex_view. */
 #define MODEL_INDEX_VIEW_FIELDS(X) \
     X(raw_names)                   \
@@ -1087,6 +1068,15 @@ done:
     X(np_names)                    \
     X(np_fqns)                     \
     X(fsdp1_modules)
+
+/* Every object field (traverse and clear). */
+#define MODEL_INDEX_OBJECT_FIELDS(X) \
+    X(ctx)                           \
+    X(model)                         \
+    X(modifiers_name)                \
+    MODEL_INDEX_VIEW_FIELDS(X)       \
+    X(trace)                         \
+    X(views)
 
 static int
 ModelIndex_traverse(PyObject *self, visitproc visit, void *arg)

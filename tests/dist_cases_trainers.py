@@ -31,6 +31,7 @@ import dcp_optim.state_dict as ours
 from dcp_optim import patching
 
 from .dist_cases import Block
+from .dist_cases_adoption import _spy
 
 WIDTH, HIDDEN = 8, 7  # 7 rows over 2 ranks: uneven shards
 IMPLS = ("dcp_optim", "upstream")
@@ -83,20 +84,6 @@ def live_state(model: nn.Module, optim: torch.optim.Optimizer) -> Any:
     state = sorted((names[p], plain(dict(sorted(s.items())))) for p, s in optim.state.items())
     groups = [plain({k: v for k, v in g.items() if k != "params"}) for g in optim.param_groups]
     return {"params": params, "state": state, "groups": groups}
-
-
-def _spy(module, names, counts) -> dict[str, Any]:
-    saved = {}
-    for name in names:
-        fn = getattr(module, name)
-        saved[name] = fn
-
-        def spy(*args, __fn=fn, __name=name, **kwargs):
-            counts[__name] = counts.get(__name, 0) + 1
-            return __fn(*args, **kwargs)
-
-        setattr(module, name, spy)
-    return saved
 
 
 @contextmanager
