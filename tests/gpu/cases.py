@@ -26,18 +26,6 @@ GPU_MODE = os.environ.get("DCP_OPTIM_GPU") == "1"
 CPU = torch.device("cpu")
 
 
-def cuda_unavailable_reason() -> str | None:
-    """Why this machine cannot run the CUDA suite (None: it can)."""
-    if torch.version.cuda is None:
-        return (
-            f"torch {torch.__version__} is a build without CUDA "
-            "(install a CUDA build of torch, see tools/gpu-check.sh)"
-        )
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable CUDA device"
-    return None
-
-
 def suite_device() -> torch.device:
     if GPU_MODE:
         torch.cuda.set_device(0)

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .cases import GPU_MODE, cuda_unavailable_reason, suite_device
+from .cases import GPU_MODE, suite_device
+from .env import cuda_unavailable_reason
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

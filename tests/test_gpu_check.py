@@ -1,0 +1,49 @@
+"""tools/gpu-check.sh on a machine without CUDA: it runs the CPU-side
+checks, prints their summary and why the CUDA suite did not run, and exits
+0 -- and exits non-zero when a CPU-side check fails.  (``make test-gpu``
+is this script with the project's virtualenv.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .harness import REPO_ROOT
+
+SCRIPT = os.path.join(REPO_ROOT, "tools", "gpu-check.sh")
+# one cheap CPU-side check (it runs a 1-rank gloo group)
+NODE = "tests/test_device_rules.py::test_load_device_drops_meta_and_rejects_mixed_devices"
+
+
+def _run(tmp_path, tests: str) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        GPU_CHECK_PYTHON=sys.executable,
+        GPU_CHECK_SKIP_BUILD="1",
+        GPU_CHECK_OUT=str(tmp_path / "out"),
+        GPU_CHECK_CPU_TESTS=tests,
+        CUDA_VISIBLE_DEVICES="",  # no CUDA device, even on a GPU machine
+    )
+    env.pop("DCP_OPTIM_GPU", None)
+    return subprocess.run(
+        ["bash", SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.dist
+def test_no_cuda_path(tmp_path):
+    proc = _run(tmp_path / "ok", NODE)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "CUDA suite skipped: torch" in out
+    assert "CPU-side checks passed" in out
+    assert "1 passed" in out  # the summary table of the CPU-side checks
+    assert (tmp_path / "ok" / "out" / "cpu.xml").exists()
+    assert not (tmp_path / "ok" / "out" / "gpu.xml").exists()
+    # a failing CPU-side check fails the script (here: a missing test file)
+    proc = _run(tmp_path / "bad", "tests/no_such_test_file.py")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "CPU-side checks FAILED" in proc.stdout
