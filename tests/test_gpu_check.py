@@ -47,3 +47,28 @@ def test_no_cuda_path(tmp_path):
     proc = _run(tmp_path / "bad", "tests/no_such_test_file.py")
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "CPU-side checks FAILED" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "cuda,index", [("13.0", "cu130"), ("12.9", "cu128"), ("12.6", "cu126"), ("12.4", None)]
+)
+def test_wheel_index_follows_the_driver(tmp_path, cuda, index):
+    """The CUDA wheel index chosen from nvidia-smi's "CUDA Version" (a
+    stand-in nvidia-smi prints the real tool's header line)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"echo '| NVIDIA-SMI 580.65.06   Driver Version: 580.65.06   CUDA Version: {cuda}     |'\n"
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(
+        ["bash", SCRIPT, "--cuda-index"], env=env, capture_output=True, text=True, timeout=30
+    )
+    if index is None:
+        assert proc.returncode != 0 and proc.stdout == "", proc.stdout
+        assert "12.6 or newer" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"https://download.pytorch.org/whl/{index}"
+

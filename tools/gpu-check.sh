@@ -24,11 +24,15 @@
 #
 # Exit status: pytest's (0 when everything that could run passed).
 #
-# Time: with torch already installed, about 2 minutes (build 30 s, CPU
+# Time (an estimate until the first GPU run): with torch already
+# installed, about 2 minutes (build 30 s, CPU
 # checks 30-60 s, CUDA suite 1-2 min).  Downloading a CUDA torch (~2.5 GB
 # plus NVIDIA libraries) adds 1-4 minutes on a fast link; the suite is
 # killed after GPU_CHECK_TIMEOUT seconds (default 360) so that the whole
 # run stays within 8 minutes.
+#
+# `tools/gpu-check.sh --cuda-index` only prints the wheel index it would
+# install torch from.
 #
 # Other settings: GPU_CHECK_VENV (default .venv-gpu), GPU_CHECK_SKIP_BUILD=1
 # (make test-gpu builds first), GPU_CHECK_CPU_TESTS (the CPU-side test
@@ -52,7 +56,8 @@ die() { log "error: $*"; exit 2; }
 
 has_torch() { "$1" -c "import torch" >/dev/null 2>&1; }
 
-# The PyTorch wheel index for the driver's CUDA version (nvidia-smi).
+# The PyTorch wheel index for the driver's CUDA version (nvidia-smi), on
+# stdout (messages go to stderr).
 cuda_index() {
     local v major minor tag
     v=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p' | head -n1)
@@ -66,11 +71,17 @@ cuda_index() {
     elif [ "$major" -eq 12 ] && [ "$minor" -ge 6 ]; then
         tag=cu126
     else
-        log "driver supports CUDA $v only; torch $TORCH_VERSION wheels need 12.6 or newer"
+        log "driver supports CUDA $v only; torch $TORCH_VERSION wheels need 12.6 or newer" >&2
         return 1
     fi
     echo "https://download.pytorch.org/whl/$tag"
 }
+
+# tools/gpu-check.sh --cuda-index: print the wheel index it would use, and stop
+if [ "${1:-}" = "--cuda-index" ]; then
+    cuda_index
+    exit $?
+fi
 
 # --- 1. interpreter -------------------------------------------------------------
 mkdir -p "$OUT"
