@@ -481,3 +481,31 @@ def test_two_processes_over_gloo(dev, record_property):
     if not GPU_MODE:
         # gloo serves every collective on the CPU: everything compared
         assert {o for _, o, _ in outcomes} == {"equal"}, outcomes
+
+
+def test_cpu_model_broadcast_load_over_the_group(dev, pg1, record_property):
+    """A model kept on the CPU, loaded with ``broadcast_from_rank0`` over the
+    1-rank group (NCCL on the GPU: its buffers must live on the GPU):
+    the model load equals upstream's.  The optimizer load puts its buffers
+    on the parameters' device, as upstream does, which NCCL cannot
+    serve for a CPU model: it must work wherever upstream's works."""
+    model, optim = build("adam-foreach", CPU)
+    train(model, optim, 0, 2)
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+    outcome, loaded = {}, {}
+    for label, impl in IMPLS.items():
+        fresh, fopt = build("adam-foreach", CPU, seed=1)
+        options = impl.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        impl.set_model_state_dict(fresh, copy.deepcopy(msd), options=options)
+        loaded[label] = cpu_copy(fresh.state_dict())
+        try:
+            impl.set_optimizer_state_dict(fresh, fopt, copy.deepcopy(osd), options=options)
+            outcome[label] = "ok"
+        except Exception as e:  # noqa: BLE001 - compared below
+            outcome[label] = f"{type(e).__name__}: {str(e)[:120]}"
+    record_property("optimizer_load", outcome)
+    assert_same_values(loaded["dcp_optim"], loaded["upstream"])
+    if outcome["upstream"] == "ok":
+        assert outcome["dcp_optim"] == "ok", outcome
+    if not GPU_MODE:
+        assert outcome == {"upstream": "ok", "dcp_optim": "ok"}
