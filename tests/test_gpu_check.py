@@ -1,7 +1,7 @@
 """tools/gpu-check.sh on a machine without CUDA: it runs the CPU-side
 checks, prints their summary and why the CUDA suite did not run, and exits
-0 -- and exits non-zero when a CPU-side check fails.  (``make test-gpu``
-is this script with the project's virtualenv.)"""
+0.  (``make test-gpu`` is this script with the project's virtualenv.)
+One run of the script (two imports of torch): the dominant cost."""
 
 from __future__ import annotations
 
@@ -43,10 +43,6 @@ def test_no_cuda_path(tmp_path):
     assert "1 passed" in out  # the summary table of the CPU-side checks
     assert (tmp_path / "ok" / "out" / "cpu.xml").exists()
     assert not (tmp_path / "ok" / "out" / "gpu.xml").exists()
-    # a failing CPU-side check fails the script (here: a missing test file)
-    proc = _run(tmp_path / "bad", "tests/no_such_test_file.py")
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "CPU-side checks FAILED" in proc.stdout
 
 
 @pytest.mark.parametrize(
