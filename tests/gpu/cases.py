@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 from typing import Any
 
 import torch
@@ -290,7 +289,3 @@ def two_rank_checks(rank: int, world_size: int, device_type: str) -> list[tuple[
         compare(f"{label} broadcast load + step", lambda: load(upstream), lambda: load(dcp_optim))
         dist.barrier()
     return out
-
-
-def format_exc() -> str:
-    return traceback.format_exc()
