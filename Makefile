@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.deps-stamp
 export DCP_OPTIM_WERROR ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all venv build build-debug test test-fast test-dist demo bench clean
+.PHONY: all venv build build-debug test test-fast test-dist test-gpu demo bench clean
 
 all: build
 
@@ -52,6 +52,13 @@ demo: build
 
 bench: build
 	$(PY) -m benchmarks
+
+# The CUDA suite (tests/gpu) on cuda:0 with this virtualenv's torch, after
+# the CPU-side checks (tests/test_device_rules.py, the suite's bodies on
+# the CPU).  Without CUDA (the CPU torch of .venv) it says why and exits 0.
+# On a GPU machine, tools/gpu-check.sh installs a CUDA torch itself.
+test-gpu: build
+	GPU_CHECK_PYTHON=$(PY) GPU_CHECK_SKIP_BUILD=1 tools/gpu-check.sh
 
 clean:
 	rm -rf build dist *.egg-info dcp_optim/*.so .pytest_cache .hypothesis

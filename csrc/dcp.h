@@ -65,6 +65,7 @@
     X(device, "device")                              \
     X(is_floating_point, "is_floating_point")        \
     X(is_complex, "is_complex")                      \
+    X(is_meta, "is_meta")                            \
     X(dim, "dim")                                    \
     X(detach, "detach")                              \
     X(cpu, "cpu")                                    \

@@ -2795,9 +2795,23 @@ dcp_broadcast_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         else {
             int lv_tensor = PyObject_IsInstance(lv, tensor_cls);
+            /* a plain meta tensor (loaded with assign=True) receives its
+             * data on the load's device, as upstream's broadcast */
+            int lv_meta = 0;
+            if (lv_tensor > 0 && !is_dt) {
+                PyObject *flag = PyObject_GetAttr(lv, st->str_is_meta);
+                lv_meta = flag ? PyObject_IsTrue(flag) : -1;
+                Py_XDECREF(flag);
+            }
+            if (lv_tensor < 0 || lv_meta < 0) {
+                Py_DECREF(value);
+                Py_DECREF(lv);
+                goto done;
+            }
             tmpl = is_dt ? lv : (lv_tensor > 0 ? Py_None : Py_False);
-            dev = lv_tensor > 0 ? PyObject_GetAttr(lv, st->str_device)
-                                : Py_NewRef(device);
+            dev = lv_tensor > 0 && !lv_meta
+                      ? PyObject_GetAttr(lv, st->str_device)
+                      : Py_NewRef(device);
         }
         PyObject *job = dev ? PyTuple_Pack(3, value, tmpl, dev) : NULL;
         Py_XDECREF(dev);

@@ -734,9 +734,18 @@ typedef struct {
     PyObject *param;
     PyObject *device;   /* param.device */
     int floating;       /* param.is_floating_point() */
-    int step_on_device; /* group is capturable or fused */
+    int step_on_device; /* STEP_ON_CPU / STEP_ON_DEVICE_F32 / STEP_ON_DEVICE */
     PyObject *live;     /* the param's current state dict, or NULL */
 } dcp_cast_ctx;
+
+/* Where a loaded `step` goes (dcp_cast_ctx.step_on_device). */
+enum {
+    STEP_ON_CPU = 0,        /* the default policy: on the CPU, dtype kept */
+    STEP_ON_DEVICE_F32 = 1, /* capturable/fused: float32 on the param's
+                               device (torch's load policy) */
+    STEP_ON_DEVICE = 2      /* the schema keeps it on the param's device
+                               whatever the flags (ASGD): dtype kept */
+};
 
 static PyObject *cast_value(dcp_cast_ctx *c,
                             PyObject *value,
@@ -745,8 +754,10 @@ static PyObject *cast_value(dcp_cast_ctx *c,
 
 /* The tensor `value` as the optimizer should hold it under `key`:
  *   step: a fresh optimizer's policy -- float32 on the param's device
- *         when capturable/fused, else on the CPU (torch keeps whatever
- *         device it came with, which turns every step into a sync);
+ *         when the installed group is capturable/fused, on the param's
+ *         device when the schema always puts it there (ASGD), else on the
+ *         CPU (torch keeps whatever device it came with, which turns
+ *         every step into a sync);
  *   others: on the param's device; dtype of the live state when the
  *         optimizer holds one, else as saved (torch casts to the param
  *         dtype, which silently widens bf16 moments: SPEC D9). */
@@ -757,12 +768,15 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
     int is_step = key != NULL && PyUnicode_Check(key) &&
                   PyUnicode_Compare(key, st->str_step) == 0;
     if (is_step) {
-        if (c->step_on_device) {
+        if (c->step_on_device == STEP_ON_DEVICE_F32) {
             PyObject *args[3] = {value, c->device, c->ctx->float32};
             return PyObject_VectorcallMethod(
                 st->str_to, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         }
-        PyObject *args[2] = {value, c->ctx->cpu_device};
+        PyObject *args[2] = {value,
+                             c->step_on_device == STEP_ON_DEVICE
+                                 ? c->device
+                                 : c->ctx->cpu_device};
         return PyObject_VectorcallMethod(
             st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
@@ -908,9 +922,32 @@ group_step_on_device(dcp_state *st, PyObject *group)
     return 0;
 }
 
+/* Whether the group's schema keeps `step` on the parameter's device
+ * whatever the flags: expected["step"] == 3 (see _optim._param_shaped).
+ * 1 / 0 / -1. */
+static int
+schema_step_on_device(dcp_state *st, PyObject *expected)
+{
+    if (!PyDict_Check(expected)) {
+        return 0;
+    }
+    PyObject *need = NULL;
+    int rc = dcp_dict_get_ref(expected, st->str_step, &need);
+    if (rc <= 0) {
+        return rc;
+    }
+    long v = PyLong_AsLong(need);
+    Py_DECREF(need);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return v == 3;
+}
+
 /* Checks the loaded state of one parameter against its group's schema,
- * `expected`: dict state name -> 1 (the optimizer needs it) or 2 (needs
- * it, a floating tensor shaped like the parameter), or None (no schema).
+ * `expected`: dict state name -> 1 (the optimizer needs it), 2 (needs
+ * it, a floating tensor shaped like the parameter) or 3 (needs it, kept
+ * on the parameter's device), or None (no schema).
  * Torch installs anything and fails later, at step(), or trains on
  * garbage; here the whole load is refused up front, naming the FQN and
  * the state key.  Empty state (a pristine parameter) is always fine.
@@ -1225,7 +1262,13 @@ dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         dcp_cast_ctx c = {st, ctx, param, NULL, 0, 0, NULL};
         PyObject *cast = NULL;
-        int step_dev = group_step_on_device(st, PyList_GET_ITEM(groups, g));
+        /* torch's policy reads the installed (saved) group's flags */
+        int step_dev =
+            group_step_on_device(st, PyList_GET_ITEM(new_groups, g));
+        if (step_dev == 0) {
+            step_dev = schema_step_on_device(st, group_expected);
+            step_dev = step_dev > 0 ? STEP_ON_DEVICE : step_dev;
+        }
         PyObject *fp = step_dev >= 0 ? PyObject_CallMethodNoArgs(
                                            param, st->str_is_floating_point)
                                      : NULL;

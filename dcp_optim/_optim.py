@@ -192,20 +192,25 @@ def _expect_state(optim: _Optimizer) -> list[bool] | None:
 
 def _param_shaped(optim: _Optimizer) -> list[dict[str, int] | None] | None:
     """Per group, what a loaded entry must hold (from the schema): state
-    name -> 1 (required) or 2 (required, a floating tensor shaped like the
-    parameter).  None without a schema."""
+    name -> 1 (required), 2 (required, a floating tensor shaped like the
+    parameter) or 3 (required, created on the parameter's device: where a
+    loaded ``step`` goes when the group is neither capturable nor fused,
+    as ASGD's).  None without a schema."""
     schema = schema_for(optim)
     if schema is None:
         return None
     out: list[dict[str, int] | None] = []
     for group in optim.param_groups:
         specs = schema(optim, group) or []
+        # what lives on the parameter's device whatever the flags
+        flagless = schema(optim, {**group, "capturable": False, "fused": False}) or []
+        on_device = {s.name for s in flagless if (s.kwargs or {}).get("device") is PARAM_DEVICE}
         names = {}
         for s in specs:
             if s.dims is not None:
                 continue  # present for some shapes only
             shaped = s.factory in (torch.zeros_like, torch.full_like) and s.args[:1] == (PARAM,)
-            names[s.name] = 2 if shaped else 1
+            names[s.name] = 2 if shaped else 3 if s.name in on_device else 1
         out.append(names or None)
     return out
 

@@ -96,6 +96,10 @@ class FakeTensor:
     def __repr__(self) -> str:
         return f"FakeTensor({self.shape})"
 
+    @property
+    def is_meta(self) -> bool:
+        return self.device == "meta"
+
     def dim(self) -> int:
         return len(self.shape)
 

@@ -415,6 +415,14 @@ def _():
 def _():
     C.prepare_install(CTX, OPT, SPLIT, None)
     C.prepare_install(CTX, OPT, SPLIT, [{"step": 1, "exp_avg": 2}])
+    # a tensor step: by the installed group's flags, or the schema (3)
+    for group, need in (({"capturable": True}, 1), ({}, 3), ({}, 1)):
+        nested = {
+            "state": {"a.weight": {"step": FakeTensor(()), "exp_avg": FakeTensor((2, 3))}},
+            "param_groups": [dict(NESTED["param_groups"][0], **group)],
+        }
+        split = C.split_optim(INDEX, [OPT], C.view_from_nested(nested), [None])[0][0]
+        C.prepare_install(CTX, OPT, split, [{"step": need, "exp_avg": 2}])
 
 
 @case("prepare_install", "group-count", ValueError, "number of parameter")
@@ -589,10 +597,12 @@ def _():
 
 @case("broadcast_jobs", "ok")
 def _():
-    meta = {"w": Meta((2, 3), FLOAT32), "d": Meta((4, 2), FLOAT32), "x": 1, "gone": Meta((1,), FLOAT32)}
-    local = {"w": FakeTensor((2, 3)), "d": FakeDTensor((4, 2)), "x": 2}
-    C.broadcast_jobs(meta, None, local, "cpu", FakeDTensor, FakeTensor)
-    full = {"w": FakeTensor((2, 3)), "d": FakeTensor((4, 2)), "gone": FakeTensor((1,))}
+    meta = {"w": Meta((2, 3), FLOAT32), "d": Meta((4, 2), FLOAT32), "x": 1, "gone": Meta((1,), FLOAT32),
+            "m": Meta((2,), FLOAT32)}
+    local = {"w": FakeTensor((2, 3)), "d": FakeDTensor((4, 2)), "x": 2, "m": FakeTensor((2,), device="meta")}
+    keys, jobs, _ = C.broadcast_jobs(meta, None, local, "cpu", FakeDTensor, FakeTensor)
+    assert jobs[keys.index("m")][2] == "cpu"  # a meta parameter receives on the load's device
+    full = {"w": FakeTensor((2, 3)), "d": FakeTensor((4, 2)), "gone": FakeTensor((1,)), "m": FakeTensor((2,))}
     C.broadcast_jobs(meta, full, local, "cpu", FakeDTensor, FakeTensor)
 
 
