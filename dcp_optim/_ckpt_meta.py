@@ -42,7 +42,6 @@ anything is allocated from them (:class:`MalformedCheckpointError`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import pickle
@@ -421,7 +420,7 @@ class Checkpoint:
         from torch.distributed.checkpoint.filesystem import _generate_uuid
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        data = self._read_file(meta_file, 0, None, meta_file)
+        data = self._read_file(meta_file, 0, None, "the checkpoint metadata")
         try:
             metadata = _safe.load_metadata(data)
         except _safe.Forbidden as exc:
@@ -442,10 +441,13 @@ class Checkpoint:
         """``length`` bytes at ``offset`` of a regular file (all of it for
         None), after checking that the file holds them."""
         try:
-            with open(name, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise MalformedCheckpointError(f"{name}: not a regular file")
+            # O_NONBLOCK: a FIFO in place of a file must not block the open
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise MalformedCheckpointError(f"{name}: cannot read {what}: not a regular file")
+            with os.fdopen(fd, "rb") as f:
                 if length is None:
                     length = st.st_size
                 if offset + length > st.st_size:
@@ -748,7 +750,7 @@ class Checkpoint:
         try:
             return _safe.load_object(blob)
         except _safe.Forbidden as exc:
-            return NotLoaded(exc.args[0], key, hashlib.sha256(blob).hexdigest())
+            return NotLoaded(exc.args[0], key, exc.args[1])
         except _safe.Malformed as exc:
             raise MalformedCheckpointError(f"{name}: cannot read '{key}': {exc}") from None
 

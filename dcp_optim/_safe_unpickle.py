@@ -36,6 +36,7 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import dataclasses
+import hashlib
 import io
 import pathlib
 import pickle
@@ -54,7 +55,8 @@ _MAX_INT_BITS = 14000  # Python prints ints of up to 4300 digits (~14284 bits)
 
 class Forbidden(Exception):
     """The pickle names something outside the allowlist (``args[0]``: the
-    dotted name)."""
+    dotted name; from :func:`load_object`, ``args[1]``: a digest of the
+    entry's content, the same for the same object)."""
 
 
 class Malformed(Exception):
@@ -485,7 +487,15 @@ def load_object(blob: bytes) -> Any:
             storages[key] = storage
         return storages[key]
 
-    value = _unpickle(records[pkl[0]], _policy("object"), persistent)
+    try:
+        value = _unpickle(records[pkl[0]], _policy("object"), persistent)
+    except Forbidden as exc:  # args: the name, a digest of the archive's content
+        digest = hashlib.sha256()
+        for name in sorted(records):
+            if not name.endswith("/.data/serialization_id"):
+                digest.update(b"%d:%s%d:" % (len(name), name.encode(), len(records[name])))
+                digest.update(records[name])
+        raise Forbidden(exc.args[0], digest.hexdigest()) from None
     check_value(value)
     return value
 

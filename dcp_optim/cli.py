@@ -114,7 +114,10 @@ def _fmt_stats(s: dict[str, Any] | None) -> str:
 
 
 def _object_keys(ck: Checkpoint) -> list[str]:
-    return [it.key for it in ck.items if not it.is_tensor]
+    """The non-tensor entries, and the param-group values saved as tensors
+    (a tensor ``lr``), which ``logical_groups`` needs too."""
+    group_keys = {it.key for sec in ck.optimizers for it in sec.group_items()}
+    return [it.key for it in ck.items if not it.is_tensor or it.key in group_keys]
 
 
 def _read_objects(ck: Checkpoint, quiet: bool) -> dict[str, Any]:
