@@ -432,6 +432,10 @@ class Checkpoint:
         except _safe.Malformed as exc:
             raise MalformedCheckpointError(
                 f"{meta_file}: cannot read the checkpoint metadata: {exc}") from None
+        if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta | None):
+            raise MalformedCheckpointError(
+                f"{meta_file}: malformed checkpoint metadata: storage_meta is a "
+                f"{type(metadata.storage_meta).__name__}")
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = _generate_uuid()
@@ -830,6 +834,10 @@ def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]
         raise bad("state_dict_metadata is not a dict")
     if md.planner_data is not None and not isinstance(md.planner_data, dict):
         raise bad("planner_data is not a dict")
+    for key, path in (md.planner_data or {}).items():
+        # DCP's paths: tuples of dict keys (str) and list indices (int)
+        if isinstance(path, tuple | list) and not all(type(p) in (str, int) for p in path):
+            raise bad(f"the path of '{_brief(key)}' holds {_brief(path)}, not keys and indices")
     for key, meta in sdm.items():
         if type(key) is not str:
             raise bad(f"key {_brief(key)} is not a string")

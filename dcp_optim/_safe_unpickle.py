@@ -67,8 +67,11 @@ class Malformed(Exception):
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or not all(type(v) is int for v in value):
+    if type(value) is not tuple and type(value) is not list:
         raise Malformed(f"{what} must be a sequence of ints, got {type(value).__name__}")
+    for v in value:
+        if type(v) is not int:
+            raise Malformed(f"{what} must be a sequence of ints, got a {type(v).__name__}")
     return tuple(value)
 
 
@@ -76,7 +79,7 @@ def _size(*args: Any) -> torch.Size:
     if len(args) > 1:
         raise Malformed("torch.Size takes one argument")
     values = _ints(args[0], "torch.Size") if args else ()
-    if any(not -(1 << 63) <= v < (1 << 63) for v in values):
+    if values and (min(values) < -(1 << 63) or max(values) >= (1 << 63)):
         raise Malformed("torch.Size value out of the int64 range")
     return torch.Size(values)
 
@@ -289,9 +292,36 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def __init__(self, data: bytes, policy: _Policy,
                  persistent: Callable[[Any], Any] | None = None):
-        super().__init__(io.BytesIO(data))
+        self._data = io.BytesIO(data)
+        super().__init__(self._data)
+        self._size = len(data)
         self._policy = policy
         self._persistent = persistent
+
+    def load(self) -> Any:
+        # pickle._Unpickler.load, reading the in-memory buffer directly:
+        # frames only delimit the same bytes (checked by load_frame), and a
+        # short read means the data ended (the next opcode read is empty).
+        self.read = self._data.read
+        self.readline = self._data.readline
+        self.metastack = []
+        self.stack = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
+
+    def load_frame(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        if size > self._size - self._data.tell():
+            raise Malformed(f"a frame of {size} bytes is longer than the data")
 
     def find_class(self, module: str, name: str) -> Any:
         if self.proto < 3 and self.fix_imports:
@@ -339,8 +369,10 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 raise Malformed(f"state of {_qualname(cls)} must be a tuple")
             inst.__setstate__(state)
             return
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if type(state) is not dict or not set(state) <= fields:
+        fields = _FIELDS.get(cls)
+        if fields is None:
+            fields = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+        if type(state) is not dict or not fields.issuperset(state):
             raise Malformed(f"state of {_qualname(cls)} must be a dict of its fields")
         inst.__dict__.update(state)
 
@@ -381,12 +413,15 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
 for _op in ("INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID", "BYTEARRAY8",
             "NEXT_BUFFER", "READONLY_BUFFER"):
     _Unpickler.dispatch[getattr(pickle, _op)[0]] = _Unpickler._refuse
-for _op, _fn in (("REDUCE", _Unpickler.load_reduce), ("NEWOBJ", _Unpickler.load_newobj),
+for _op, _fn in (("FRAME", _Unpickler.load_frame), ("REDUCE", _Unpickler.load_reduce), ("NEWOBJ", _Unpickler.load_newobj),
                  ("BUILD", _Unpickler.load_build), ("APPEND", _Unpickler.load_append),
                  ("APPENDS", _Unpickler.load_appends), ("SETITEM", _Unpickler.load_setitem),
                  ("SETITEMS", _Unpickler.load_setitems), ("ADDITEMS", _Unpickler.load_additems)):
     _Unpickler.dispatch[getattr(pickle, _op)[0]] = _fn
 del _op, _fn
+
+
+_FIELDS: dict[type, frozenset[str]] = {}
 
 
 def _hashable(obj: Any) -> bool:

@@ -467,10 +467,10 @@ def test_enormous_lengths_in_the_pickle(clean, tmp_path, capsys, bounded_memory,
         Checkpoint(bad)
     code, _, err = run(capsys, "inspect", bad)
     assert code == 2 and "cannot read the checkpoint metadata" in err
-    # the same streams inside a non-tensor entry (FRAME and LONG_BINPUT
-    # pickle None: fine as a value)
+    # the same streams inside a non-tensor entry (NONE, LONG_BINPUT: None,
+    # fine as a value)
     bad = _with_entry(clean, tmp_path / "entry", "extra.note", _zip({"archive/data.pkl": stream}))
-    if stream[2:3] in (b"\x95", b"N"):  # FRAME, or NONE then LONG_BINPUT
+    if stream[2:3] == b"N":
         assert Checkpoint(bad).value("extra.note") is None
     else:
         with pytest.raises(MalformedCheckpointError, match="cannot read 'extra.note': "):
