@@ -25,18 +25,18 @@ Tensor entries are described by the metadata alone.  Non-tensor entries
 (param-group hyperparameters, ``params`` lists, schedulers, ``step``
 counters) are pickled objects inside the data files.
 
-Safe by default: ``Checkpoint(path)`` unpickles the ``.metadata`` file and
-the non-tensor entries with ``dcp_optim._safe_unpickle`` (an allowlist of
-what DCP checkpoints hold; nothing in the file is ever called or
-imported).  A name outside the allowlist in the metadata raises
+Safe by default: ``Checkpoint(path)`` unpickles the ``.metadata`` file,
+the non-tensor entries and the tensors' chunks with
+``dcp_optim._safe_unpickle`` (an allowlist of what DCP checkpoints hold;
+nothing the file names outside it is ever called or imported).  A name
+outside the allowlist in the metadata or in a tensor's chunk raises
 :class:`UnsafeCheckpointError`; in a non-tensor entry it reads as a
-:class:`NotLoaded` placeholder.  Tensors are read by ``dcp.load``
-(``torch.load(weights_only=True)``), with the metadata already read.
-``Checkpoint(path, trusted=True)`` reads everything with torch's own
-unrestricted unpickling instead (``pickle.load``, ``torch.load(
-weights_only=False)``): a hostile checkpoint then runs code.  In both
-modes the metadata's structure and declared sizes are checked before
-anything is allocated from them (:class:`MalformedCheckpointError`).
+:class:`NotLoaded` placeholder.  ``Checkpoint(path, trusted=True)`` reads
+as before, through torch's own unpickling (``pickle.load`` of the
+metadata, ``dcp.load``, whose ``torch.load(weights_only=False)`` runs
+whatever a non-tensor entry names): a hostile checkpoint then runs code.
+In both modes the metadata's structure and declared sizes are checked
+before anything is allocated from them (:class:`MalformedCheckpointError`).
 """
 
 from __future__ import annotations
@@ -377,12 +377,19 @@ def group_runs(
 class Checkpoint:
     """A DCP checkpoint directory, parsed from its metadata.
 
-    ``trusted=False`` (the default): the metadata and the non-tensor
-    entries are unpickled by the restricted unpickler
+    ``trusted=False`` (the default): the metadata, the non-tensor entries
+    and the tensors' chunks are unpickled by the restricted unpickler
     (``dcp_optim._safe_unpickle``), which never calls or imports anything
     the file names outside its allowlist; ``trusted=True``: by torch's own
     unrestricted unpickling, as ``dcp.load`` does (a hostile checkpoint
-    runs code)."""
+    runs code).
+
+    Raises :class:`CheckpointError` (a ``ValueError``) for a missing or
+    unreadable checkpoint, its subclasses :class:`UnsafeCheckpointError`
+    (also a ``pickle.UnpicklingError``) for a name outside the allowlist
+    and :class:`MalformedCheckpointError` for truncated, corrupted or
+    not-a-pickle data and sizes its files do not back; messages name the
+    file and, where there is one, the key."""
 
     def __init__(self, path: str | os.PathLike, *, trusted: bool = False):
         self.path = os.fspath(path)
@@ -441,7 +448,7 @@ class Checkpoint:
         metadata.storage_meta.load_id = _generate_uuid()
         return metadata
 
-    def _read_file(self, name: str, offset: int, length: int | None, what: str) -> bytes:
+    def _read_file(self, name: str, offset: int, length: int | None, what: str) -> bytearray:
         """``length`` bytes at ``offset`` of a regular file (all of it for
         None), after checking that the file holds them."""
         try:
@@ -459,10 +466,11 @@ class Checkpoint:
                         f"{name}: cannot read {what}: it declares {length} bytes at offset "
                         f"{offset}, the file holds {st.st_size}")
                 f.seek(offset)
-                data = f.read(length)
+                data = bytearray(length)
+                got = f.readinto(data)
         except OSError as exc:
             raise CheckpointError(f"{name}: cannot read {what}: {exc}") from exc
-        if len(data) != length:
+        if got != length:
             raise MalformedCheckpointError(f"{name}: cannot read {what}: the file changed while read")
         return data
 
@@ -758,7 +766,44 @@ class Checkpoint:
         except _safe.Malformed as exc:
             raise MalformedCheckpointError(f"{name}: cannot read '{key}': {exc}") from None
 
+    def _read_tensor_safely(self, key: str) -> torch.Tensor:
+        """A tensor, from its chunks, each unpickled by the restricted
+        unpickler (after _check_backed)."""
+        it = self.by_key[key]
+        value = torch.empty(it.shape, dtype=it.torch_dtype)
+        by_offset = {tuple(index.offset or ()): info for index, info in self._storage[key]}
+        for chunk in it.meta.chunks:
+            info = by_offset[tuple(chunk.offsets)]
+            name = os.path.join(self.path, info.relative_path)
+            blob = self._read_file(name, info.offset, info.length, f"'{key}'")
+            try:
+                part = _safe.load_object(blob)
+            except _safe.Forbidden as exc:
+                raise UnsafeCheckpointError(
+                    f"{name}: '{key}': a chunk pickles {exc.args[0]}, which the safe reader does not "
+                    "unpickle (trusted=True / --trust unpickles it, running any code it names: only "
+                    "for checkpoints you trust)") from None
+            except _safe.Malformed as exc:
+                raise MalformedCheckpointError(f"{name}: cannot read '{key}': {exc}") from None
+            if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
+                what = f"{tuple(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
+                raise MalformedCheckpointError(
+                    f"{name}: cannot read '{key}': the chunk at {tuple(chunk.offsets)} holds {what}, "
+                    f"not {tuple(chunk.sizes)}")
+            region = value
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, start, length)
+            region.copy_(part)  # as DCP's read_data
+            del blob, part
+        return value
+
     def _read_batch(self, batch: list[str]) -> None:
+        if not self.trusted:
+            for key in batch:
+                it = self.by_key[key]
+                reader = self._read_tensor_safely if it.is_tensor else self._read_object_safely
+                self._values[key] = reader(key)
+            return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
@@ -766,42 +811,19 @@ class Checkpoint:
         target: dict[str, Any] = {}
         for key in batch:
             it = self.by_key[key]
-            if it.is_tensor:
-                target[key] = torch.empty(it.shape, dtype=it.torch_dtype)
-            elif self.trusted:
-                target[key] = None
-            else:
-                self._values[key] = self._read_object_safely(key)
-        if not target:
-            return
-        reader = FileSystemReader(self.path) if self.trusted else _known_metadata_reader(self.path, self.metadata)
+            target[key] = torch.empty(it.shape, dtype=it.torch_dtype) if it.is_tensor else None
         try:
             with quiet_dcp():
-                dcp.load(target, storage_reader=reader, no_dist=True)
+                dcp.load(target, storage_reader=FileSystemReader(self.path), no_dist=True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 (a BaseException)
-            keys = list(target)
-            if len(keys) > 1:
-                for key in keys:  # find the entry that fails
+            if len(batch) > 1:
+                for key in batch:  # find the entry that fails
                     self._read_batch([key])
-            key = keys[0]
+            key = batch[0]
             raise CheckpointError(
                 f"{', '.join(self.files_of(key))}: cannot read '{key}': {_short(exc)}"
             ) from exc
         self._values.update(target)
-
-
-def _known_metadata_reader(path: str, metadata: Any) -> Any:
-    """A ``FileSystemReader`` whose ``read_metadata`` returns the metadata
-    the safe reader already read (DCP's own would unpickle the file)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class KnownMetadataReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("rank") is not None:
-                raise CheckpointError(f"{path}: per-rank metadata files are not read")
-            return metadata
-
-    return KnownMetadataReader(path)
 
 
 def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]:

@@ -465,17 +465,41 @@ def load_metadata(data: bytes) -> Any:
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 
 
-def _records(blob: bytes) -> dict[str, bytes]:
-    """The records of a ``torch.save`` zip archive, each bounded by the
-    archive: only stored (uncompressed) records are accepted."""
+class _MemFile:
+    """A read-only file over a buffer, for zipfile's central directory
+    reads (records themselves are sliced from the buffer, not copied)."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.pos = view, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.view))[whence]
+        if base + offset < 0:
+            raise OSError("negative seek position")
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        data = bytes(self.view[self.pos:end]) if end > self.pos else b""
+        self.pos = max(self.pos, end)
+        return data
+
+
+def _records(blob: bytes | bytearray) -> dict[str, memoryview]:
+    """The records of a ``torch.save`` zip archive, as views of ``blob``:
+    only stored (uncompressed) records lying inside it are accepted."""
     if not blob.startswith(b"PK\x03\x04"):
         raise Malformed("not a torch.save archive")
+    view = memoryview(blob)
     try:
-        infos = zipfile.ZipFile(io.BytesIO(blob)).infolist()
+        infos = zipfile.ZipFile(_MemFile(view)).infolist()  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001
         raise Malformed(f"not a valid zip archive ({type(exc).__name__}: {exc})") from None
-    out: dict[str, bytes] = {}
-    view = memoryview(blob)
+    out: dict[str, memoryview] = {}
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
             raise Malformed(f"record '{info.filename}' is compressed (torch.save stores records)")
@@ -486,18 +510,20 @@ def _records(blob: bytes) -> dict[str, bytes]:
         data_start = start + _LOCAL_HEADER.size + name_len + extra_len
         if sig != b"PK\x03\x04" or data_start + info.file_size > len(blob):
             raise Malformed(f"record '{info.filename}' lies outside the archive")
-        out[info.filename] = bytes(view[data_start:data_start + info.file_size])
+        out[info.filename] = view[data_start:data_start + info.file_size]
     return out
 
 
-def load_object(blob: bytes) -> Any:
-    """The object ``torch.save`` wrote into ``blob`` (a non-tensor entry)."""
+def load_object(blob: bytes | bytearray) -> Any:
+    """The object ``torch.save`` wrote into ``blob`` (a non-tensor entry,
+    or a tensor's chunk).  Tensors are CPU tensors sharing ``blob``'s
+    memory when it is a bytearray."""
     records = _records(blob)
     pkl = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
     if len(pkl) != 1:
         raise Malformed("no data.pkl record in the archive")
     prefix = pkl[0][: -len("data.pkl")]
-    order = records.get(prefix + "byteorder", b"little")
+    order = bytes(records.get(prefix + "byteorder", b"little"))
     if order != b"little":
         raise Malformed(f"byte order {order[:16]!r} is not supported")
     storages: dict[str, Any] = {}
@@ -516,14 +542,18 @@ def load_object(blob: bytes) -> Any:
             if len(record) != numel * itemsize:
                 raise Malformed(f"storage '{key}' declares {numel} elements, its record holds "
                                 f"{len(record)} bytes")
-            raw = (torch.frombuffer(bytearray(record), dtype=torch.uint8) if record
-                   else torch.empty(0, dtype=torch.uint8)).untyped_storage()
+            if not len(record):
+                raw = torch.empty(0, dtype=torch.uint8).untyped_storage()
+            elif record.readonly:
+                raw = torch.frombuffer(bytearray(record), dtype=torch.uint8).untyped_storage()
+            else:  # no copy
+                raw = torch.frombuffer(record, dtype=torch.uint8).untyped_storage()
             storage = torch.storage.TypedStorage(wrap_storage=raw, dtype=kind.dtype, _internal=True)
             storages[key] = storage
         return storages[key]
 
     try:
-        value = _unpickle(records[pkl[0]], _policy("object"), persistent)
+        value = _unpickle(bytes(records[pkl[0]]), _policy("object"), persistent)
     except Forbidden as exc:  # args: the name, a digest of the archive's content
         digest = hashlib.sha256()
         for name in sorted(records):

@@ -15,13 +15,14 @@ group hyperparameters, ``params`` lists, other objects) are read, unless
 ``--values`` asks for tensor values (``inspect``, ``diff``); ``inspect
 --metadata-only`` reads the metadata file alone.
 
-Safe to point at any checkpoint: the metadata and the non-tensor entries
-are unpickled by a restricted unpickler (``dcp_optim._safe_unpickle``) that
-never calls or imports anything outside an allowlist of what DCP
-checkpoints hold.  Outside it, the metadata is an error naming the class;
-a non-tensor entry shows as ``<object of class X, not loaded>`` (``convert``
-stops with an error).  ``--trust`` unpickles everything as ``dcp.load``
-does, which runs any code a hostile checkpoint contains.
+Safe to point at any checkpoint: the metadata, the non-tensor entries and
+the tensors are unpickled by a restricted unpickler
+(``dcp_optim._safe_unpickle``) that never calls or imports anything
+outside an allowlist of what DCP checkpoints hold.  Outside it, the
+metadata (or a tensor) is an error naming the class; a non-tensor entry
+shows as ``<object of class X, not loaded>`` (``convert`` stops with an
+error).  ``--trust`` unpickles everything as ``dcp.load`` does, which runs
+any code a hostile checkpoint contains.
 """
 
 from __future__ import annotations

@@ -273,13 +273,14 @@ def test_metadata_byte_flips(clean, tmp_path):
     assert set(outcomes) <= {"read", "MalformedCheckpointError", "UnsafeCheckpointError", "CheckpointError"}
 
 
-def _with_entry(clean, dst, key, blob):
-    """A copy of ``clean`` whose non-tensor entry ``key`` holds ``blob``."""
+def _with_entry(clean, dst, key, blob, offset=None):
+    """A copy of ``clean`` whose entry ``key`` (a tensor's chunk at
+    ``offset``) holds ``blob``."""
     bad = _copy(clean, dst)
     with open(os.path.join(bad, "extra.distcp"), "wb") as f:
         f.write(blob)
     md = _metadata(bad)
-    md.storage_data[MetadataIndex(key)] = _StorageInfo("extra.distcp", 0, len(blob))
+    md.storage_data[MetadataIndex(key, offset)] = _StorageInfo("extra.distcp", 0, len(blob))
     _write_metadata(bad, md)
     return bad
 
@@ -363,6 +364,32 @@ def test_corrupt_entry(clean, tmp_path, capsys, case):
             continue
         assert code == 2 and out == "", what
         assert "extra.distcp: cannot read 'extra.note': " in err, (what, err)
+
+
+@pytest.mark.parametrize("payload", ["os.system", "bytearray(2**40)", "not a tensor", "wrong shape"])
+def test_tensor_chunk_payloads(clean, tmp_path, capsys, bounded_memory, payload):
+    """Tensor data goes through the same restricted unpickler (torch.load's
+    weights_only would call bytearray(2**40))."""
+    marker = tmp_path / "ran"
+    obj = {"os.system": RunsShell(marker), "not a tensor": [1.5],
+           "wrong shape": torch.zeros(2, 2)}.get(payload)
+    if payload == "bytearray(2**40)":
+        data = b"\x80\x02c__builtin__\nbytearray\n\x8a\x06\x00\x00\x00\x00\x00\x01\x85R."
+        blob = _zip({"archive/data.pkl": data})
+    else:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        blob = buf.getvalue()
+    bad = _with_entry(clean, tmp_path / "bad", "model.head.weight", blob, torch.Size([0, 0]))
+    error = UnsafeCheckpointError if payload == "os.system" else MalformedCheckpointError
+    with pytest.raises(error, match="extra.distcp: .*'model.head.weight'"):
+        Checkpoint(bad).value("model.head.weight")
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        if what in ("inspect --values", "diff B --values", "convert"):
+            assert code == 2 and "'model.head.weight'" in err, (what, err)
+        else:
+            assert code in (0, 1), (what, err)
+    assert not marker.exists()
 
 
 def test_legit_tensor_in_an_entry(clean, tmp_path):
