@@ -604,9 +604,26 @@ def test_legit_checkpoints_read_as_before(tmp_path, capsys, kind):
     assert assert_reads_as_trusted(str(tmp_path / kind), capsys) > 10
 
 
-def test_legit_fsdp2_checkpoint_reads_as_before(tmp_path, capsys, world1):
-    model, optim = cases.build(1, seed=3, sharded=True)  # fully_shard on a 1-rank mesh: DTensors
-    cases.train(model, optim, 1)
-    msd, osd = dcp_optim.get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "fsdp2"))
-    assert assert_reads_as_trusted(str(tmp_path / "fsdp2"), capsys) > 10
+def save_distributed_kinds(rank, ws, base):
+    """Rank function: the sharded checkpoints the distributed tests write."""
+    from . import dist_cases, dist_cases_fsdp1, dist_cases_pp
+
+    for kind in ("fsdp1", "fsdp1_orig", "fsdp2"):
+        dist_cases_fsdp1.save(rank, ws, os.path.join(base, kind), kind)
+    dist_cases.dcp_save(rank, ws, os.path.join(base, "tp"), "tp", False)
+    dist_cases.dcp_save(rank, ws, os.path.join(base, "fsdp2_flat"), "fsdp2", True)
+    dist_cases_pp.save(rank, ws, os.path.join(base, "pipeline"), "2x1")
+    return "saved"
+
+
+@pytest.mark.dist
+def test_legit_sharded_checkpoints_read_as_before(tmp_path, capsys):
+    """FSDP1 (ShardedTensor; flat and original params), FSDP2 and TP
+    (DTensor; nested and flattened) and a two-stage pipeline (flattened,
+    an empty group's reserved keys), saved by 2 gloo ranks."""
+    from .harness import run_ranks
+
+    assert run_ranks(2, save_distributed_kinds, str(tmp_path)) == ["saved", "saved"]
+    kinds = ["fsdp1", "fsdp1_orig", "fsdp2", "tp", "fsdp2_flat", "pipeline"]
+    for kind in kinds:
+        assert assert_reads_as_trusted(str(tmp_path / kind), capsys) > 10, kind
