@@ -38,7 +38,7 @@ import sys
 from typing import Any
 
 from . import errors
-from ._ckpt_meta import FLAT, NESTED, Checkpoint, CheckpointError, Item, OptimizerSection, Progress
+from ._ckpt_meta import FLAT, NESTED, Checkpoint, CheckpointError, Item, NotLoaded, OptimizerSection, Progress
 
 __all__ = ["main"]
 
@@ -60,6 +60,8 @@ def _shape(shape: Any) -> str:
 
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
+    if isinstance(value, NotLoaded):  # never shortened
+        return text
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
