@@ -42,7 +42,8 @@ import pathlib
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

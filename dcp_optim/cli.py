@@ -38,7 +38,16 @@ import sys
 from typing import Any
 
 from . import errors
-from ._ckpt_meta import FLAT, NESTED, Checkpoint, CheckpointError, Item, NotLoaded, OptimizerSection, Progress
+from ._ckpt_meta import (
+    FLAT,
+    NESTED,
+    Checkpoint,
+    CheckpointError,
+    Item,
+    NotLoaded,
+    OptimizerSection,
+    Progress,
+)
 
 __all__ = ["main"]
 
