@@ -298,6 +298,41 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self._size = len(data)
         self._policy = policy
         self._persistent = persistent
+        # nesting depth of the tuples built here (hashing a tuple recurses
+        # in C without a depth check: a deep one would overflow the stack)
+        self._depth: dict[int, int] = {}
+        self._keep: list[tuple] = []
+
+    def _tuple(self, items: Any) -> tuple:
+        value = tuple(items)
+        depth = 1
+        for item in value:
+            if isinstance(item, tuple):
+                depth = max(depth, self._depth.get(id(item), 1) + 1)
+        if depth > 1:
+            if depth > MAX_DEPTH:
+                raise Malformed(f"tuples nested deeper than {MAX_DEPTH} levels")
+            self._depth[id(value)] = depth
+            self._keep.append(value)  # its id stays its own
+        return value
+
+    def load_tuple(self) -> None:
+        items = self.pop_mark()  # (first: it replaces self.append)
+        self.append(self._tuple(items))
+
+    def _load_tuple_n(self, n: int) -> None:
+        if len(self.stack) < n:
+            raise Malformed("stack underflow")
+        self.stack[-n:] = [self._tuple(self.stack[-n:])]
+
+    def load_tuple1(self) -> None:
+        self._load_tuple_n(1)
+
+    def load_tuple2(self) -> None:
+        self._load_tuple_n(2)
+
+    def load_tuple3(self) -> None:
+        self._load_tuple_n(3)
 
     def load(self) -> Any:
         # pickle._Unpickler.load, reading the in-memory buffer directly:
@@ -414,7 +449,9 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
 for _op in ("INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID", "BYTEARRAY8",
             "NEXT_BUFFER", "READONLY_BUFFER"):
     _Unpickler.dispatch[getattr(pickle, _op)[0]] = _Unpickler._refuse
-for _op, _fn in (("FRAME", _Unpickler.load_frame), ("REDUCE", _Unpickler.load_reduce), ("NEWOBJ", _Unpickler.load_newobj),
+for _op, _fn in (("FRAME", _Unpickler.load_frame), ("REDUCE", _Unpickler.load_reduce),
+                 ("TUPLE", _Unpickler.load_tuple), ("TUPLE1", _Unpickler.load_tuple1),
+                 ("TUPLE2", _Unpickler.load_tuple2), ("TUPLE3", _Unpickler.load_tuple3), ("NEWOBJ", _Unpickler.load_newobj),
                  ("BUILD", _Unpickler.load_build), ("APPEND", _Unpickler.load_append),
                  ("APPENDS", _Unpickler.load_appends), ("SETITEM", _Unpickler.load_setitem),
                  ("SETITEMS", _Unpickler.load_setitems), ("ADDITEMS", _Unpickler.load_additems)):

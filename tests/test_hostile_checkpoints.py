@@ -485,7 +485,8 @@ def test_enormous_storage_lengths(clean, tmp_path, capsys, bounded_memory):
     b"\x80\x04\x95" + struct.pack("<Q", 1 << 62) + b"N.",  # FRAME
     b"\x80\x04N" + b"r\xff\xff\xff\xff" + b".",  # LONG_BINPUT 2**32-1 (a memo list would be 32 GiB)
     b"\x80\x02\x8b" + struct.pack("<i", (1 << 31) - 1) + b"xx.",  # LONG4
-], ids=["BINBYTES8", "BINUNICODE8", "BYTEARRAY8", "FRAME", "LONG_BINPUT", "LONG4"])
+    b"\x80\x02}K\x01" + b"\x85" * 10**6 + b"Ns.",  # a dict key nested 10**6 deep (hashing it overflows the C stack)
+], ids=["BINBYTES8", "BINUNICODE8", "BYTEARRAY8", "FRAME", "LONG_BINPUT", "LONG4", "deep tuple key"])
 def test_enormous_lengths_in_the_pickle(clean, tmp_path, capsys, bounded_memory, stream):
     bad = _copy(clean, tmp_path / "bad")
     _write_metadata(bad, raw=stream)
