@@ -248,6 +248,7 @@ class OptimizerSection:
     model: ModelSection | None = None
     fqn_source: str = ""
     items: list[Item] = field(default_factory=list)
+    source: str = ""  # the checkpoint directory (error messages)
 
     @property
     def name(self) -> str:
@@ -275,6 +276,15 @@ class OptimizerSection:
                 entry = self.groups[idx]
                 group = {k: values[it.key] for k, it in entry.items() if k != "params"}
                 params = values[entry["params"].key] if "params" in entry else []
+                if isinstance(params, NotLoaded):
+                    raise UnsafeCheckpointError(
+                        f"{self.source}: '{params.key}' pickles {params.cls}, which the safe reader does not unpickle "
+                        "(trusted=True / --trust unpickles it, running any code it names: only for "
+                        "checkpoints you trust)")
+                if not isinstance(params, list | tuple):
+                    raise MalformedCheckpointError(
+                        f"{self.source}: '{entry['params'].key}' is a {type(params).__name__}, not a list "
+                        "of parameters")
                 group["params"] = [str(p) for p in params]
                 out.append(group)
             return out
@@ -503,7 +513,7 @@ class Checkpoint:
         for root in ordered:
             if any(root[: len(r)] == r for r in sections):
                 continue
-            sections[root] = OptimizerSection(root=root, layout=roots[root])
+            sections[root] = OptimizerSection(root=root, layout=roots[root], source=self.path)
         for it in self.items:
             for root, sec in sections.items():
                 if it.path[: len(root)] == root and len(it.path) > len(root):

@@ -391,6 +391,29 @@ def test_tensor_chunk_payloads(clean, tmp_path, capsys, bounded_memory, payload)
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("params", ["payload", "an int"])
+def test_group_params_unreadable(clean, tmp_path, capsys, params):
+    """A nested param group's 'params' list decides group membership: when
+    it is not loaded, or not a list, the commands that need it stop."""
+    marker = tmp_path / "ran"
+    buf = io.BytesIO()
+    torch.save(RunsShell(marker) if params == "payload" else 5, buf)
+    bad = _with_entry(clean, tmp_path / "bad", "optim.param_groups.0.params", buf.getvalue())
+    error = UnsafeCheckpointError if params == "payload" else MalformedCheckpointError
+    text = f"pickles {SYSTEM}" if params == "payload" else "is a int, not a list of parameters"
+    with pytest.raises(error, match=f"{bad}: 'optim.param_groups.0.params' {text}"):
+        ck = Checkpoint(bad)
+        ck.optimizers[0].logical_groups(ck.read([it.key for it in ck.optimizers[0].group_items()]))
+    for what, (code, out, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        if what == "inspect --metadata-only":
+            assert code == 0
+        elif what == "convert" and params == "payload":
+            assert code == 2 and "'optim.param_groups.0.params' pickles" in err
+        elif what != "convert":  # converting the nested 'params' list needs no list
+            assert code == 2 and f"'optim.param_groups.0.params' {text}" in err, (what, err)
+    assert not marker.exists()
+
+
 def test_legit_tensor_in_an_entry(clean, tmp_path):
     """A tuple of tensors (a non-tensor entry holding tensors) reads as with
     torch.load."""
