@@ -404,7 +404,7 @@ def test_group_params_unreadable(clean, tmp_path, capsys, params):
     with pytest.raises(error, match=f"{bad}: 'optim.param_groups.0.params' {text}"):
         ck = Checkpoint(bad)
         ck.optimizers[0].logical_groups(ck.read([it.key for it in ck.optimizers[0].group_items()]))
-    for what, (code, out, err) in all_commands(capsys, bad, clean, tmp_path).items():
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
         if what == "inspect --metadata-only":
             assert code == 0
         elif what == "convert" and params == "payload":
