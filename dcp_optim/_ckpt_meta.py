@@ -76,15 +76,15 @@ class CheckpointError(errors.DcpOptimError, ValueError):
 
 
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """The checkpoint's metadata (or, where a value is required, a
-    non-tensor entry) pickles a class or function outside the safe
-    reader's allowlist: it was not unpickled.  The message names it and
-    the file (and key)."""
+    """The checkpoint's metadata, a tensor's data or (where its value is
+    required) a non-tensor entry pickles a class or function outside the
+    safe reader's allowlist: it was not unpickled.  The message names it
+    and the file (and key)."""
 
 
 class MalformedCheckpointError(CheckpointError):
-    """The metadata or a non-tensor entry is not a well-formed pickle of
-    what a DCP checkpoint holds (truncated, corrupted, not a pickle), or
+    """The metadata or an entry is not a well-formed pickle of what a DCP
+    checkpoint holds (truncated, corrupted, not a pickle), or the metadata
     declares sizes its files do not back."""
 
 
@@ -278,9 +278,9 @@ class OptimizerSection:
                 params = values[entry["params"].key] if "params" in entry else []
                 if isinstance(params, NotLoaded):
                     raise UnsafeCheckpointError(
-                        f"{self.source}: '{params.key}' pickles {params.cls}, which the safe reader does not unpickle "
-                        "(trusted=True / --trust unpickles it, running any code it names: only for "
-                        "checkpoints you trust)")
+                        f"{self.source}: '{params.key}' pickles {params.cls}, which the safe reader "
+                        "does not unpickle (trusted=True / --trust unpickles it, running any code it "
+                        "names: only for checkpoints you trust)")
                 if not isinstance(params, list | tuple):
                     raise MalformedCheckpointError(
                         f"{self.source}: '{entry['params'].key}' is a {type(params).__name__}, not a list "
