@@ -1,10 +1,12 @@
 """A restricted unpickler for DCP checkpoints: the ``.metadata`` file and
-the non-tensor ("bytes") entries of the data files.
+the ``torch.save`` archives of the data files (non-tensor "bytes" entries
+and tensors' chunks).
 
 ``pickle.load`` (what ``FileSystemReader.read_metadata`` uses) and
 ``torch.load(weights_only=False)`` (what DCP's default planner uses for
 non-tensor entries) call whatever the pickle names, so opening a hostile
-checkpoint runs its code.  This module unpickles with the pure-Python
+checkpoint runs its code; ``torch.load(weights_only=True)`` (DCP's tensor
+reads) calls ``bytearray(n)`` with a declared ``n``.  This module unpickles with the pure-Python
 unpickler of the standard library, every opcode handler that can call or
 mutate something replaced:
 
@@ -21,13 +23,14 @@ mutate something replaced:
   ``NEWOBJ_EX``, the ``EXT`` codes, text persistent ids, ``BYTEARRAY8``
   (it allocates its declared length before reading), out-of-band buffers;
 * the memo is a dict and every read is from an in-memory buffer, so a
-  declared length or memo index allocates nothing it does not hold.
+  declared length or memo index allocates nothing it does not hold;
+* tuples nested deeper than :data:`MAX_DEPTH` are refused as they are
+  built (hashing one, as a dict key, recurses in C without a limit).
 
-Anything else wrong with the stream raises :class:`Malformed`.  Non-tensor
-entries are ``torch.save`` zip archives: only archives with stored
-(uncompressed) records whose sizes fit in the entry are read, and tensors
-inside them are rebuilt from their records, with bounds checked, on the
-CPU.  Unpickled values are checked for cycles, nesting deeper than
+Anything else wrong with the stream raises :class:`Malformed`.  Of
+``torch.save`` zip archives, only those with stored (uncompressed) records
+lying inside the archive are read, and tensors are rebuilt from their
+records, with bounds checked, on the CPU.  Unpickled values are checked for cycles, nesting deeper than
 :data:`MAX_DEPTH` and integers too long to print.
 """
 
