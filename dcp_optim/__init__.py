@@ -55,3 +55,15 @@ __all__ += ["patch", "unpatch", "patched", "is_patched", "patching", "convert", 
 from .planner import LoadPlanner  # noqa: E402
 
 __all__ += ["LoadPlanner"]
+
+# Reading checkpoints safely (the command line's reader): a restricted
+# unpickler for the metadata and non-tensor entries unless trusted=True.
+from ._ckpt_meta import (  # noqa: E402
+    Checkpoint,
+    CheckpointError,
+    MalformedCheckpointError,
+    NotLoaded,
+    UnsafeCheckpointError,
+)
+
+__all__ += ["Checkpoint", "CheckpointError", "MalformedCheckpointError", "NotLoaded", "UnsafeCheckpointError"]

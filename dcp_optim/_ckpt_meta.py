@@ -23,16 +23,30 @@ the last dot (torch's group keys have no dots) when no model FQN matches.
 
 Tensor entries are described by the metadata alone.  Non-tensor entries
 (param-group hyperparameters, ``params`` lists, schedulers, ``step``
-counters) are pickled objects inside the data files: reading them
-(``Checkpoint.read``) unpickles them, like ``dcp.load`` does -- only open
-checkpoints you trust.
+counters) are pickled objects inside the data files.
+
+Safe by default: ``Checkpoint(path)`` unpickles the ``.metadata`` file,
+the non-tensor entries and the tensors' chunks with
+``dcp_optim._safe_unpickle`` (an allowlist of what DCP checkpoints hold;
+nothing the file names outside it is ever called or imported).  A name
+outside the allowlist in the metadata or in a tensor's chunk raises
+:class:`UnsafeCheckpointError`; in a non-tensor entry it reads as a
+:class:`NotLoaded` placeholder.  ``Checkpoint(path, trusted=True)`` reads
+as before, through torch's own unpickling (``pickle.load`` of the
+metadata, ``dcp.load``, whose ``torch.load(weights_only=False)`` runs
+whatever a non-tensor entry names): a hostile checkpoint then runs code.
+In both modes the metadata's structure and declared sizes are checked
+before anything is allocated from them (:class:`MalformedCheckpointError`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import pickle
 import re
+import stat
 import sys
 import time
 import warnings
@@ -42,9 +56,13 @@ from typing import Any
 
 import torch
 
+from . import _safe_unpickle as _safe
 from . import errors
 
-__all__ = ["Checkpoint", "CheckpointError", "Item", "Progress", "split_fqn", "group_runs"]
+__all__ = [
+    "Checkpoint", "CheckpointError", "UnsafeCheckpointError", "MalformedCheckpointError",
+    "NotLoaded", "Item", "Progress", "split_fqn", "group_runs",
+]
 
 NESTED, FLAT = "nested", "flat"
 
@@ -55,6 +73,39 @@ _EMPTY_OPTIM = re.compile(r"^__optimizer_(?P<o>\d+)_empty_group_(?P<g>\d+)__\.(?
 class CheckpointError(errors.DcpOptimError, ValueError):
     """A checkpoint cannot be read or does not have the expected structure;
     the message names the file and, where there is one, the key."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """The checkpoint's metadata, a tensor's data or (where its value is
+    required) a non-tensor entry pickles a class or function outside the
+    safe reader's allowlist: it was not unpickled.  The message names it
+    and the file (and key)."""
+
+
+class MalformedCheckpointError(CheckpointError):
+    """The metadata or an entry is not a well-formed pickle of what a DCP
+    checkpoint holds (truncated, corrupted, not a pickle), or the metadata
+    declares sizes its files do not back."""
+
+
+class NotLoaded:
+    """A non-tensor entry the safe reader did not unpickle: it names a
+    class or function outside the allowlist.  Compares equal to another
+    placeholder of the same pickled bytes."""
+
+    __slots__ = ("cls", "key", "digest")
+
+    def __init__(self, cls: str, key: str, digest: str):
+        self.cls, self.key, self.digest = cls, key, digest
+
+    def __repr__(self) -> str:
+        return f"<object of class {self.cls}, not loaded>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NotLoaded) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
 
 
 # --- progress ------------------------------------------------------------------------
@@ -197,6 +248,7 @@ class OptimizerSection:
     model: ModelSection | None = None
     fqn_source: str = ""
     items: list[Item] = field(default_factory=list)
+    source: str = ""  # the checkpoint directory (error messages)
 
     @property
     def name(self) -> str:
@@ -224,6 +276,15 @@ class OptimizerSection:
                 entry = self.groups[idx]
                 group = {k: values[it.key] for k, it in entry.items() if k != "params"}
                 params = values[entry["params"].key] if "params" in entry else []
+                if isinstance(params, NotLoaded):
+                    raise UnsafeCheckpointError(
+                        f"{self.source}: '{params.key}' pickles {params.cls}, which the safe reader "
+                        "does not unpickle (trusted=True / --trust unpickles it, running any code it "
+                        "names: only for checkpoints you trust)")
+                if not isinstance(params, list | tuple):
+                    raise MalformedCheckpointError(
+                        f"{self.source}: '{entry['params'].key}' is a {type(params).__name__}, not a list "
+                        "of parameters")
                 group["params"] = [str(p) for p in params]
                 out.append(group)
             return out
@@ -324,21 +385,41 @@ def group_runs(
 
 
 class Checkpoint:
-    """A DCP checkpoint directory, parsed from its metadata."""
+    """A DCP checkpoint directory, parsed from its metadata.
 
-    def __init__(self, path: str | os.PathLike):
-        from torch.distributed.checkpoint import FileSystemReader
+    ``trusted=False`` (the default): the metadata, the non-tensor entries
+    and the tensors' chunks are unpickled by the restricted unpickler
+    (``dcp_optim._safe_unpickle``), which never calls or imports anything
+    the file names outside its allowlist; ``trusted=True``: by torch's own
+    unrestricted unpickling, as ``dcp.load`` does (a hostile checkpoint
+    runs code).
 
+    Raises :class:`CheckpointError` (a ``ValueError``) for a missing or
+    unreadable checkpoint, its subclasses :class:`UnsafeCheckpointError`
+    (also a ``pickle.UnpicklingError``) for a name outside the allowlist
+    and :class:`MalformedCheckpointError` for truncated, corrupted or
+    not-a-pickle data and sizes its files do not back; messages name the
+    file and, where there is one, the key."""
+
+    def __init__(self, path: str | os.PathLike, *, trusted: bool = False):
         self.path = os.fspath(path)
+        self.trusted = bool(trusted)
         meta_file = os.path.join(self.path, ".metadata")
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: no such checkpoint directory")
         if not os.path.exists(meta_file):
             raise CheckpointError(f"{self.path}: not a DCP checkpoint (no .metadata file)")
-        try:
-            self.metadata = FileSystemReader(self.path).read_metadata()
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"{meta_file}: cannot read the checkpoint metadata: {exc}") from exc
+        self._file_sizes: dict[str, int] = {}
+        if self.trusted:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            try:
+                self.metadata = FileSystemReader(self.path).read_metadata()
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointError(f"{meta_file}: cannot read the checkpoint metadata: {exc}") from exc
+        else:
+            self.metadata = self._read_metadata_safely(meta_file)
+        self._storage = _check_metadata(self.metadata, meta_file)
         planner = self.metadata.planner_data or {}
         self.items: list[Item] = []
         for key, meta in self.metadata.state_dict_metadata.items():
@@ -351,6 +432,67 @@ class Checkpoint:
         self.other: list[Item] = []
         self._values: dict[str, Any] = {}
         self._parse()
+
+    def _read_metadata_safely(self, meta_file: str) -> Any:
+        from torch.distributed.checkpoint.filesystem import _generate_uuid
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        data = self._read_file(meta_file, 0, None, "the checkpoint metadata")
+        try:
+            metadata = _safe.load_metadata(data)
+        except _safe.Forbidden as exc:
+            raise UnsafeCheckpointError(
+                f"{meta_file}: the checkpoint metadata pickles {exc.args[0]}, which is not a class "
+                "DCP metadata holds; not unpickled (trusted=True / --trust unpickles it, running "
+                "any code it names: only for checkpoints you trust)"
+            ) from None
+        except _safe.Malformed as exc:
+            raise MalformedCheckpointError(
+                f"{meta_file}: cannot read the checkpoint metadata: {exc}") from None
+        if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta | None):
+            raise MalformedCheckpointError(
+                f"{meta_file}: malformed checkpoint metadata: storage_meta is a "
+                f"{type(metadata.storage_meta).__name__}")
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = _generate_uuid()
+        return metadata
+
+    def _read_file(self, name: str, offset: int, length: int | None, what: str) -> bytearray:
+        """``length`` bytes at ``offset`` of a regular file (all of it for
+        None), after checking that the file holds them."""
+        try:
+            # O_NONBLOCK: a FIFO in place of a file must not block the open
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise MalformedCheckpointError(f"{name}: cannot read {what}: not a regular file")
+            with os.fdopen(fd, "rb") as f:
+                if length is None:
+                    length = st.st_size
+                if offset + length > st.st_size:
+                    raise MalformedCheckpointError(
+                        f"{name}: cannot read {what}: it declares {length} bytes at offset "
+                        f"{offset}, the file holds {st.st_size}")
+                f.seek(offset)
+                data = bytearray(length)
+                got = f.readinto(data)
+        except OSError as exc:
+            raise CheckpointError(f"{name}: cannot read {what}: {exc}") from exc
+        if got != length:
+            raise MalformedCheckpointError(f"{name}: cannot read {what}: the file changed while read")
+        return data
+
+    def _file_size(self, relative: str) -> int:
+        if relative not in self._file_sizes:
+            name = os.path.join(self.path, relative)
+            try:
+                st = os.stat(name)
+            except OSError as exc:
+                raise CheckpointError(f"{name}: {exc.strerror or exc}") from exc
+            self._file_sizes[relative] = st.st_size if stat.S_ISREG(st.st_mode) else -1
+        return self._file_sizes[relative]
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -371,7 +513,7 @@ class Checkpoint:
         for root in ordered:
             if any(root[: len(r)] == r for r in sections):
                 continue
-            sections[root] = OptimizerSection(root=root, layout=roots[root])
+            sections[root] = OptimizerSection(root=root, layout=roots[root], source=self.path)
         for it in self.items:
             for root, sec in sections.items():
                 if it.path[: len(root)] == root and len(it.path) > len(root):
@@ -504,10 +646,7 @@ class Checkpoint:
     # -- values ----------------------------------------------------------------------------------
 
     def files_of(self, key: str) -> list[str]:
-        files = set()
-        for index, info in (self.metadata.storage_data or {}).items():
-            if getattr(index, "fqn", None) == key:
-                files.add(os.path.join(self.path, info.relative_path))
+        files = {os.path.join(self.path, info.relative_path) for _, info in self._storage.get(key, ())}
         return sorted(files) or [self.path]
 
     def read(
@@ -517,13 +656,21 @@ class Checkpoint:
         progress: str | None = None,
         batch_bytes: int = 256 << 20,
         show_progress: bool = True,
+        placeholders: bool = True,
     ) -> dict[str, Any]:
         """Values of ``keys`` (tensors: full, plain, on CPU; objects:
-        unpickled), read in batches of about ``batch_bytes``.  Cached."""
-        keys = [k for k in dict.fromkeys(keys) if k not in self._values]
+        unpickled), read in batches of about ``batch_bytes``.  Cached.
+
+        Safe mode: a non-tensor entry that pickles something outside the
+        allowlist reads as a :class:`NotLoaded` placeholder, or, with
+        ``placeholders=False``, raises :class:`UnsafeCheckpointError`."""
+        requested = list(dict.fromkeys(keys))
+        keys = [k for k in requested if k not in self._values]
         for key in keys:
             if key not in self.by_key:
                 raise CheckpointError(f"{self.path}: no entry '{key}' in the checkpoint")
+        for key in keys:  # nothing is allocated from a declared size before this
+            self._check_backed(key)
         batches: list[list[str]] = []
         size = 0
         for key in keys:
@@ -543,7 +690,57 @@ class Checkpoint:
                 bar.update(len(batch), sum(self.by_key[k].nbytes for k in batch))
         if bar is not None:
             bar.done()
+        if not placeholders:
+            for key in requested:
+                if isinstance(self._values[key], NotLoaded):
+                    raise self._unsafe_value(self._values[key])
         return dict(self._values)
+
+    def _unsafe_value(self, value: NotLoaded) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{', '.join(self.files_of(value.key))}: '{value.key}' pickles {value.cls}, which the "
+            "safe reader does not unpickle (trusted=True / --trust unpickles it, running any code "
+            "it names: only for checkpoints you trust)")
+
+    def _check_backed(self, key: str) -> None:
+        """Every storage item of ``key`` lies inside its file, and a tensor's
+        chunks hold at least its declared bytes, before anything is
+        allocated for it."""
+        infos = self._storage.get(key, [])
+        files = ", ".join(self.files_of(key))
+        it = self.by_key[key]
+        if not infos:
+            raise MalformedCheckpointError(f"{files}: cannot read '{key}': no storage item in the metadata")
+        for _, info in infos:
+            size = self._file_size(info.relative_path)
+            if info.offset + info.length > size:
+                where = os.path.join(self.path, info.relative_path)
+                raise MalformedCheckpointError(
+                    f"{where}: cannot read '{key}': it declares {info.length} bytes at offset "
+                    f"{info.offset}, the file holds {max(size, 0)}"
+                    + ("" if size >= 0 else " (not a regular file)"))
+            if info.transform_descriptors and not self.trusted:
+                raise MalformedCheckpointError(
+                    f"{files}: cannot read '{key}': stream transforms {list(info.transform_descriptors)} "
+                    "are not decoded by the safe reader (trusted=True / --trust)")
+        if not it.is_tensor:
+            if len(infos) != 1:
+                raise MalformedCheckpointError(f"{files}: cannot read '{key}': {len(infos)} storage items")
+            return
+        itemsize = it.torch_dtype.itemsize
+        by_offset = {tuple(index.offset or ()): info for index, info in infos}
+        covered = 0
+        for chunk in it.meta.chunks:
+            info = by_offset.get(tuple(chunk.offsets))
+            n = math.prod(chunk.sizes)
+            if info is None or info.length < n * itemsize:
+                raise MalformedCheckpointError(
+                    f"{files}: cannot read '{key}': chunk at {tuple(chunk.offsets)} declares "
+                    f"{n * itemsize} bytes, its storage holds {info.length if info else 0}")
+            covered += n
+        if covered < math.prod(it.shape):
+            raise MalformedCheckpointError(
+                f"{files}: cannot read '{key}': its chunks cover {covered} of {math.prod(it.shape)} elements")
 
     def iter_values(self, keys: list[str], *, batch_bytes: int = 256 << 20):
         """Yield (key, value) for ``keys``, reading about ``batch_bytes`` at
@@ -568,7 +765,55 @@ class Checkpoint:
             self.read([key])
         return self._values[key]
 
+    def _read_object_safely(self, key: str) -> Any:
+        ((_, info),) = self._storage[key]
+        name = os.path.join(self.path, info.relative_path)
+        blob = self._read_file(name, info.offset, info.length, f"'{key}'")
+        try:
+            return _safe.load_object(blob)
+        except _safe.Forbidden as exc:
+            return NotLoaded(exc.args[0], key, exc.args[1])
+        except _safe.Malformed as exc:
+            raise MalformedCheckpointError(f"{name}: cannot read '{key}': {exc}") from None
+
+    def _read_tensor_safely(self, key: str) -> torch.Tensor:
+        """A tensor, from its chunks, each unpickled by the restricted
+        unpickler (after _check_backed)."""
+        it = self.by_key[key]
+        value = torch.empty(it.shape, dtype=it.torch_dtype)
+        by_offset = {tuple(index.offset or ()): info for index, info in self._storage[key]}
+        for chunk in it.meta.chunks:
+            info = by_offset[tuple(chunk.offsets)]
+            name = os.path.join(self.path, info.relative_path)
+            blob = self._read_file(name, info.offset, info.length, f"'{key}'")
+            try:
+                part = _safe.load_object(blob)
+            except _safe.Forbidden as exc:
+                raise UnsafeCheckpointError(
+                    f"{name}: '{key}': a chunk pickles {exc.args[0]}, which the safe reader does not "
+                    "unpickle (trusted=True / --trust unpickles it, running any code it names: only "
+                    "for checkpoints you trust)") from None
+            except _safe.Malformed as exc:
+                raise MalformedCheckpointError(f"{name}: cannot read '{key}': {exc}") from None
+            if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
+                what = f"{tuple(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
+                raise MalformedCheckpointError(
+                    f"{name}: cannot read '{key}': the chunk at {tuple(chunk.offsets)} holds {what}, "
+                    f"not {tuple(chunk.sizes)}")
+            region = value
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, start, length)
+            region.copy_(part)  # as DCP's read_data
+            del blob, part
+        return value
+
     def _read_batch(self, batch: list[str]) -> None:
+        if not self.trusted:
+            for key in batch:
+                it = self.by_key[key]
+                reader = self._read_tensor_safely if it.is_tensor else self._read_object_safely
+                self._values[key] = reader(key)
+            return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
@@ -589,6 +834,101 @@ class Checkpoint:
                 f"{', '.join(self.files_of(key))}: cannot read '{key}': {_short(exc)}"
             ) from exc
         self._values.update(target)
+
+
+def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]:
+    """Check the structure and the declared sizes of the metadata (before
+    anything is allocated from them); returns key -> [(index, storage
+    info)]."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def bad(what: str) -> MalformedCheckpointError:
+        return MalformedCheckpointError(f"{meta_file}: malformed checkpoint metadata: {what}")
+
+    def dims(value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, torch.Size | tuple | list) or not all(
+            type(v) is int and 0 <= v < (1 << 63) for v in value
+        ):
+            raise bad(f"{what} is not a tensor size: {_brief(value)}")
+        return tuple(value)
+
+    if not isinstance(md, Metadata):
+        raise bad(f"holds a {type(md).__name__}, not a Metadata")
+    sdm = md.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise bad("state_dict_metadata is not a dict")
+    if md.planner_data is not None and not isinstance(md.planner_data, dict):
+        raise bad("planner_data is not a dict")
+    for key, path in (md.planner_data or {}).items():
+        # DCP's paths: tuples of dict keys (str) and list indices (int)
+        if isinstance(path, tuple | list) and not all(type(p) in (str, int) for p in path):
+            raise bad(f"the path of '{_brief(key)}' holds {_brief(path)}, not keys and indices")
+    for key, meta in sdm.items():
+        if type(key) is not str:
+            raise bad(f"key {_brief(key)} is not a string")
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise bad(f"entry '{key}' is a {type(meta).__name__}")
+        if not isinstance(meta.properties, TensorProperties) or not isinstance(
+            meta.properties.dtype, torch.dtype
+        ):
+            raise bad(f"entry '{key}' has no tensor dtype")
+        shape = dims(meta.size, f"entry '{key}': its size")
+        if math.prod(shape) * meta.properties.dtype.itemsize >= (1 << 63):
+            raise bad(f"entry '{key}' declares {_brief(shape)} elements of {meta.properties.dtype}, "
+                      "more bytes than a tensor can hold")
+        if not isinstance(meta.chunks, list):
+            raise bad(f"entry '{key}': chunks is not a list")
+        for chunk in meta.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata):
+                raise bad(f"entry '{key}': a chunk is a {type(chunk).__name__}")
+            offsets = dims(chunk.offsets, f"entry '{key}': chunk offsets")
+            sizes = dims(chunk.sizes, f"entry '{key}': chunk sizes")
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o + n > d for o, n, d in zip(offsets, sizes, shape)
+            ):
+                raise bad(f"entry '{key}': chunk at {_brief(offsets)} of size {_brief(sizes)} "
+                          f"lies outside {_brief(shape)}")
+    storage: dict[str, list[tuple[Any, Any]]] = {}
+    sd = md.storage_data if md.storage_data is not None else {}
+    if not isinstance(sd, dict):
+        raise bad("storage_data is not a dict")
+    for index, info in sd.items():
+        if not isinstance(index, MetadataIndex) or type(index.fqn) is not str:
+            raise bad(f"storage_data key {_brief(index)} is not a MetadataIndex")
+        where = f"storage of '{index.fqn}'"
+        if index.offset is not None:
+            dims(index.offset, f"{where}: offset")
+        rel = getattr(info, "relative_path", None)
+        if type(rel) is not str or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise bad(f"{where}: file {_brief(rel)} is not a file name inside the checkpoint")
+        for name in ("offset", "length"):
+            value = getattr(info, name, None)
+            if type(value) is not int or not 0 <= value < (1 << 63):
+                raise bad(f"{where}: {name} {_brief(value)} is not a byte count")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and (
+            not isinstance(descriptors, list | tuple) or not all(type(d) is str for d in descriptors)
+        ):
+            raise bad(f"{where}: transform descriptors are not strings")
+        storage.setdefault(index.fqn, []).append((index, info))
+    return storage
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @contextlib.contextmanager

@@ -13,8 +13,16 @@ the file and key).
 Only the checkpoint's metadata and its small non-tensor entries (param
 group hyperparameters, ``params`` lists, other objects) are read, unless
 ``--values`` asks for tensor values (``inspect``, ``diff``); ``inspect
---metadata-only`` reads the metadata file alone.  Non-tensor entries are
-unpickled, as ``dcp.load`` does: only open checkpoints you trust.
+--metadata-only`` reads the metadata file alone.
+
+Safe to point at any checkpoint: the metadata, the non-tensor entries and
+the tensors are unpickled by a restricted unpickler
+(``dcp_optim._safe_unpickle``) that never calls or imports anything
+outside an allowlist of what DCP checkpoints hold.  Outside it, the
+metadata (or a tensor) is an error naming the class; a non-tensor entry
+shows as ``<object of class X, not loaded>`` (``convert`` stops with an
+error).  ``--trust`` unpickles everything as ``dcp.load`` does, which runs
+any code a hostile checkpoint contains.
 """
 
 from __future__ import annotations
@@ -30,7 +38,16 @@ import sys
 from typing import Any
 
 from . import errors
-from ._ckpt_meta import FLAT, NESTED, Checkpoint, CheckpointError, Item, OptimizerSection, Progress
+from ._ckpt_meta import (
+    FLAT,
+    NESTED,
+    Checkpoint,
+    CheckpointError,
+    Item,
+    NotLoaded,
+    OptimizerSection,
+    Progress,
+)
 
 __all__ = ["main"]
 
@@ -52,6 +69,8 @@ def _shape(shape: Any) -> str:
 
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
+    if isinstance(value, NotLoaded):  # never shortened
+        return text
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -107,7 +126,10 @@ def _fmt_stats(s: dict[str, Any] | None) -> str:
 
 
 def _object_keys(ck: Checkpoint) -> list[str]:
-    return [it.key for it in ck.items if not it.is_tensor]
+    """The non-tensor entries, and the param-group values saved as tensors
+    (a tensor ``lr``), which ``logical_groups`` needs too."""
+    group_keys = {it.key for sec in ck.optimizers for it in sec.group_items()}
+    return [it.key for it in ck.items if not it.is_tensor or it.key in group_keys]
 
 
 def _read_objects(ck: Checkpoint, quiet: bool) -> dict[str, Any]:
@@ -299,7 +321,7 @@ def _any_stats(infos) -> bool:
 
 
 def cmd_inspect(args) -> int:
-    ck = Checkpoint(args.ckpt)
+    ck = Checkpoint(args.ckpt, trusted=args.trust)
     report = _inspect_report(ck, args)
     if args.json:
         print(json.dumps(_jsonable(report), indent=2))
@@ -327,7 +349,7 @@ def cmd_convert(args) -> int:
             raise _UsageError(f"--entry {args.entry}: returned no optimizer")
         groups = param_groups_of(model, optims)
     report = convert_checkpoint(args.ckpt, args.out, to=args.to, group_counts=counts, groups=groups,
-                                overwrite=args.force, progress=not args.quiet)
+                                overwrite=args.force, progress=not args.quiet, trusted=args.trust)
     print(f"wrote {report['destination']}: optimizer(s) {', '.join(report['optimizers'])} "
           f"in the {report['to']} layout ({report['items']} source entries)")
     if report["groups_rebuilt"]:
@@ -409,7 +431,7 @@ def _tensor_difference(x: Any, y: Any) -> str | None:
 def cmd_diff(args) -> int:
     from ._ckpt_meta import _same
 
-    a, b = Checkpoint(args.a), Checkpoint(args.b)
+    a, b = Checkpoint(args.a, trusted=args.trust), Checkpoint(args.b, trusted=args.trust)
     va, vb = _read_objects(a, args.quiet), _read_objects(b, args.quiet)
     rename = _pair_names([m.name for m in a.models], [m.name for m in b.models])
     rename.update(_pair_names([o.name for o in a.optimizers], [o.name for o in b.optimizers]))
@@ -751,7 +773,7 @@ def _plan_groups(osec, optims, osd, values, add, same, empty_identity) -> list[d
 
 
 def cmd_plan(args) -> int:
-    ck = Checkpoint(args.ckpt)
+    ck = Checkpoint(args.ckpt, trusted=args.trust)
     model, optims = _load_entry(args.entry)
     report = _plan(ck, model, optims, args)
     conflicts = report["summary"].get("conflict", 0)
@@ -807,6 +829,13 @@ def _collapse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --- entry point ---------------------------------------------------------------------------------------
 
 
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust", action="store_true",
+                   help="unpickle the metadata and non-tensor entries without restriction, as "
+                   "dcp.load does: a hostile checkpoint then runs arbitrary code on this machine "
+                   "(default: a restricted unpickler that never runs code from the checkpoint)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dcp_optim",
@@ -824,6 +853,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="read the .metadata file only (no hyperparameter values, no group membership)")
     p.add_argument("--fqn", metavar="GLOB", help="only FQNs matching this glob pattern")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_trust(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("convert", help="rewrite a checkpoint's optimizer state in the other layout")
@@ -839,6 +869,7 @@ def _parser() -> argparse.ArgumentParser:
                    "be rebuilt from hyperparameters)")
     p.add_argument("--force", action="store_true", help="write into a non-empty destination")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_trust(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("diff", help="which FQNs, state names, shapes and hyperparameters differ")
@@ -847,6 +878,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--values", action="store_true", help="also compare tensor values (bit for bit)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_trust(p)
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("plan", help="dry run: what loading a checkpoint into live objects would do")
@@ -859,6 +891,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("-v", "--verbose", action="store_true", help="one row per state name")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_trust(p)
     p.set_defaults(func=cmd_plan)
     return parser
 

@@ -257,6 +257,7 @@ def convert_checkpoint(
     groups: Sequence[Sequence[Sequence[str]]] | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Write a copy of DCP checkpoint ``src`` to ``dst`` with every
     optimizer section in layout ``to`` ("flat" or "nested").
@@ -270,7 +271,10 @@ def convert_checkpoint(
     Runs in one process (no process group needed) and holds the whole
     checkpoint in memory; tensors are written whole (a sharded checkpoint
     becomes one with one chunk per tensor, loadable at any world size).
-    ``progress``: a progress line on stderr.  Returns a summary dict.
+    ``progress``: a progress line on stderr.  ``trusted``: unpickle the
+    source's metadata and non-tensor entries without restriction (see
+    ``dcp_optim.Checkpoint``; by default an entry the restricted unpickler
+    refuses raises ``UnsafeCheckpointError``).  Returns a summary dict.
     Raises ``CheckpointError`` (naming the file and key) for unreadable or
     unexpected input.
     """
@@ -281,7 +285,7 @@ def convert_checkpoint(
     from torch.distributed.checkpoint._traverse import set_element
 
     src, dst = os.fspath(src), os.fspath(dst)
-    ck = Checkpoint(src)
+    ck = Checkpoint(src, trusted=trusted)
     if not ck.optimizers:
         raise CheckpointError(f"{src}: no optimizer state found in the checkpoint")
     targets = [s for s in ck.optimizers if s.layout != to]
@@ -304,7 +308,7 @@ def convert_checkpoint(
             )
     _check_destination(src, dst, overwrite)
     values = ck.read([it.key for it in ck.items], progress="reading" if progress else None,
-                     show_progress=progress)
+                     show_progress=progress, placeholders=False)
     converted = {it.key for sec in targets for it in sec.items}
     tree: dict[str, Any] = {}
     for it in ck.items:
