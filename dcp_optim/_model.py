@@ -332,12 +332,14 @@ def load_plan(model: nn.Module, info: Any) -> LoadPlan:
         if _has_own_hooks(module):
             return _TORCH_PLAN
         tp = type(module)
+        if (tp.get_extra_state is nn.Module.get_extra_state) != (
+            tp.set_extra_state is nn.Module.set_extra_state
+        ):
+            return _TORCH_PLAN  # torch's load wants other keys than state_dict() gives
         rule = tp._load_from_state_dict
         if rule is _MODULE_LOAD:
             continue
-        if rule is not _NORM_LOAD or (tp.get_extra_state is nn.Module.get_extra_state) != (
-            tp.set_extra_state is nn.Module.set_extra_state
-        ):
+        if rule is not _NORM_LOAD:
             return _TORCH_PLAN
         nbt = module._buffers.get(_NBT)
         slot = None if nbt is None else index.slot_of(nbt)
