@@ -76,7 +76,7 @@
     X(add_note, "add_note")                          \
     X(device_mesh, "device_mesh")                    \
     X(load_pre_hooks, "_load_state_dict_pre_hooks")  \
-    X(load_post_hooks, "_load_state_dict_post_hooks") \
+    X(post_hooks, "_load_state_dict_post_hooks")     \
     X(load_from_sd, "_load_from_state_dict")         \
     X(set_extra_state, "set_extra_state")            \
     X(placements, "placements")                      \

@@ -68,8 +68,8 @@ check_str_keys(dcp_Context *ctx, PyObject *sd)
  * (upstream: fqn != fqn_with_prefix), the value under the FQN moves to the
  * load key (to the end, as upstream's pop + insert does); a missing or
  * None value is E13 under strict.  A key that is not a str is a TypeError
- * (check_str_keys), before anything else.  The input is returned unchanged when
- * nothing needs renaming, else a private copy is renamed.  `local_state`
+ * (check_str_keys), before anything else.  The input is returned unchanged
+ * when nothing needs renaming, else a private copy is renamed.  `local_state`
  * maps every load key to the live tensor (or _extra_state marker). */
 PyObject *
 dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)

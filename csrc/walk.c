@@ -170,7 +170,7 @@ type_is_plain(dcp_state *st, dcp_Context *ctx, PyTypeObject *tp)
                           st->str_buffers,
                           st->str_non_persistent,
                           st->str_load_pre_hooks,
-                          st->str_load_post_hooks};
+                          st->str_post_hooks};
     for (int i = 0; i < 6; i++) {
         PyObject *found = dcp_type_lookup(tp, names[i]);
         if (found != NULL) {
@@ -838,7 +838,7 @@ static int
 walker_load_hooks(dcp_walker *w, PyObject *module, long flags)
 {
     dcp_state *st = w->st;
-    Py_ssize_t npost = walker_hook_count(w, module, st->str_load_post_hooks);
+    Py_ssize_t npost = walker_hook_count(w, module, st->str_post_hooks);
     Py_ssize_t n =
         npost < 0 ? -1 : walker_hook_count(w, module, st->str_load_pre_hooks);
     if (n < 0) {
@@ -1666,7 +1666,7 @@ rp_load_hooks(dcp_replay *r, PyObject *inst, PyObject *module, long flags)
 {
     dcp_state *st = r->st;
     Py_ssize_t npost = 0, n = 0;
-    int rc = rp_hook_count(inst, st->str_load_post_hooks, &npost);
+    int rc = rp_hook_count(inst, st->str_post_hooks, &npost);
     if (rc > 0) {
         rc = rp_hook_count(inst, st->str_load_pre_hooks, &n);
     }
