@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	# accelerate: the client test drives its FSDP save/load helpers;
 	# matplotlib: the benchmark plot.  torch stays pinned on the same line.
 	$(PIP) install -q numpy "pytest>=8" pytest-timeout hypothesis accelerate==1.15.0 matplotlib "$(TORCH)"
+	# transformers: tiny GPT-2/Llama/BERT built from local configs in the
+	# module corpus (tests/test_module_corpus.py); torch stays pinned.
+	$(PIP) install -q transformers==5.24.0 "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)
