@@ -425,3 +425,69 @@ def test_batchnorm_model_loaded_twice():
         result = dcp_optim.set_model_state_dict(model, without("1.num_batches_tracked")(model))
         assert tuple(result) == ([], [])
     assert model[1].num_batches_tracked.item() == 7
+
+
+# --- FSDP2 (one rank): DTensor parameters through torch's path ---------------
+
+
+def _fsdp2_model():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(RenamingLinear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.randn(4, 3)).sum().backward()  # FSDP2's own load hooks now registered
+    return model
+
+
+def _full_values(model):
+    return [(k, v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone())
+            for k, v in model.state_dict().items()]
+
+
+def _same_values(a, b):
+    return [k for k, _ in a] == [k for k, _ in b] and all(
+        torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+def test_fsdp2_model_with_own_load_rules(world1):
+    """Sharded state dict (DTensors) with an old key name and no BatchNorm
+    counter: loaded like torch; a failing load puts the shards back."""
+    from torch.distributed.tensor import DTensor
+
+    model = _fsdp2_model()
+    sd = {k: v + 1 if v.is_floating_point() else v
+          for k, v in dcp_optim.get_model_state_dict(model).items()}
+    expected = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+    sd["0.w"] = sd.pop("0.weight")
+    del sd["1.num_batches_tracked"]
+    assert tuple(dcp_optim.set_model_state_dict(model, sd)) == ([], [])
+    got = dict(_full_values(model))
+    assert all(torch.equal(got[k], v) for k, v in expected.items() if k != "1.num_batches_tracked")
+
+    before = _full_values(model)
+    bad = dict(sd)
+    bad["2.weight"] = bad["2.weight"] * 2
+    bad["2.bias"] = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="size mismatch for 2.bias"):
+        dcp_optim.set_model_state_dict(model, bad)
+    assert _same_values(before, _full_values(model))
+
+
+def test_fsdp2_full_state_dict_renamed_key_fails_like_upstream(world1):
+    """A full state dict whose key only the module's own code renames: the
+    full tensor is never sharded, upstream and torch's copy fail; dcp_optim
+    raises the same error and leaves the shards as they were."""
+    errors_seen = []
+    for impl in (upstream, dcp_optim):
+        model = _fsdp2_model()
+        full = impl.get_model_state_dict(model, options=impl.StateDictOptions(full_state_dict=True))
+        full["0.w"] = full.pop("0.weight") + 1
+        before = _full_values(model)
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor") as info:
+            impl.set_model_state_dict(model, full, options=impl.StateDictOptions(full_state_dict=True))
+        errors_seen.append(str(info.value))
+        if impl is dcp_optim:
+            assert _same_values(before, _full_values(model))
+    assert errors_seen[0] == errors_seen[1]
