@@ -113,10 +113,15 @@ def unflatten_model_state_dict(
     return cast(dict[str, Any], state_dict)
 
 
-def _load_device(info: Any, local: dict[str, Any]) -> tuple[torch.device, bool]:
+def _load_device(
+    info: Any, local: dict[str, Any], lazy: bool = False
+) -> tuple[torch.device, bool]:
     """Upstream's device choice for full/broadcast loads: the one device of
-    the local tensors with dim() > 0 (meta dropped, then ``assign=True``)."""
-    devices = C.tensor_devices(context(), list(local.values()))
+    the local tensors with dim() > 0 (meta dropped, then ``assign=True``).
+    Lazy parameters, which have no dim() yet, take no part (upstream
+    raises on them; torch's load materializes them)."""
+    values = [v for v in local.values() if not is_lazy(v)] if lazy else list(local.values())
+    devices = C.tensor_devices(context(), values)
     assign = False
     meta = torch.device("meta")
     if meta in devices:
@@ -159,7 +164,7 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
     )
     assign = False
     if full_path:
-        device, assign = _load_device(info, local)
+        device, assign = _load_device(info, local, plan.lazy)
         # Where the model load's checks can run before any data moves, the
         # shards are written straight into the parameters (see
         # _distribute); FSDP1 and models whose load hooks rename keys keep
@@ -262,6 +267,7 @@ class LoadPlan(NamedTuple):
     torch_path: bool
     # (BatchNorm module, its num_batches_tracked load key)
     norms: tuple[tuple[nn.Module, str], ...]
+    lazy: bool = False  # uninitialized parameters or buffers
 
 
 _NATIVE_PLAN = LoadPlan(False, ())
@@ -327,6 +333,8 @@ def load_plan(model: nn.Module, info: Any) -> LoadPlan:
         own is not None and not _is_patched(own)
     ):
         return _TORCH_PLAN
+    if C.indices_of(index.tensors, UninitializedTensorMixin):
+        return LoadPlan(True, (), True)  # lazy parameters: shapes come from the load
     norms: list[tuple[nn.Module, str]] = []
     for module in index.load_modules:
         if _has_own_hooks(module):
@@ -350,8 +358,6 @@ def load_plan(model: nn.Module, info: Any) -> LoadPlan:
             return _TORCH_PLAN
         if loads is not None:
             norms.append((module, loads[0]))
-    if C.indices_of(index.tensors, UninitializedTensorMixin):
-        return _TORCH_PLAN  # lazy parameters: shapes come from the load
     return LoadPlan(False, tuple(norms)) if norms else _NATIVE_PLAN
 
 

@@ -302,6 +302,18 @@ def test_lazy_module_materialized_from_loaded_shapes(strict):
     assert model(torch.ones(1, 5)).shape == (1, 2)
 
 
+@pytest.mark.parametrize("full", ["full", "broadcast"])
+def test_lazy_module_full_state_dict(world1, full):
+    """Upstream chooses the load device with dim() over the live tensors
+    and fails on the uninitialized ones; dcp_optim leaves them out of that
+    choice and loads like torch."""
+    r = load_three_ways(lazy_model, lazy_sd, options=_opts(full))
+    assert r["torch"][0] == ("ok", [], [])
+    assert r["upstream"][0][0] == "raise"
+    assert "uninitialized parameter" in str(r["upstream"][0][1])
+    assert_like_torch(r)
+
+
 def test_lazy_module_failing_load_stays_uninitialized():
     def make_sd(model):
         sd = lazy_sd(model)
