@@ -77,6 +77,14 @@ def parametrized():
     return model
 
 
+def parametrized_plain():
+    """Parametrizations without compatibility hooks: the native path."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    nn.utils.parametrizations.orthogonal(model[1])
+    return model
+
+
 def spectral():
     # The old hook-based API: a state_dict hook adds a version entry, a
     # load pre-hook converts old checkpoints.
@@ -170,6 +178,7 @@ CORPUS = {
     "backbone-batchnorm": Backbone,
     "backbone-frozen": lambda: Backbone(FrozenBatchNorm2d),
     "parametrizations": parametrized,
+    "parametrizations-plain": parametrized_plain,
     "spectral-norm": spectral,
     "state-dict-hooks": StateDictHooks,
     "mixed-rules": mixed_rules,
