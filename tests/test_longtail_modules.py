@@ -37,7 +37,7 @@ from .module_cases import (
 STRICT = pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
 # The in-place full-state-dict path checks the load before any shard is
 # written; it needs a process group (world1).
-PATHS = pytest.mark.parametrize("full", [False, "full", "broadcast"])
+PATHS = pytest.mark.parametrize("full", [False, "full", "broadcast"], ids=["local", "full", "broadcast"])
 
 
 def _opts(full):
