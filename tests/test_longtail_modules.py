@@ -418,8 +418,8 @@ def test_set_state_dict_with_model_rules_resumes_exactly():
 @pytest.mark.parametrize("key", [3, ("0", "weight"), b"0.weight"], ids=["int", "tuple", "bytes"])
 @STRICT
 def test_non_str_key_is_a_clear_error(key, strict):
-    """torch fails on any non-str key (AttributeError from
-    key.startswith, after copying); upstream fails with a bare TypeError
+    """torch fails on any non-str key (AttributeError or TypeError from
+    key.startswith, with strict either way); upstream fails with a bare TypeError
     ("argument of type 'int' is not iterable") for most; dcp_optim raises
     a TypeError naming the key before anything is written."""
     def make_sd(model):
