@@ -62,7 +62,7 @@ def without(*keys, **extra):
     return make
 
 
-def _run(world, full, make_model, make_sd, strict=True):
+def _run(full, make_model, make_sd, strict=True):
     return load_three_ways(make_model, make_sd, strict=strict, options=_opts(full))
 
 
@@ -81,7 +81,7 @@ def test_batchnorm_checkpoint_without_num_batches_tracked(maybe_world, full, str
     """A pre-0.4.1 BatchNorm checkpoint (no num_batches_tracked, no
     version): torch keeps the live counter and reports nothing missing;
     dcp_optim used to reject it under strict."""
-    r = _run(maybe_world, full, bn_model, without("1.num_batches_tracked"), strict)
+    r = _run(full, bn_model, without("1.num_batches_tracked"), strict)
     assert r["torch"][0] == ("ok", [], [])
     assert r["upstream"][0] == ("ok", [], [])
     assert_like_torch(r)
@@ -148,7 +148,7 @@ def test_frozen_batchnorm_receives_batchnorm_checkpoint(maybe_world, full, stric
         sd["1.num_batches_tracked"] = torch.tensor(11)
         return sd
 
-    r = _run(maybe_world, full, frozen_model, make_sd, strict)
+    r = _run(full, frozen_model, make_sd, strict)
     assert r["torch"][0] == ("ok", [], [])
     assert r["upstream"][0] == ("ok", [], [])
     assert_like_torch(r)
@@ -169,7 +169,7 @@ def old_names(model):
 @PATHS
 @STRICT
 def test_module_renaming_an_old_key(maybe_world, full, strict):
-    r = _run(maybe_world, full, renaming_model, old_names, strict)
+    r = _run(full, renaming_model, old_names, strict)
     assert r["torch"][0] == ("ok", [], [])
     assert r["upstream"][0] == ("ok", [], [])
     assert_like_torch(r)
@@ -238,7 +238,7 @@ def test_pre_hook_renaming_a_key(maybe_world, full, strict):
         sd["0.kernel"] = sd.pop("0.weight")
         return sd
 
-    r = _run(maybe_world, full, hooked_model, make_sd, strict)
+    r = _run(full, hooked_model, make_sd, strict)
     assert r["torch"][0] == ("ok", [], [])
     assert_like_torch(r)
 
@@ -266,7 +266,7 @@ def post_hooked_model():
 @PATHS
 @STRICT
 def test_post_hook_clearing_missing_keys(maybe_world, full, strict):
-    r = _run(maybe_world, full, post_hooked_model, without("1.bias"), strict)
+    r = _run(full, post_hooked_model, without("1.bias"), strict)
     assert r["torch"][0] == ("ok", [], [])
     assert r["upstream"][0] == ("ok", [], [])
     assert_like_torch(r)
