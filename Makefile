@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml Makefile
 	# dcp_optim.patch(): Lightning Fabric, torchtune (torchao 0.15.0 is the
 	# newest torchao torchtune 0.6.1 imports with).  torch stays pinned.
 	$(PIP) install -q lightning==2.6.6 torchtune==0.6.1 torchao==0.15.0 "$(TORCH)"
+	# transformers: tiny GPT-2/Llama/BERT built from local configs in the
+	# module corpus (tests/test_module_corpus.py); torch stays pinned.
+	$(PIP) install -q transformers==5.24.0 "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -77,6 +77,9 @@
     X(add_note, "add_note")                          \
     X(device_mesh, "device_mesh")                    \
     X(load_pre_hooks, "_load_state_dict_pre_hooks")  \
+    X(post_hooks, "_load_state_dict_post_hooks")     \
+    X(load_from_sd, "_load_from_state_dict")         \
+    X(set_extra_state, "set_extra_state")            \
     X(placements, "placements")                      \
     X(local_tensor, "_local_tensor")                 \
     X(is_contiguous, "is_contiguous")                \
@@ -202,6 +205,10 @@ typedef struct {
     PyObject *np_names;      /* list[str]: raw names */
     PyObject *np_fqns;       /* list[str] */
     PyObject *fsdp1_modules; /* list of FSDP1 instances, pre-order */
+    PyObject *load_modules;  /* modules, in walk order, with load rules of
+                                their own: load_state_dict pre/post hooks,
+                                or a type overriding _load_from_state_dict
+                                or only one of get_/set_extra_state */
     PyObject *trace;         /* WalkTrace that replays this walk, or None (see
                                 walk.c: only trees whose walk runs no user code) */
     PyObject *views;    /* dict: name -> the read-only copy Python sees of a

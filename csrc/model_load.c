@@ -35,14 +35,41 @@ copy_state_dict(PyObject *sd)
     return copy;
 }
 
+/* 0 when every key of the dict `sd` is a str; else -1 with the context's
+ * TypeError subclass set, naming the first other key.  torch's
+ * load_state_dict fails on such a key with `strict` either way
+ * (key.startswith), upstream's set_model_state_dict too ("_flat_param" in
+ * key), both only after some checks ran or tensors were copied. */
+static int
+check_str_keys(dcp_Context *ctx, PyObject *sd)
+{
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(sd, &pos, &key, &value)) {
+        if (PyUnicode_Check(key)) {
+            continue;
+        }
+        Py_INCREF(key); /* repr() may run code that drops it */
+        PyErr_Format(ctx->err_type,
+                     "model state dict keys must be str (FQNs), got the "
+                     "%.200s key %R; nothing was loaded",
+                     Py_TYPE(key)->tp_name,
+                     key);
+        Py_DECREF(key);
+        return -1;
+    }
+    return 0;
+}
+
 /* rename_for_load(index, state_dict, strict, rename, want_local)
  *   -> (state_dict_for_load, local_state or None)
  *
  * For every entry of the walk whose load key differs from its FQN
  * (upstream: fqn != fqn_with_prefix), the value under the FQN moves to the
  * load key (to the end, as upstream's pop + insert does); a missing or
- * None value is E13 under strict.  The input is returned unchanged when
- * nothing needs renaming, else a private copy is renamed.  `local_state`
+ * None value is E13 under strict.  A key that is not a str is a TypeError
+ * (check_str_keys), before anything else.  The input is returned unchanged
+ * when nothing needs renaming, else a private copy is renamed.  `local_state`
  * maps every load key to the live tensor (or _extra_state marker). */
 PyObject *
 dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -69,7 +96,8 @@ dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      Py_TYPE(sd)->tp_name);
         return NULL;
     }
-    if (want_local && (local = PyDict_New()) == NULL) {
+    if (check_str_keys((dcp_Context *)ix->ctx, sd) < 0 ||
+        (want_local && (local = PyDict_New()) == NULL)) {
         goto done;
     }
     out = Py_NewRef(sd);
@@ -319,10 +347,19 @@ dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int eq = (lnd >= 0 && vnd >= 0)
                          ? PyObject_RichCompareBool(ls, vs, Py_EQ)
                          : -1;
-            /* torch's backward compatibility: a 1-dim value for a 0-dim
-             * parameter is loaded from its first element */
+            /* torch's backward compatibility: a shape-(1,) value for a
+             * 0-dim parameter is loaded from its only element (a longer
+             * one is a size mismatch, as in torch) */
             if (eq == 0 && lnd == 0 && vnd == 1) {
-                eq = 1;
+                PyObject *first = PySequence_GetItem(vs, 0);
+                long n0 = first ? PyLong_AsLong(first) : -1;
+                Py_XDECREF(first);
+                if (n0 == -1 && PyErr_Occurred()) {
+                    eq = -1;
+                }
+                else {
+                    eq = n0 == 1;
+                }
             }
             if (eq == 0) {
                 msg = PyUnicode_FromFormat(

@@ -50,6 +50,10 @@ enum {
      * is nn.Module's, and no class in the MRO defines one of the container
      * names the walk reads (so they come from the instance __dict__). */
     TF_PLAIN = 1 << 9,
+    /* Loads by rules of its own: _load_from_state_dict differs from
+     * nn.Module's, or get_extra_state and set_extra_state are not both
+     * overridden or both inherited.  Recorded in index->load_modules. */
+    TF_LOAD_RULES = 1 << 10,
 };
 
 /* Types whose walk calls user code or depends on more than the module
@@ -161,12 +165,13 @@ type_is_plain(dcp_state *st, dcp_Context *ctx, PyTypeObject *tp)
         (r = type_attr_same(tp, module_tp, st->str_getattr_hook)) <= 0) {
         return r;
     }
-    PyObject *names[5] = {st->str_parameters,
+    PyObject *names[6] = {st->str_parameters,
                           st->str_modules,
                           st->str_buffers,
                           st->str_non_persistent,
-                          st->str_load_pre_hooks};
-    for (int i = 0; i < 5; i++) {
+                          st->str_load_pre_hooks,
+                          st->str_post_hooks};
+    for (int i = 0; i < 6; i++) {
         PyObject *found = dcp_type_lookup(tp, names[i]);
         if (found != NULL) {
             Py_DECREF(found);
@@ -177,6 +182,31 @@ type_is_plain(dcp_state *st, dcp_Context *ctx, PyTypeObject *tp)
         }
     }
     return 1;
+}
+
+/* 1 if instances of `tp` load by rules of their own (TF_LOAD_RULES):
+ * `_load_from_state_dict` is not nn.Module's, or set_extra_state is
+ * overridden when get_extra_state is not (`get_overridden` = 0) or the
+ * other way round.  0 if not, -1 on error. */
+static int
+type_has_load_rules(dcp_state *st,
+                    dcp_Context *ctx,
+                    PyTypeObject *tp,
+                    int get_overridden)
+{
+    if (!PyType_Check(ctx->module_type)) {
+        return 0;
+    }
+    PyTypeObject *module_tp = (PyTypeObject *)ctx->module_type;
+    int same = type_attr_same(tp, module_tp, st->str_load_from_sd);
+    if (same <= 0) {
+        return same < 0 ? -1 : 1;
+    }
+    same = type_attr_same(tp, module_tp, st->str_set_extra_state);
+    if (same < 0) {
+        return -1;
+    }
+    return (!same) != (get_overridden != 0);
 }
 
 /* The TF_* flags of type(module) (>= TF_KNOWN), or -1 on error.  With
@@ -219,6 +249,11 @@ type_flags_compute(dcp_state *st,
         return -1;
     }
     flags |= r ? TF_EXTRA_STATE : 0;
+    if ((r = type_has_load_rules(st, ctx, tp, (flags & TF_EXTRA_STATE) != 0)) <
+        0) {
+        return -1;
+    }
+    flags |= r ? TF_LOAD_RULES : 0;
     if ((r = dcp_isinstance_any(module, ctx->ddp_types)) < 0) {
         return -1;
     }
@@ -765,15 +800,13 @@ static int walker_visit(dcp_walker *w,
                         PyObject *module,
                         const dcp_prefixes *pre);
 
-/* Sets index->custom_load when `module` has load_state_dict pre-hooks
- * (they may rename keys, so a load cannot be validated up front).  The
- * activation-checkpoint wrapper's own hook only re-inserts its token,
- * which the load keys account for.  0 / -1. */
-static int
-walker_has_load_hooks(dcp_walker *w, PyObject *module)
+/* len(module.<name>) for a hook registry: the number of hooks, 1 for a
+ * container whose length cannot be read, 0 when the attribute is missing;
+ * -1 on error. */
+static Py_ssize_t
+walker_hook_count(dcp_walker *w, PyObject *module, PyObject *name)
 {
-    dcp_state *st = w->st;
-    PyObject *hooks = PyObject_GetAttr(module, st->str_load_pre_hooks);
+    PyObject *hooks = PyObject_GetAttr(module, name);
     if (hooks == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             return -1;
@@ -791,7 +824,31 @@ walker_has_load_hooks(dcp_walker *w, PyObject *module)
         PyErr_Clear();
         n = 1; /* unknown container: assume hooks */
     }
-    if (n == 0) {
+    return n;
+}
+
+/* Records `module` in index->load_modules when its type has load rules
+ * of its own (TF_LOAD_RULES) or it has load_state_dict pre- or post
+ * hooks; the Python layer decides which of them torch's own load must
+ * judge.  Sets index->custom_load when it has pre-hooks (they may rename
+ * keys, so the keys cannot be validated up front); the
+ * activation-checkpoint wrapper's own hook only re-inserts its token,
+ * which the load keys account for.  0 / -1. */
+static int
+walker_load_hooks(dcp_walker *w, PyObject *module, long flags)
+{
+    dcp_state *st = w->st;
+    Py_ssize_t npost = walker_hook_count(w, module, st->str_post_hooks);
+    Py_ssize_t n =
+        npost < 0 ? -1 : walker_hook_count(w, module, st->str_load_pre_hooks);
+    if (n < 0) {
+        return -1;
+    }
+    if (((flags & TF_LOAD_RULES) || npost > 0 || n > 0) &&
+        PyList_Append(w->index->load_modules, module) < 0) {
+        return -1;
+    }
+    if (n == 0 || w->index->custom_load) {
         return 0;
     }
     PyObject *children = PyObject_GetAttr(module, st->str_modules);
@@ -960,7 +1017,7 @@ walker_visit(dcp_walker *w, PyObject *module, const dcp_prefixes *pre)
         PyList_Append(w->index->fsdp1_modules, module) < 0) {
         goto done;
     }
-    if (!w->index->custom_load && walker_has_load_hooks(w, module) < 0) {
+    if (walker_load_hooks(w, module, flags) < 0) {
         goto done;
     }
     /* named_parameters() is pre-order over `_parameters` of each module. */
@@ -1067,7 +1124,8 @@ done:
     X(np_params)                   \
     X(np_names)                    \
     X(np_fqns)                     \
-    X(fsdp1_modules)
+    X(fsdp1_modules)               \
+    X(load_modules)
 
 /* Every object field (traverse and clear). */
 #define MODEL_INDEX_OBJECT_FIELDS(X) \
@@ -1358,7 +1416,8 @@ ModelIndex_create(dcp_state *st,
         (ix->np_params = PyList_New(0)) == NULL ||
         (ix->np_names = PyList_New(0)) == NULL ||
         (ix->np_fqns = PyList_New(0)) == NULL ||
-        (ix->fsdp1_modules = PyList_New(0)) == NULL) {
+        (ix->fsdp1_modules = PyList_New(0)) == NULL ||
+        (ix->load_modules = PyList_New(0)) == NULL) {
         Py_DECREF(ix);
         return NULL;
     }
@@ -1440,7 +1499,8 @@ done:
  * So the walk records a trace: every name it read (held as str) and every
  * decision it took (sizes, flags, skip reasons, tensor slots).  A replay
  * walks the live tree in the same order building only the identity-keyed
- * parts (values, tensors, parameters, their maps, custom_load) and
+ * parts (values, tensors, parameters, their maps, custom_load,
+ * load_modules) and
  * compares each name and decision with the trace.  Any difference -- a
  * parameter replaced or retied, a module added or renamed, a buffer made
  * non-persistent, a type patched, a hook added -- ends the replay; the
@@ -1668,27 +1728,45 @@ rp_dedup_seen(rp_dedup *d, const void *obj)
     return found == -2 ? -1 : found >= 0;
 }
 
-/* walker_has_load_hooks, for replayable trees. */
+/* The number of hooks in the registry module.<name>, read from the
+ * instance __dict__ `inst`: 1 with *n set, 0 when it is missing or not a
+ * plain dict (the tree is then not replayable), -1 on error. */
 static int
-rp_load_hooks(dcp_replay *r, PyObject *inst)
+rp_hook_count(PyObject *inst, PyObject *name, Py_ssize_t *n)
 {
-    dcp_state *st = r->st;
     PyObject *hooks = NULL;
-    int found = dcp_dict_get_ref(inst, st->str_load_pre_hooks, &hooks);
+    int found = dcp_dict_get_ref(inst, name, &hooks);
     if (found <= 0) {
         return found;
     }
     int plain = dcp_plain_len(hooks);
-    Py_ssize_t n = plain ? PyDict_GET_SIZE(hooks) : 0;
+    *n = plain ? PyDict_GET_SIZE(hooks) : 0;
     Py_DECREF(hooks);
-    if (!plain) {
-        return 0;
+    return plain;
+}
+
+/* walker_load_hooks, for replayable trees. */
+static int
+rp_load_hooks(dcp_replay *r, PyObject *inst, PyObject *module, long flags)
+{
+    dcp_state *st = r->st;
+    Py_ssize_t npost = 0, n = 0;
+    int rc = rp_hook_count(inst, st->str_post_hooks, &npost);
+    if (rc > 0) {
+        rc = rp_hook_count(inst, st->str_load_pre_hooks, &n);
     }
-    if (n == 0) {
+    if (rc <= 0) {
+        return rc;
+    }
+    if (((flags & TF_LOAD_RULES) || npost > 0 || n > 0) &&
+        PyList_Append(r->ix->load_modules, module) < 0) {
+        return -1;
+    }
+    if (n == 0 || r->ix->custom_load) {
         return 1;
     }
     PyObject *children = NULL;
-    int rc = rp_dict_attr(inst, st->str_modules, &children);
+    rc = rp_dict_attr(inst, st->str_modules, &children);
     if (rc <= 0) {
         return rc;
     }
@@ -1809,7 +1887,7 @@ rp_visit(dcp_replay *r, PyObject *module)
         PyErr_Clear();
         goto done;
     }
-    if (!ix->custom_load && (rc = rp_load_hooks(r, inst)) <= 0) {
+    if ((rc = rp_load_hooks(r, inst, module, flags)) <= 0) {
         goto done;
     }
     /* named_parameters() order */

@@ -10,12 +10,15 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from types import CodeType
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.parameter import UninitializedTensorMixin, is_lazy
 
 from . import errors
 from ._core import C, context
@@ -110,10 +113,15 @@ def unflatten_model_state_dict(
     return cast(dict[str, Any], state_dict)
 
 
-def _load_device(info: Any, local: dict[str, Any]) -> tuple[torch.device, bool]:
+def _load_device(
+    info: Any, local: dict[str, Any], lazy: bool = False
+) -> tuple[torch.device, bool]:
     """Upstream's device choice for full/broadcast loads: the one device of
-    the local tensors with dim() > 0 (meta dropped, then ``assign=True``)."""
-    devices = C.tensor_devices(context(), list(local.values()))
+    the local tensors with dim() > 0 (meta dropped, then ``assign=True``).
+    Lazy parameters, which have no dim() yet, take no part (upstream
+    raises on them; torch's load materializes them)."""
+    values = [v for v in local.values() if not is_lazy(v)] if lazy else list(local.values())
+    devices = C.tensor_devices(context(), values)
     assign = False
     meta = torch.device("meta")
     if meta in devices:
@@ -146,6 +154,7 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
         route_for,
     )
 
+    plan = load_plan(model, info)
     full_path = info.broadcast_from_rank0 or info.full_state_dict
     route = route_for(info.index, None) if info.broadcast_from_rank0 else None
     rename = route is None or route.is_source
@@ -155,15 +164,15 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
     )
     assign = False
     if full_path:
-        device, assign = _load_device(info, local)
+        device, assign = _load_device(info, local, plan.lazy)
         # Where the model load's checks can run before any data moves, the
         # shards are written straight into the parameters (see
         # _distribute); FSDP1 and models whose load hooks rename keys keep
         # the load-then-copy path.
         precheck = None
-        if not info.fsdp_modules and not info.index.custom_load:
+        if not info.fsdp_modules and not info.index.custom_load and not plan.torch_path:
             def precheck(sd: dict[str, Any]) -> None:
-                check_load(model, sd, info)
+                check_load(model, sd, info, plan)
         if route is not None:
             route.device = collective_device(device, info.index)
             load_sd = broadcast_model_state_dict(
@@ -172,8 +181,14 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
             )
         else:
             load_sd = distribute_model_state_dict(load_sd, local, device, precheck=precheck)
+    if not info.fsdp_modules and plan.torch_path:
+        # Load rules only the modules' own code knows: torch's load
+        # decides, now (after everything else of the call validated), and
+        # what it wrote is put back if it raises.
+        result = load_restoring(model, load_sd, info, assign)
+        return lambda: result
     if not info.fsdp_modules:
-        check_load(model, load_sd, info)
+        check_load(model, load_sd, info, plan)
 
     def commit() -> _IncompatibleKeys:
         with info.fsdp_context():
@@ -187,13 +202,21 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
     return commit
 
 
-def check_load(model: nn.Module, load_sd: dict[str, Any], info: Any) -> None:
+def check_load(
+    model: nn.Module, load_sd: dict[str, Any], info: Any, plan: LoadPlan | None = None
+) -> None:
     """Raise what model.load_state_dict would raise, before it copies a
     single tensor: torch copies parameter by parameter and reports errors
     at the end, which leaves a half-loaded model behind.  Same text as
     torch's.  Models whose load hooks rename keys get the per-tensor checks
     only (their keys cannot be known up front)."""
     index = info.index
+    fills = norm_fills(plan, index, load_sd) if plan is not None else None
+    if fills:
+        # What BatchNorm's _load_from_state_dict inserts before loading
+        # (torch inserts the same values itself: the check only sees them).
+        load_sd = dict(load_sd)
+        load_sd.update(fills)
     # A module under several paths (``self.b = self.a``): the walk, like
     # upstream's, keeps the first path, but load_state_dict recurses into
     # every one and wants the keys under each; those come from torch's own
@@ -219,3 +242,215 @@ def check_load(model: nn.Module, load_sd: dict[str, Any], info: Any) -> None:
                 type(model).__name__, "\n\t".join(messages)
             )
         )
+
+
+# --- load rules of the modules' own ------------------------------------------
+#
+# torch's Module.load_state_dict lets every module decide how it loads:
+# an overridden _load_from_state_dict, load_state_dict pre-hooks (which
+# may rename or drop keys), post hooks (which may edit the report of
+# missing/unexpected keys), lazy parameters (materialized from the loaded
+# shapes).  The walk lists the modules that have any of these
+# (index.load_modules); load_plan() decides which of them the native
+# checks reproduce exactly -- BatchNorm's backward-compatible
+# num_batches_tracked, torch's own FSDP2 and activation-checkpoint hooks,
+# which edit no key -- and sends every other model down torch's own path:
+# model.load_state_dict, with the tensors it could write snapshotted first
+# and put back if it raises (load_restoring).
+
+_MODULE_LOAD = nn.Module._load_from_state_dict
+_NORM_LOAD = _NormBase._load_from_state_dict
+_NBT = "num_batches_tracked"
+
+
+class LoadPlan(NamedTuple):
+    torch_path: bool
+    # (BatchNorm module, its num_batches_tracked load key)
+    norms: tuple[tuple[nn.Module, str], ...]
+    lazy: bool = False  # uninitialized parameters or buffers
+
+
+_NATIVE_PLAN = LoadPlan(False, ())
+_TORCH_PLAN = LoadPlan(True, ())
+
+
+def _nested_codes(func: Any, name: str) -> list[CodeType]:
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    return [c for c in code.co_consts if isinstance(c, CodeType) and c.co_name == name]
+
+
+@functools.cache
+def _benign_hook_codes() -> frozenset[CodeType]:
+    """Code of torch's own load hooks that edit no key: FSDP2's
+    (resharding before a load, padding after it) and the activation
+    checkpoint wrapper's (re-inserting its prefix, which the load keys
+    already have)."""
+    codes: list[CodeType] = []
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        codes += _nested_codes(FSDPParam.__init__, "<lambda>")
+        codes += _nested_codes(FSDPParamGroup._register_state_dict_hooks, "to_sharded_hook")
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            ActivationWrapper,
+        )
+
+        codes.append(ActivationWrapper._pre_load_state_dict_hook.__code__)
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    return frozenset(codes)
+
+
+def _hook_code(hook: Any) -> Any:
+    fn = getattr(hook, "hook", hook)  # torch's _WrappedHook
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__code__", None)
+
+
+def _has_own_hooks(module: nn.Module) -> bool:
+    benign = _benign_hook_codes()
+    for registry in (module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
+        for hook in registry.values():
+            if _hook_code(hook) not in benign:
+                return True
+    return False
+
+
+def load_plan(model: nn.Module, info: Any) -> LoadPlan:
+    """Which load path a model takes (see the notes above)."""
+    index = info.index
+    if index is None:
+        return _NATIVE_PLAN
+    cls = type(model)
+    own = model.__dict__.get("load_state_dict")
+    if cls.load_state_dict is not nn.Module.load_state_dict or (
+        own is not None and not _is_patched(own)
+    ):
+        return _TORCH_PLAN
+    if C.indices_of(index.tensors, UninitializedTensorMixin):
+        return LoadPlan(True, (), True)  # lazy parameters: shapes come from the load
+    norms: list[tuple[nn.Module, str]] = []
+    for module in index.load_modules:
+        if _has_own_hooks(module):
+            return _TORCH_PLAN
+        tp = type(module)
+        if (tp.get_extra_state is nn.Module.get_extra_state) != (
+            tp.set_extra_state is nn.Module.set_extra_state
+        ):
+            return _TORCH_PLAN  # torch's load wants other keys than state_dict() gives
+        rule = tp._load_from_state_dict
+        if rule is _MODULE_LOAD:
+            continue
+        if rule is not _NORM_LOAD:
+            return _TORCH_PLAN
+        nbt = module._buffers.get(_NBT)
+        slot = None if nbt is None else index.slot_of(nbt)
+        loads = None if slot is None else index.tensor_loads[slot]
+        if module.track_running_stats and (loads is None or len(loads) != 1 or index.shared_modules):
+            # torch would fill a buffer we do not list, or fill it under
+            # several names: its own load decides.
+            return _TORCH_PLAN
+        if loads is not None:
+            norms.append((module, loads[0]))
+    return LoadPlan(False, tuple(norms)) if norms else _NATIVE_PLAN
+
+
+def norm_fills(plan: LoadPlan, index: Any, load_sd: dict[str, Any]) -> dict[str, Any]:
+    """The num_batches_tracked entries BatchNorm's _load_from_state_dict
+    adds to a state dict of version < 2 (or without version) that lacks
+    them: the live buffer, or a 0 for a meta one."""
+    fills: dict[str, Any] = {}
+    if not plan.norms:
+        return fills
+    metadata = getattr(load_sd, "_metadata", None)
+    for module, key in plan.norms:
+        if not module.track_running_stats or key in load_sd:
+            continue
+        prefix = key[: -len(_NBT)]
+        local = {} if metadata is None else metadata.get(prefix[:-1], {})
+        version = local.get("version", None)
+        if version is not None and version >= 2:
+            continue
+        nbt = module.num_batches_tracked
+        fills[key] = nbt if nbt.device.type != "meta" else torch.tensor(0, dtype=torch.long)
+    return fills
+
+
+class _Snapshot:
+    """What a load can change in a module tree: each module's parameter and
+    buffer entries (``assign=True`` replaces them), a copy of every
+    tensor's values (``copy_``), lazy parameters' uninitialized state, and
+    the extra state of modules that define both get_ and set_extra_state.
+    Costs one copy of the model's tensors while the load runs."""
+
+    def __init__(self, model: nn.Module):
+        self.modules: list[tuple[nn.Module, dict, dict, Any]] = []
+        self.tensors: list[tuple[torch.Tensor, Any, type]] = []
+        seen: set[int] = set()
+        for module in model.modules():
+            params, buffers = dict(module._parameters), dict(module._buffers)
+            tp = type(module)
+            extra = _NO_EXTRA
+            if (
+                tp.set_extra_state is not nn.Module.set_extra_state
+                and tp.get_extra_state is not nn.Module.get_extra_state
+            ):
+                extra = module.get_extra_state()
+            self.modules.append((module, params, buffers, extra))
+            for t in (*params.values(), *buffers.values()):
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if is_lazy(t) or t.is_meta:
+                    self.tensors.append((t, None, type(t)))
+                else:
+                    self.tensors.append((t, t.detach().clone(), type(t)))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for module, params, buffers, extra in self.modules:
+            for live, saved in ((module._parameters, params), (module._buffers, buffers)):
+                if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                    live.clear()
+                    live.update(saved)
+            if extra is not _NO_EXTRA:
+                module.set_extra_state(extra)
+        for t, saved, cls in self.tensors:
+            if saved is None:
+                if issubclass(cls, UninitializedTensorMixin) and not is_lazy(t):
+                    # materialize() gave it data and its final class
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    t.__class__ = cls
+            elif t.shape == saved.shape and t.dtype == saved.dtype:
+                t.copy_(saved)
+            else:
+                t.data = saved
+
+
+_NO_EXTRA = object()
+
+
+def load_restoring(
+    model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool
+) -> _IncompatibleKeys:
+    """model.load_state_dict(load_sd), all or nothing: if it raises, the
+    parameters and buffers it wrote are put back before the error
+    propagates (torch's own error, unchanged)."""
+    snapshot = _Snapshot(model)
+    try:
+        with info.fsdp_context():
+            return cast(
+                _IncompatibleKeys,
+                state_dict_fn(model, "load_state_dict")(
+                    state_dict=load_sd, strict=info.strict, assign=assign
+                ),
+            )
+    except BaseException:
+        snapshot.restore()
+        raise

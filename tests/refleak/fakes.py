@@ -226,6 +226,7 @@ class FakeModule:
         self._modules = {}
         self._non_persistent_buffers_set = set()
         self._load_state_dict_pre_hooks = {}
+        self._load_state_dict_post_hooks = {}
 
     def __getattr__(self, name):
         # nn.Module's: registered members are attributes.

@@ -48,6 +48,7 @@ from .fakes import (
     FakeParameter,
     FakeTensor,
     Partial,
+    linear,
     load_core,
     make_context,
     small_model,
@@ -525,6 +526,42 @@ def _():
     C.check_model_load(INDEX, {"a.weight": FakeTensor((9,)), "zz": 1, "b.bias": 3}, True, True)
 
 
+@case("rename_for_load", "non-str-key", TypeError, "must be str")
+def _():
+    C.rename_for_load(INDEX, {"a.weight": FakeTensor((2, 3)), 3: 1}, False, True, True)
+
+
+def _scalar_model():
+    root = FakeModule()
+    root._parameters["s"] = FakeParameter(())
+    return root
+
+
+SCALAR_INDEX = C.walk_model(CTX, _scalar_model(), "_fqn_modifiers")
+
+
+@case("check_model_load", "zero-dim")
+def _():
+    for shape in ((1,), (2,), ()):
+        C.check_model_load(SCALAR_INDEX, {"s": FakeTensor(shape)}, True, True)
+
+
+class _OwnLoadRules(FakeModule):
+    def _load_from_state_dict(self, *args):
+        pass
+
+
+@case("walk_model", "load-rules")
+def _():
+    root = FakeModule()
+    root.add("a", _OwnLoadRules())
+    hooked = root.add("b", linear())
+    hooked._load_state_dict_post_hooks[0] = print
+    hooked._load_state_dict_pre_hooks[0] = print
+    index = C.walk_model(CTX, root, "_fqn_modifiers")
+    assert [type(m) for m in index.load_modules] == [_OwnLoadRules, FakeModule]
+
+
 @case("check_model_load", "not-dict", TypeError, "must be a dict")
 def _():
     C.check_model_load(INDEX, 1, True, True)
@@ -708,7 +745,8 @@ def test_model_index_is_read_only():
     nothing, and the attributes cannot be rebound."""
     ix = C.walk_model(CTX, small_model(), "_fqn_modifiers")
     names = ("raw_names", "fqns", "load_keys", "values", "tensors", "tensor_fqns",
-             "tensor_loads", "np_params", "np_names", "np_fqns", "fsdp1_modules")
+             "tensor_loads", "np_params", "np_names", "np_fqns", "fsdp1_modules",
+             "load_modules")
     for name in names:
         view = getattr(ix, name)
         assert isinstance(view, tuple), name
