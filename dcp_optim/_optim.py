@@ -28,7 +28,7 @@ from . import errors
 from ._core import C, context
 from ._model import _is_patched, state_dict_fn
 from ._tree import maybe_full_or_cpu_state_dict
-from .schema import PARAM, PARAM_DEVICE, _fallback_pristine, schema_for
+from .schema import PARAM, PARAM_DEVICE, fallback_pristine, schema_for
 
 __all__ = ["get_optim", "load_optim", "init_optim_state"]
 
@@ -90,24 +90,39 @@ def _specs(schema, optim: _Optimizer) -> list[list[tuple] | None]:
 def pristine_states(index: Any, optim: _Optimizer) -> dict[str, dict[str, Any]] | None:
     """Pristine state for every trainable parameter of ``optim`` without
     state, keyed by FQN, in param-group order (None if there is none)."""
+    return pristine(index, optim)[0]
+
+
+def pristine(
+    index: Any, optim: _Optimizer
+) -> tuple[dict[str, dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """(pristine_states, group keys): the latter, for optimizers without a
+    schema, lists per param group the keys a first step adds to the group
+    (None when there are none)."""
     missing = C.optim_missing(index, optim)
     if not missing:
-        return None
+        return None, None
     schema = schema_for(optim)
     if schema is not None:
-        return C.materialize_state(missing, _specs(schema, optim), PARAM, PARAM_DEVICE) or None
-    # No schema: throw-away optimizer per group (see schema._fallback_pristine).
-    by_group: dict[int, list[tuple[torch.Tensor, str]]] = {}
-    for param, group_index, fqn in missing:
-        by_group.setdefault(group_index, []).append((param, fqn))
+        return C.materialize_state(missing, _specs(schema, optim), PARAM, PARAM_DEVICE) or None, None
+    # No schema: one step of a shadow optimizer (see schema.fallback_pristine).
+    states, group_keys = fallback_pristine(optim, [p for p, _, _ in missing])
     out: dict[str, dict[str, Any]] = {}
-    for group_index, items in by_group.items():
-        group = optim.param_groups[group_index]
-        states = _fallback_pristine(optim, group, [p for p, _ in items])
-        for (_, fqn), st in zip(items, states):
-            if st:
-                out[fqn] = st
-    return out or None
+    for param, _, fqn in missing:
+        st = states.get(id(param))
+        if st is not None:
+            out[fqn] = st
+    return out or None, (group_keys if any(group_keys) else None)
+
+
+def _add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> None:
+    """Adds the first-step group keys to the (returned, never the live)
+    groups of one optimizer."""
+    if not extra or len(extra) != len(groups):
+        return
+    for group, keys in zip(groups, extra):
+        for k, v in keys.items():
+            group.setdefault(k, v)
 
 
 @torch.no_grad()
@@ -133,9 +148,11 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     groups: list[dict[str, Any]] = []
     counts: list[int] = []
     for optim in optimizers:
-        extra = pristine_states(index, optim)
+        extra, group_keys = pristine(index, optim)
         if _native_get(optim):
+            first = len(groups)
             C.optim_pack(index, (optim,), (extra,), state, groups)
+            _add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
         osd = state_dict_fn(optim, "state_dict")()
@@ -145,6 +162,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         state.update(osd["state"])
         if extra:
             state.update(extra)
+        _add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts
@@ -183,22 +201,27 @@ def _is_native_format(osd: dict[str, Any]) -> bool:
     return bool(params) and all(isinstance(p, int) for p in params)
 
 
-def _expect_state(optim: _Optimizer) -> list[bool] | None:
+def _expect_state(optim: _Optimizer, groups: list[dict[str, Any]] | None = None) -> list[bool] | None:
+    """Per group, whether its parameters keep state, from the schema
+    applied to ``groups`` (the groups as the load installs them: the
+    checkpoint's values win, as in ``Optimizer.load_state_dict``; default:
+    the live ones).  None without a schema."""
     schema = schema_for(optim)
     if schema is None:
         return None
-    return [bool(schema(optim, g)) for g in optim.param_groups]
+    return [bool(schema(optim, g)) for g in (optim.param_groups if groups is None else groups)]
 
 
-def _param_shaped(optim: _Optimizer) -> list[dict[str, int] | None] | None:
-    """Per group, what a loaded entry must hold (from the schema): state
-    name -> 1 (required) or 2 (required, a floating tensor shaped like the
-    parameter).  None without a schema."""
+def _param_shaped(optim: _Optimizer, groups: list[dict[str, Any]]) -> list[dict[str, int] | None] | None:
+    """Per group, what a loaded entry must hold (from the schema applied to
+    the groups as loaded, ``groups``): state name -> 1 (required) or 2
+    (required, a floating tensor shaped like the parameter).  None without
+    a schema."""
     schema = schema_for(optim)
     if schema is None:
         return None
     out: list[dict[str, int] | None] = []
-    for group in optim.param_groups:
+    for group in groups:
         specs = schema(optim, group) or []
         names = {}
         for s in specs:
@@ -262,6 +285,14 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
     installs nothing."""
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
+    # Which state is required follows the groups as loaded (the
+    # checkpoint's hyperparameters win): Adam saved without amsgrad loads
+    # into Adam(amsgrad=True).  Split again in the rare case it differs.
+    loaded_expect = [
+        _expect_state(optim, split["param_groups"]) for optim, split in zip(optimizers, splits)
+    ]
+    if loaded_expect != expect:
+        splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
     if missing and info.strict:
         message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
         if len(missing) > 1:
@@ -271,7 +302,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
     prepared = []
     for optim, split in zip(optimizers, splits):
         _drop_sgd_placeholders(optim, split)
-        expected = _param_shaped(optim)
+        expected = _param_shaped(optim, split["param_groups"])
         if _native_load(optim):
             prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
         else:

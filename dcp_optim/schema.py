@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -321,51 +322,240 @@ if hasattr(torch.optim, "Adafactor"):
 
 _warned: set[type] = set()
 
+_CONTAINERS = (list, tuple, dict, set)
 
-def _fallback_pristine(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]
-) -> list[dict[str, Any]]:
-    """Pristine state of ``params`` (one group) for an optimizer class with
-    no schema, from a throw-away optimizer of the same class.
 
-    Stand-ins are zeros shaped like each parameter (DTensors for DTensor
-    parameters), with zero gradients; one step of a fresh optimizer built
-    with the group's hyperparameters creates their state; every entry named
-    ``step`` is then reset to zero.  Parameters are grouped by
-    (shape, dtype, device, layout) so each distinct kind is stepped once.
+class _Shadow:
+    """Copies of an optimizer object graph for one throw-away step.
+
+    Optimizers (the stepped one and any it holds, e.g. Lookahead's inner
+    optimizer) become shallow copies built with ``object.__new__`` -- their
+    constructor never runs -- whose attributes are copied structurally:
+    containers (lists, tuples, dicts, sets, defaultdicts) are rebuilt,
+    tensors are cloned, parameters become detached clones, every
+    optimizer's ``state`` starts empty, and shared objects stay shared
+    among the copies (a wrapper and its inner optimizer keep one
+    ``param_groups`` list).  Anything else (modules, callables, numbers) is
+    referenced, not copied.  Entries of ``state`` not keyed by a tensor
+    (an optimizer's own counters) are copied too."""
+
+    def __init__(self, params: dict[int, torch.Tensor]):
+        self.memo: dict[int, Any] = {}
+        self.params = params  # id(real param) -> its stand-in
+        self.keep: list[Any] = []  # originals, so their ids stay unique
+
+    def value(self, v: Any) -> Any:
+        key = id(v)
+        if key in self.memo:
+            return self.memo[key]
+        if isinstance(v, torch.Tensor):
+            out = self.params.get(key)
+            if out is None:
+                out = v.detach().clone()
+        elif isinstance(v, torch.optim.Optimizer):
+            out = self.optimizer(v)
+        elif type(v) in (list, set) or isinstance(v, dict):
+            out = self.container(v)
+        elif type(v) is tuple:
+            out = tuple(self.value(x) for x in v)
+        else:
+            return v
+        self.memo[key] = out
+        self.keep.append(v)
+        return out
+
+    def container(self, v: Any) -> Any:
+        if isinstance(v, dict):
+            if isinstance(v, defaultdict):
+                out: Any = defaultdict(v.default_factory)
+            else:
+                try:
+                    out = type(v)()
+                except TypeError:
+                    out = {}
+            self.memo[id(v)] = out
+            for k, x in v.items():
+                out[self.value(k)] = self.value(x)
+            return out
+        if type(v) is list:
+            out = []
+            self.memo[id(v)] = out
+            out.extend(self.value(x) for x in v)
+            return out
+        return {self.value(x) for x in v}
+
+    def optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        shadow = object.__new__(type(opt))
+        self.memo[id(opt)] = shadow
+        self.keep.append(opt)
+        attrs = {}
+        for name, v in vars(opt).items():
+            if name == "state" and isinstance(v, dict):
+                # per-parameter state starts empty; entries under other
+                # keys (SPAM's state['current_step']) are copied
+                fresh: Any = defaultdict(dict)
+                for k, x in v.items():
+                    if not isinstance(k, torch.Tensor):
+                        fresh[k] = self.value(x)
+                attrs[name] = fresh
+            elif name == "step":
+                continue  # an instance-level step: replaced below
+            else:
+                attrs[name] = self.value(v)
+        shadow.__dict__.update(attrs)
+        _quiet_step(shadow)
+        return shadow
+
+
+def _quiet_step(shadow: torch.optim.Optimizer) -> None:
+    """Give ``shadow`` a ``step`` that runs the class's step and the
+    optimizer's own step hooks (an EMA kept by a step hook is state a real
+    step creates) but not the process-wide ones
+    (``register_optimizer_step_pre_hook``/``_post_hook``): torch's
+    ``profile_hook_step`` wrapper is bypassed, its per-instance part
+    re-done here."""
+    cls_step = type(shadow).step
+    raw = cls_step.__wrapped__ if getattr(cls_step, "hooked", False) else cls_step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        args = (shadow, *args)
+        for pre_hook in list(getattr(shadow, "_optimizer_step_pre_hooks", {}).values()):
+            result = pre_hook(shadow, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        out = raw(*args, **kwargs)
+        for post_hook in list(getattr(shadow, "_optimizer_step_post_hooks", {}).values()):
+            post_hook(shadow, args, kwargs)
+        return out
+
+    shadow.__dict__["step"] = step
+
+
+def _zero_steps(value: Any, key: Any = None) -> Any:
+    """Counters named ``step`` back to zero (a never-stepped parameter has
+    taken no step), at any depth."""
+    if key == "step":
+        if isinstance(value, torch.Tensor):
+            return value.zero_()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return type(value)(0)
+    if isinstance(value, dict):
+        return {k: _zero_steps(v, k) for k, v in value.items()}
+    return value
+
+
+def _own(value: Any, seen: dict[int, Any] | None = None) -> Any:
+    """Containers rebuilt and tensors cloned, so no two tensors of a
+    template share storage (dcp.load would write one value into all)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _own(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_own(v) for v in value)
+    return value
+
+
+def fallback_pristine(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """Pristine state of ``params`` (trainable parameters of ``optimizer``
+    without state) for an optimizer class with no schema: what a real first
+    step creates, from the parameters' real values, keyed by ``id(param)``.
+
+    A shadow of the optimizer (see :class:`_Shadow`; no constructor call)
+    holding a detached clone of every parameter, each with a zero gradient,
+    and empty state takes one step under ``torch.no_grad`` with every
+    group's ``lr`` set to 0 (as upstream's initialising step does; the
+    real ``lr`` where a step with 0 raises), running the optimizer's own
+    step hooks but no process-wide ones.  Its state for ``params`` is
+    returned with counters named ``step`` reset to 0, tensors cloned; with
+    it, per live group, the group keys the step created (pytorch-optimizer's
+    ``group['step']``, Prodigy's running sums; ``step`` reset to 0).  The
+    live optimizer, its parameters and their gradients, its hooks and the
+    process-wide hooks are untouched.  Cost: one copy of the parameters
+    and one step's state, freed on return.
     """
     cls = type(optimizer)
     if cls not in _warned:
         _warned.add(cls)
         warnings.warn(
             f"dcp_optim has no state schema for {cls.__module__}.{cls.__qualname__}; "
-            "pristine state for never-stepped parameters comes from stepping a "
-            "throw-away copy of the optimizer with zero gradients. Declare the "
-            "schema with dcp_optim.register_optimizer_schema to avoid this.",
+            "pristine state for never-stepped parameters comes from one step of a "
+            "throw-away shadow of the optimizer over copies of the parameters. "
+            "Declare the schema with dcp_optim.register_optimizer_schema to avoid this.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
-    hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-    by_kind: dict[tuple, dict[str, Any]] = {}
-    out = []
-    for p in params:
-        kind = (tuple(p.shape), p.dtype, str(p.device), type(p), getattr(p, "placements", None))
-        template = by_kind.get(kind)
-        if template is None:
-            with torch.enable_grad():
-                stand_in = torch.zeros_like(p).requires_grad_(True)
-            stand_in.grad = torch.zeros_like(stand_in)
-            throwaway = cls([{**hyper, "params": [stand_in]}])
+    wanted = {id(p) for p in params}
+    # Pass 1, zero gradients and lr 0: the values.  Pass 2, unit gradients
+    # and the group's lr: the keys that some optimizers create only for a
+    # nonzero update (D-Adapt SGD's state, Prodigy's d sums), added with
+    # pass 2's values where pass 1 lacks them.
+    states: dict[int, dict[str, Any]] = {}
+    group_keys: list[dict[str, Any]] | None = None
+    for grad_value in (0.0, 1.0):
+        failures: list[BaseException] = []
+        for zero_lr in (True, False) if grad_value == 0.0 else (False,):
             try:
-                throwaway.step()
-            except TypeError:
-                throwaway.step(lambda: torch.zeros(()))
-            template = dict(throwaway.state.get(stand_in, {}))
-            for key, value in template.items():
-                if key == "step":
-                    template[key] = value.zero_() if isinstance(value, torch.Tensor) else 0
-            by_kind[kind] = template
-        out.append(
-            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in template.items()}
-        )
-    return out
+                got, keys = _shadow_step(optimizer, wanted, zero_lr, grad_value)
+                break
+            except Exception as exc:  # noqa: BLE001 - retried, then re-raised
+                failures.append(exc)
+        else:
+            if grad_value:  # pass 1 succeeded: keep what it gave
+                break
+            raise failures[-1]
+        for pid, st in got.items():
+            merged = states.setdefault(pid, st)
+            if merged is not st:
+                for k, v in st.items():
+                    merged.setdefault(k, v)
+        if group_keys is None:
+            group_keys = keys
+        else:
+            for mine, theirs in zip(group_keys, keys):
+                for k, v in theirs.items():
+                    mine.setdefault(k, v)
+    return states, group_keys or []
+
+
+def _shadow_step(
+    optimizer: torch.optim.Optimizer, wanted: set[int], zero_lr: bool, grad_value: float
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    stand_ins: dict[int, torch.Tensor] = {}
+    order: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in stand_ins:
+                    continue
+                clone = p.detach().clone()
+                if p.requires_grad:
+                    clone.requires_grad_(True)
+                    clone.grad = torch.full_like(clone, grad_value)
+                stand_ins[id(p)] = clone
+                order.append((p, clone))
+    sh = _Shadow(stand_ins)
+    shadow = sh.optimizer(optimizer)
+    live_keys = [set(g) for g in optimizer.param_groups]
+    if zero_lr:
+        for group in shadow.param_groups:
+            lr = group.get("lr")
+            if isinstance(lr, torch.Tensor):
+                group["lr"] = torch.zeros_like(lr)
+            elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+                group["lr"] = 0.0
+    with torch.no_grad():
+        try:
+            shadow.step()
+        except TypeError:
+            shadow.step(lambda: torch.zeros(()))
+    states = {}
+    for p, clone in order:
+        if id(p) in wanted and clone in shadow.state:
+            states[id(p)] = _zero_steps(_own(dict(shadow.state[clone])))
+    new_keys = []
+    for keys, group in zip(live_keys, shadow.param_groups):
+        new_keys.append(_zero_steps(_own({k: v for k, v in group.items() if k not in keys})))
+    return states, new_keys
