@@ -17,6 +17,7 @@ scan, with the dtype/device policy of D9), through the optimizer's own
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -137,8 +138,13 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         osd = get_fsdp1_optim(model, optimizers, info)
     else:
         osd = _get_plain(optimizers, info)
+    extras = getattr(info, "optim_extras", None)
     if info.flatten_optimizer_state_dict:
         osd = C.flatten_optim(context(), osd, info.group_counts)
+    if extras:
+        # after "state"/"param_groups" (nested) or the flat keys
+        for key, value in extras.items():
+            osd.setdefault(key, value)
     return maybe_full_or_cpu_state_dict(osd, info)
 
 
@@ -147,6 +153,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     counts: list[int] = []
+    extras: dict[str, Any] = {}
     for optim in optimizers:
         extra, group_keys = pristine(index, optim)
         if _native_get(optim):
@@ -158,7 +165,9 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         osd = state_dict_fn(optim, "state_dict")()
         if not osd:
             continue
+        _check_own_state_dict(optim, osd)
         C.optim_remap(index, optim, osd)
+        _collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
             state.update(extra)
@@ -166,7 +175,59 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts
+    info.optim_extras = extras
     return {"state": state, "param_groups": groups}
+
+
+_LAYOUT = ("state", "param_groups")
+
+
+def _check_own_state_dict(optim: _Optimizer, osd: Any) -> None:
+    """An optimizer's own ``state_dict()`` must have torch's layout to be
+    keyed by FQN (wrappers such as Lookahead return another layout;
+    upstream raises ``KeyError: 'state'`` on them)."""
+    if isinstance(osd, dict) and all(k in osd for k in _LAYOUT):
+        return
+    got = sorted(map(repr, osd)) if isinstance(osd, dict) else type(osd).__name__
+    raise errors.StateDictKeyError(
+        f"{type(optim).__qualname__}.state_dict() returned {got}, not torch's "
+        "{'state': ..., 'param_groups': ...} layout, so its state cannot be keyed "
+        "by parameter FQN; save and load this optimizer with its own "
+        "state_dict()/load_state_dict()"
+    )
+
+
+def _collect_extras(optim: _Optimizer, osd: dict[str, Any], extras: dict[str, Any]) -> None:
+    """Top-level entries of an optimizer's own ``state_dict()`` besides
+    "state" and "param_groups" (StableSPAM's ``total_step``): kept at the
+    top level of the returned dict, and given back to the optimizer's own
+    ``load_state_dict`` on load (upstream drops them)."""
+    for key, value in osd.items():
+        if key in _LAYOUT:
+            continue
+        if key in extras:
+            warnings.warn(
+                f"optimizers share the top-level state_dict() key {key!r}: the "
+                f"combined dict keeps the first one's, not {type(optim).__qualname__}'s "
+                "(upstream keeps neither); get them one optimizer at a time to keep both",
+                UserWarning,
+                stacklevel=6,
+            )
+            continue
+        extras[key] = value
+
+
+def _loaded_extras(osd: Any, flat: bool) -> dict[str, Any]:
+    """The top-level entries of a loaded dict that belong to neither
+    format's state or groups (see _collect_extras)."""
+    if not isinstance(osd, dict):
+        return {}
+    if flat:
+        return {
+            k: v for k, v in osd.items()
+            if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
+        }
+    return {k: v for k, v in osd.items() if k not in _LAYOUT}
 
 
 def init_optim_state(optim: _Optimizer) -> None:
@@ -279,10 +340,41 @@ def _nothing() -> None:
     return None
 
 
-def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
+def _drop_stateless(
+    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str]
+) -> list[str]:
+    """``missing`` without the parameters of schema-less optimizers that a
+    first step gives no state (LoRA-RITE keeps none for 1-D parameters):
+    nothing of theirs can be missing from a checkpoint.  Where the shadow
+    step cannot run (see schema.fallback_pristine), none of that
+    optimizer's parameters count as missing: torch's rule, which checks
+    nothing."""
+    todo = set(missing)
+    stateless: set[str] = set()
+    for optim, split in zip(optimizers, splits):
+        if schema_for(optim) is not None:
+            continue
+        pairs = [
+            (fqn, param)
+            for saved, live in zip(split["param_groups"], optim.param_groups)
+            for fqn, param in zip(saved["params"], live["params"])
+            if fqn in todo
+        ]
+        if not pairs:
+            continue
+        try:
+            states, _ = fallback_pristine(optim, [p for _, p in pairs])
+        except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
+            states = {}
+        stateless.update(fqn for fqn, p in pairs if not states.get(id(p)))
+    return [fqn for fqn in missing if fqn not in stateless] if stateless else missing
+
+
+def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, extras: dict[str, Any] | None = None):
     """Validate a loaded view against every optimizer and build what
     commit installs: (prepared, missing, unexpected).  Raises on bad input;
-    installs nothing."""
+    installs nothing.  ``extras``: top-level entries of the loaded dict
+    for the optimizers' own ``load_state_dict`` (see _collect_extras)."""
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
     # Which state is required follows the groups as loaded (the
@@ -293,6 +385,8 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
     ]
     if loaded_expect != expect:
         splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
+    if missing:
+        missing = _drop_stateless(optimizers, splits, missing)
     if missing and info.strict:
         message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
         if len(missing) > 1:
@@ -309,7 +403,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
             # validate the same way, then let the optimizer's own
             # load_state_dict install it
             C.prepare_install(ctx, optim, split, expected)
-            prepared.append((False, split))
+            prepared.append((False, {**split, **extras} if extras else split))
     return prepared, missing, unexpected
 
 
@@ -349,6 +443,11 @@ def prepare_optim(
         return commit_native, _IncompatibleKeys([], [])
     from ._distribute import localize_optim_view
 
+    extras = {}
+    if not all(_native_load(optim) for optim in optimizers):
+        extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
+    if extras:
+        osd = {k: v for k, v in osd.items() if k not in extras}
     view = _view(info.index, osd or {})
     if fsdp1:
         # original parameters' state -> flat shards / local pieces
@@ -371,9 +470,9 @@ def prepare_optim(
                 info,
                 full=info.full_state_dict,
                 held=lambda: held_state(info.index, optimizers),
-                precheck=lambda v: _prepare_view(optimizers, v, info),
+                precheck=lambda v: _prepare_view(optimizers, v, info, extras),
             )
-    prepared, missing, unexpected = _prepare_view(optimizers, view, info)
+    prepared, missing, unexpected = _prepare_view(optimizers, view, info, extras)
 
     def commit():
         for optim, (native, payload) in zip(optimizers, prepared):

@@ -16,12 +16,12 @@ template for a large model runs no Python code per parameter.
 
 The ``torch.optim`` optimizers are registered below.  Other optimizers can
 declare theirs with :func:`register_optimizer_schema`.  An optimizer
-without a schema gets its pristine state from a throw-away copy (see
-:func:`_fallback_pristine`): one optimizer of the same class and
-hyperparameters is stepped once with zero gradients over zero-valued
-stand-ins shaped like the parameters, and its counters named ``step`` are
-reset to zero.  The live optimizer, its hooks and its parameters are never
-touched.  A warning names such classes once.
+without a schema gets its pristine state from a shadow step (see
+:func:`fallback_pristine`): a copy of the optimizer object, built without
+its constructor, over copies of the real parameters, takes the step a
+real first step would, and its counters named ``step`` are reset to zero.
+The live optimizer, its hooks and its parameters are never touched.  A
+warning names such classes once.
 
 Two schemas keep first-step semantics where zero state would not
 reproduce them:
@@ -37,6 +37,7 @@ reproduce them:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections import defaultdict
@@ -399,36 +400,37 @@ class _Shadow:
                         fresh[k] = self.value(x)
                 attrs[name] = fresh
             elif name == "step":
-                continue  # an instance-level step: replaced below
+                continue  # an instance-level step may drive the live one
             else:
                 attrs[name] = self.value(v)
         shadow.__dict__.update(attrs)
-        _quiet_step(shadow)
         return shadow
 
 
-def _quiet_step(shadow: torch.optim.Optimizer) -> None:
-    """Give ``shadow`` a ``step`` that runs the class's step and the
-    optimizer's own step hooks (an EMA kept by a step hook is state a real
-    step creates) but not the process-wide ones
-    (``register_optimizer_step_pre_hook``/``_post_hook``): torch's
-    ``profile_hook_step`` wrapper is bypassed, its per-instance part
-    re-done here."""
-    cls_step = type(shadow).step
-    raw = cls_step.__wrapped__ if getattr(cls_step, "hooked", False) else cls_step
+@contextlib.contextmanager
+def _no_global_step_hooks():
+    """Hide the process-wide optimizer step hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``)
+    for the duration: a shadow step is no training step.  Hooks registered
+    meanwhile are kept.  Another thread stepping a real optimizer at that
+    moment would not see them either."""
+    from torch.optim import optimizer as torch_optimizer
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        args = (shadow, *args)
-        for pre_hook in list(getattr(shadow, "_optimizer_step_pre_hooks", {}).values()):
-            result = pre_hook(shadow, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        out = raw(*args, **kwargs)
-        for post_hook in list(getattr(shadow, "_optimizer_step_post_hooks", {}).values()):
-            post_hook(shadow, args, kwargs)
-        return out
-
-    shadow.__dict__["step"] = step
+    tables = (
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
+    saved = [dict(t) for t in tables]
+    for t in tables:
+        t.clear()
+    try:
+        yield
+    finally:
+        for t, hooks in zip(tables, saved):
+            added = dict(t)
+            t.clear()
+            t.update(hooks)
+            t.update(added)
 
 
 def _zero_steps(value: Any, key: Any = None) -> Any:
@@ -461,20 +463,29 @@ def fallback_pristine(
 ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
     """Pristine state of ``params`` (trainable parameters of ``optimizer``
     without state) for an optimizer class with no schema: what a real first
-    step creates, from the parameters' real values, keyed by ``id(param)``.
+    step creates, from the parameters' real values, keyed by ``id(param)``;
+    with it, per live param group, the group keys that step adds
+    (pytorch-optimizer's ``group['step']``, Prodigy's running sums).
 
-    A shadow of the optimizer (see :class:`_Shadow`; no constructor call)
-    holding a detached clone of every parameter, each with a zero gradient,
-    and empty state takes one step under ``torch.no_grad`` with every
-    group's ``lr`` set to 0 (as upstream's initialising step does; the
-    real ``lr`` where a step with 0 raises), running the optimizer's own
-    step hooks but no process-wide ones.  Its state for ``params`` is
-    returned with counters named ``step`` reset to 0, tensors cloned; with
-    it, per live group, the group keys the step created (pytorch-optimizer's
-    ``group['step']``, Prodigy's running sums; ``step`` reset to 0).  The
-    live optimizer, its parameters and their gradients, its hooks and the
-    process-wide hooks are untouched.  Cost: one copy of the parameters
-    and one step's state, freed on return.
+    A shadow of the optimizer (see :class:`_Shadow`: its constructor never
+    runs) holding a detached clone of every parameter and empty state takes
+    one step of its class under ``torch.no_grad``: every parameter gets a
+    zero gradient and every group ``lr`` 0, as in upstream's initialising
+    step (the real ``lr`` where that step raises), so that state derived
+    from the parameters (schedule-free's ``z``, Prodigy's ``p0``, an EMA of
+    the weights) starts from their real values.  A second shadow step with
+    unit gradients and the real ``lr`` adds the keys some optimizers create
+    only for a nonzero update (D-Adapt SGD, Prodigy's ``d`` sums), with that
+    step's values.  The optimizer's own step hooks run with the shadow as
+    their optimizer (an EMA kept by ``register_step_post_hook`` is state a
+    real step creates); the process-wide ones do not (see
+    :func:`_no_global_step_hooks`).  Counters named ``step`` are reset to
+    0, every tensor is a fresh copy (no two share storage).  The live
+    optimizer, its groups, parameters, gradients and hooks are untouched;
+    a hook or step that reaches the live objects through a closure rather
+    than its ``optimizer`` argument is outside this guarantee.  Cost: two
+    steps over a copy of the parameters, freed on return -- only for
+    optimizers without a schema, only while some parameter lacks state.
     """
     cls = type(optimizer)
     if cls not in _warned:
@@ -546,7 +557,7 @@ def _shadow_step(
                 group["lr"] = torch.zeros_like(lr)
             elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
                 group["lr"] = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), _no_global_step_hooks():
         try:
             shadow.step()
         except TypeError:
