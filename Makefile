@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	# accelerate: the client test drives its FSDP save/load helpers;
 	# matplotlib: the benchmark plot.  torch stays pinned on the same line.
 	$(PIP) install -q numpy "pytest>=8" pytest-timeout hypothesis accelerate==1.15.0 matplotlib "$(TORCH)"
+	# the optimizer corpus (tests/test_optim_corpus.py); torch pinned again.
+	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)
