@@ -398,6 +398,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
         if _native_load(optim):
+            _check_steps(split["state"])
             prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
         else:
             # validate the same way, then let the optimizer's own
@@ -415,6 +416,56 @@ def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]
     return state
 
 
+def _check_loaded_dict(osd: Any, flat: bool) -> None:
+    """The loaded dict's shape, before anything else reads it: a dict, and
+    (nested) param groups listing FQNs when the state is keyed by FQN."""
+    if osd is None:
+        return
+    if not isinstance(osd, dict):
+        raise errors.OptimizerDictTypeError(
+            f"the optimizer state dict must be a dict (nested or flattened, as "
+            f"get_optimizer_state_dict returns), got {type(osd).__name__}: {osd!r:.80}"
+        )
+    if flat or "state" not in osd:
+        return
+    state, groups = osd.get("state"), osd.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        return
+    if not any(isinstance(k, str) for k in state):
+        return
+    for g, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, (list, tuple)):
+            for p in params:
+                if isinstance(p, int):
+                    raise errors.StateDictKeyError(
+                        f"param_groups[{g}]['params'] lists parameter ID {p!r}, but the "
+                        "state is keyed by FQN: a dict keyed by FQN lists FQNs in its "
+                        "groups (get_optimizer_state_dict's format), one keyed by IDs "
+                        "is Optimizer.state_dict()'s"
+                    )
+
+
+def _check_steps(state: dict[str, Any]) -> None:
+    """A ``step`` that is not a tensor is converted with ``float()`` by
+    the optimizer's ``__setstate__`` (Adam & co.) at commit, after other
+    state was installed: the same conversion is tried here first.
+    ``state``: a split's entries by FQN."""
+    for fqn, entry in state.items():
+        if not isinstance(entry, dict):
+            continue
+        step = entry.get("step")
+        if step is None or isinstance(step, torch.Tensor):
+            continue
+        try:
+            float(step)
+        except (TypeError, ValueError) as exc:
+            raise errors.StateDictValueError(
+                f"optimizer state 'step' of parameter '{fqn}' is {step!r:.80}, not a "
+                f"number or a tensor ({exc})"
+            ) from None
+
+
 @torch.no_grad()
 def prepare_optim(
     model: nn.Module,
@@ -429,6 +480,7 @@ def prepare_optim(
         return _nothing, None
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
+    _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
     fsdp1 = bool(info.fsdp_modules)
     if fsdp1:
         from ._fsdp1 import load_via_fsdp, native_supported

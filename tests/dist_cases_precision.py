@@ -1,0 +1,106 @@
+"""Precision-changing resumes on an FSDP2 model (2 gloo ranks, uneven
+shards): float64 or bf16 Adam moments loaded into a never-stepped AdamW
+over float32 parameters, on every distributed load path -- sharded,
+full (every rank holds the full dict) and broadcast from rank 0 -- in the
+nested and the flattened format.
+
+Torch's ``Optimizer.load_state_dict`` (which upstream calls) casts the
+moments to the parameter dtype; dcp_optim does the same for an optimizer
+that holds no state.  For each scenario the rank function loads with both
+implementations, checks dtypes and placements, takes the next step, and
+compares with torch's ``load_state_dict`` of the same state followed by
+the same step: "ok" or the failure text, per implementation.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+import torch.distributed.checkpoint.state_dict as upstream
+from torch.distributed.device_mesh import init_device_mesh
+
+import dcp_optim
+
+from .dist_cases import fsdp2_model, train
+from .oracle import assert_same_tree, optimizer_snapshot, params_snapshot
+
+PATHS = {
+    "sharded": {},
+    "full": {"full_state_dict": True},
+    "broadcast": {"full_state_dict": True, "broadcast_from_rank0": True},
+}
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _checkpoint(mesh, rank, saved_dtype, flat, options):
+    src = fsdp2_model(mesh, seed=0)
+    src_o = _adamw(src)
+    train(src, src_o, steps=2, seed=1)
+    for st in src_o.state.values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            st[k] = st[k].to(saved_dtype)
+    osd = dcp_optim.get_optimizer_state_dict(
+        src, src_o, options=dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat, **options)
+    )
+    # torch's reference: the same (sharded) state through load_state_dict
+    ref = fsdp2_model(mesh, seed=3)
+    ref_o = _adamw(ref)
+    ref_o.load_state_dict(copy.deepcopy(src_o.state_dict()))
+    train(ref, ref_o, steps=1, seed=2)
+    if options.get("broadcast_from_rank0") and rank != 0:
+        osd = {}
+    return osd, (ref, ref_o)
+
+
+def _load_and_step(impl, mesh, osd, flat, options):
+    model = fsdp2_model(mesh, seed=3)
+    optim = _adamw(model)  # never stepped: holds no state
+    # a copy: a load may alias the given tensors (torch's does), and the
+    # step after it would advance them
+    impl.set_optimizer_state_dict(
+        model, optim, copy.deepcopy(osd), options=impl.StateDictOptions(flatten_optimizer_state_dict=flat, **options)
+    )
+    loaded = {
+        k: (type(v).__name__, v.dtype, getattr(v, "placements", None))
+        for st in optim.state.values() for k, v in st.items() if k != "step"
+    }
+    train(model, optim, steps=1, seed=2)
+    return model, optim, loaded
+
+
+def precision_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
+    mesh = init_device_mesh("cpu", (ws,))
+    results: dict[str, dict[str, str]] = {}
+    for path, options in PATHS.items():
+        for flat in (False, True):
+            for saved_dtype in (torch.float64, torch.bfloat16):
+                name = f"{path}[{'flat' if flat else 'nested'}-{str(saved_dtype).split('.')[1]}]"
+                out = results[name] = {}
+                osd, (ref, ref_o) = _checkpoint(mesh, rank, saved_dtype, flat, options)
+                try:
+                    up_model, up_optim, _ = _load_and_step(upstream, mesh, osd, flat, options)
+                    assert_same_tree(params_snapshot(up_model), params_snapshot(ref))
+                    out["upstream"] = "ok"
+                except Exception as exc:  # noqa: BLE001 - reported
+                    out["upstream"] = f"{type(exc).__name__}: {exc}"[:300]
+                try:
+                    model, optim, loaded = _load_and_step(dcp_optim, mesh, osd, flat, options)
+                    for key, (kind, dtype, placements) in loaded.items():
+                        assert kind == "DTensor" and dtype == torch.float32, (key, kind, dtype)
+                        assert placements is not None
+                    # the same state and the same next step as torch's
+                    # load_state_dict of the same state
+                    assert_same_tree(params_snapshot(model), params_snapshot(ref))
+                    assert_same_tree(
+                        optimizer_snapshot([optim], sort_names=True),
+                        optimizer_snapshot([ref_o], sort_names=True),
+                    )
+                    out["dcp_optim"] = "ok"
+                except Exception as exc:  # noqa: BLE001 - reported
+                    out["dcp_optim"] = f"{type(exc).__name__}: {exc}"[:300] or traceback.format_exc(limit=2)
+    return results
