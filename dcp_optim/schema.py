@@ -385,6 +385,20 @@ class _Shadow:
             return out
         return {self.value(x) for x in v}
 
+    def fresh_state(self, v: dict) -> Any:
+        """Per-parameter state starts empty; entries under other keys
+        (SPAM's ``state['current_step']``) are copied.  One per original
+        (a wrapper sharing its inner optimizer's state keeps sharing)."""
+        if id(v) in self.memo:
+            return self.memo[id(v)]
+        fresh: Any = defaultdict(dict)
+        self.memo[id(v)] = fresh
+        self.keep.append(v)
+        for k, x in v.items():
+            if not isinstance(k, torch.Tensor):
+                fresh[k] = self.value(x)
+        return fresh
+
     def optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         shadow = object.__new__(type(opt))
         self.memo[id(opt)] = shadow
@@ -392,13 +406,7 @@ class _Shadow:
         attrs = {}
         for name, v in vars(opt).items():
             if name == "state" and isinstance(v, dict):
-                # per-parameter state starts empty; entries under other
-                # keys (SPAM's state['current_step']) are copied
-                fresh: Any = defaultdict(dict)
-                for k, x in v.items():
-                    if not isinstance(k, torch.Tensor):
-                        fresh[k] = self.value(x)
-                attrs[name] = fresh
+                attrs[name] = self.fresh_state(v)
             elif name == "step":
                 continue  # an instance-level step may drive the live one
             else:
