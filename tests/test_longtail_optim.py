@@ -99,7 +99,7 @@ def test_precision_resume_casts_like_torch(impl, saved, live, mode):
     impl.set_optimizer_state_dict(dst, dst_o, copy.deepcopy(osd), options=options)
     for group in dst_o.param_groups:
         group["betas"] = tuple(group["betas"])  # upstream's full loads make it a list (D8)
-    for p, st in dst_o.state.items():
+    for st in dst_o.state.values():
         assert st["exp_avg"].dtype == live and st["exp_avg_sq"].dtype == live
         assert st["step"].dtype == torch.float32
     assert_same_tree(optimizer_snapshot(dst_o, sort_names=True), optimizer_snapshot(ref_o, sort_names=True))
