@@ -785,8 +785,8 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
     if (c->floating && dtype == NULL) {
         /* Nothing held under this key: torch's policy, a floating value
          * takes the parameter's dtype (the next step() computes in it). */
-        PyObject *fl = PyObject_CallMethodNoArgs(value,
-                                                 st->str_is_floating_point);
+        PyObject *fl =
+            PyObject_CallMethodNoArgs(value, st->str_is_floating_point);
         int value_floating = fl ? PyObject_IsTrue(fl) : -1;
         Py_XDECREF(fl);
         if (value_floating < 0) {
