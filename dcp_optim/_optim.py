@@ -397,8 +397,8 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     for optim, split in zip(optimizers, splits):
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
+        _check_steps(split["state"])
         if _native_load(optim):
-            _check_steps(split["state"])
             prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
         else:
             # validate the same way, then let the optimizer's own
