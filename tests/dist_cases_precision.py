@@ -20,6 +20,7 @@ import traceback
 import torch
 import torch.distributed.checkpoint.state_dict as upstream
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import dcp_optim
 
@@ -103,4 +104,78 @@ def precision_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                     out["dcp_optim"] = "ok"
                 except Exception as exc:  # noqa: BLE001 - reported
                     out["dcp_optim"] = f"{type(exc).__name__}: {exc}"[:300] or traceback.format_exc(limit=2)
+    results["schema_less_fsdp2"] = {"dcp_optim": _run(lambda: _schema_less(mesh))}
     return results
+
+
+def _run(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - reported
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+class _SignMomentum(torch.optim.Optimizer):
+    """A third-party optimizer without a schema (Lion-like, with state
+    from the parameter values and a group key made by the first step)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr, "beta": 0.9})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                    st["p0"] = p.detach().clone()
+                st["m"].mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.add_(st["m"].sign(), alpha=-group["lr"])
+
+
+def _schema_less(mesh):
+    """The shadow-step template of a never-stepped optimizer over FSDP2
+    parameters: DTensors placed like the parameters, from their values;
+    a resume through it equals the uninterrupted run."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    model = fsdp2_model(mesh, seed=0)
+    optim = _SignMomentum(model.parameters(), lr=0.01)
+    for flat in (False, True):
+        options = dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat)
+        sd = dcp_optim.get_optimizer_state_dict(model, optim, options=options)
+        assert len(optim.state) == 0 and "step" not in optim.param_groups[0]
+        if not flat:
+            for name, p in model.named_parameters():
+                st = sd["state"][name]
+                assert sorted(st) == ["m", "p0"], sorted(st)
+                assert isinstance(st["p0"], DTensor) and st["p0"].placements == p.placements
+                assert torch.equal(st["p0"].to_local(), p.to_local())
+            assert sd["param_groups"][0]["step"] == 0
+    ref = fsdp2_model(mesh, seed=0)
+    ref_o = _SignMomentum(ref.parameters(), lr=0.01)
+    train(ref, ref_o, steps=3, seed=4)
+    src = fsdp2_model(mesh, seed=0)
+    src_o = _SignMomentum(src.parameters(), lr=0.01)
+    train(src, src_o, steps=2, seed=4)
+    sd = copy.deepcopy(dcp_optim.get_optimizer_state_dict(src, src_o))
+    dst = fsdp2_model(mesh, seed=0)
+    dst.load_state_dict(src.state_dict())
+    dst_o = _SignMomentum(dst.parameters(), lr=0.01)
+    template = dcp_optim.get_optimizer_state_dict(dst, dst_o)
+    for name, st in sd["state"].items():  # what dcp.load does: copy into the template
+        for key, value in st.items():
+            target = template["state"][name][key]
+            target.copy_(value) if isinstance(target, torch.Tensor) else None
+    template["param_groups"][0]["step"] = sd["param_groups"][0]["step"]
+    dcp_optim.set_optimizer_state_dict(dst, dst_o, template)
+    g = torch.Generator().manual_seed(4 * 100 + 2)
+    dst(torch.randn(4, 8, generator=g)).backward()
+    dst_o.step()
+    assert_same_tree(params_snapshot(dst), params_snapshot(ref))

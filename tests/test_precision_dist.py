@@ -24,8 +24,15 @@ SCENARIOS = [
 @pytest.fixture(scope="module")
 def outcomes():
     results = run_ranks(2, cases.precision_fsdp2, timeout=300)
-    assert sorted(results[0]) == sorted(SCENARIOS)
+    assert sorted(results[0]) == sorted([*SCENARIOS, "schema_less_fsdp2"])
     return results
+
+
+def test_schema_less_optimizer_on_fsdp2(outcomes):
+    """The shadow-step fallback over DTensor parameters: template placed
+    like the parameters, from their values; the resume is exact."""
+    for rank, r in enumerate(outcomes):
+        assert r["schema_less_fsdp2"]["dcp_optim"] == "ok", (rank, r["schema_less_fsdp2"])
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
