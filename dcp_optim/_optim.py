@@ -107,7 +107,22 @@ def pristine(
     if schema is not None:
         return C.materialize_state(missing, _specs(schema, optim), PARAM, PARAM_DEVICE) or None, None
     # No schema: one step of a shadow optimizer (see schema.fallback_pristine).
-    states, group_keys = fallback_pristine(optim, [p for p, _, _ in missing])
+    try:
+        states, group_keys = fallback_pristine(optim, [p for p, _, _ in missing])
+    except Exception as exc:  # noqa: BLE001 - reported, upstream's rule
+        # a step that cannot run on copies (AdaHessian needs the loss'
+        # graph): the parameters are returned as they are, without state
+        # (upstream's getter returns them so once the optimizer holds any
+        # state, and raises before)
+        warnings.warn(
+            f"dcp_optim could not build the pristine state of {type(optim).__qualname__}'s "
+            f"parameters without state (its step raised {type(exc).__name__}: {exc}); they "
+            "are returned without state. Declare the optimizer's schema with "
+            "dcp_optim.register_optimizer_schema.",
+            UserWarning,
+            stacklevel=6,
+        )
+        return None, None
     out: dict[str, dict[str, Any]] = {}
     for param, _, fqn in missing:
         st = states.get(id(param))

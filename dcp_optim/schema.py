@@ -515,9 +515,15 @@ def fallback_pristine(
     group_keys: list[dict[str, Any]] | None = None
     for grad_value in (0.0, 1.0):
         failures: list[BaseException] = []
-        for zero_lr in (True, False) if grad_value == 0.0 else (False,):
+        # lr 0 first (pass 1); without a closure, then with one returning
+        # a zero loss (LBFGS-like and AliG-like steps): a fresh shadow each
+        # last, gradients with a graph (AdaHessian and SophiaH take
+        # Hessian-vector products of them: here the Hessian is 0)
+        lrs = (True, False) if grad_value == 0.0 else (False,)
+        tries = [(z, c, False) for z in lrs for c in (False, True)] + [(z, False, True) for z in lrs]
+        for zero_lr, closure, graph in tries:
             try:
-                got, keys = _shadow_step(optimizer, wanted, zero_lr, grad_value)
+                got, keys = _shadow_step(optimizer, wanted, zero_lr, grad_value, closure, graph)
                 break
             except Exception as exc:  # noqa: BLE001 - retried, then re-raised
                 failures.append(exc)
@@ -540,7 +546,12 @@ def fallback_pristine(
 
 
 def _shadow_step(
-    optimizer: torch.optim.Optimizer, wanted: set[int], zero_lr: bool, grad_value: float
+    optimizer: torch.optim.Optimizer,
+    wanted: set[int],
+    zero_lr: bool,
+    grad_value: float,
+    closure: bool,
+    graph: bool = False,
 ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
     stand_ins: dict[int, torch.Tensor] = {}
     order: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -552,7 +563,11 @@ def _shadow_step(
                 clone = p.detach().clone()
                 if p.requires_grad:
                     clone.requires_grad_(True)
-                    clone.grad = torch.full_like(clone, grad_value)
+                    if graph:
+                        with torch.enable_grad():
+                            clone.grad = clone * 0.0 + grad_value
+                    else:
+                        clone.grad = torch.full_like(clone, grad_value)
                 stand_ins[id(p)] = clone
                 order.append((p, clone))
     sh = _Shadow(stand_ins)
@@ -566,10 +581,10 @@ def _shadow_step(
             elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
                 group["lr"] = 0.0
     with torch.no_grad(), _no_global_step_hooks():
-        try:
-            shadow.step()
-        except TypeError:
+        if closure:
             shadow.step(lambda: torch.zeros(()))
+        else:
+            shadow.step()
     states = {}
     for p, clone in order:
         if id(p) in wanted and clone in shadow.state:

@@ -506,3 +506,22 @@ def test_fqn_state_with_integer_group_params(impl):
     with pytest.raises(KeyError, match=r"param_groups\[0\]\['params'\] lists parameter ID 0"):
         impl.set_optimizer_state_dict(dst, dst_o, sd)
     assert len(dst_o.state) == 0 and dst_o.param_groups[0]["lr"] == 0.01
+
+
+class NeedsLoss(NeedsLr):
+    """A step that cannot run on copies: it needs a keyword argument."""
+
+    def step(self, closure=None, *, loss):
+        return super().step(closure)
+
+
+@impls("the initialising dummy step raises")
+@pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
+def test_fallback_that_cannot_step_returns_parameters_without_state(impl):
+    torch.manual_seed(0)
+    model = Net()
+    optim = NeedsLoss(model, 0.01, tag="l")
+    with pytest.warns(UserWarning, match="could not build the pristine state of NeedsLoss"):
+        sd = impl.get_optimizer_state_dict(model, optim)
+    assert sd["state"] == {} and len(optim.state) == 0
+    impl.set_optimizer_state_dict(model, optim, sd)  # nothing is missing: nothing can be told
