@@ -484,7 +484,10 @@ def fallback_pristine(
     the weights) starts from their real values.  A second shadow step with
     unit gradients and the real ``lr`` adds the keys some optimizers create
     only for a nonzero update (D-Adapt SGD, Prodigy's ``d`` sums), with that
-    step's values.  The optimizer's own step hooks run with the shadow as
+    step's values.  A step that raises is retried on a fresh shadow with a
+    closure returning a zero loss, then with gradients carrying a graph
+    (Hessian-vector products); the last failure is re-raised.  The
+    optimizer's own step hooks run with the shadow as
     their optimizer (an EMA kept by ``register_step_post_hook`` is state a
     real step creates); the process-wide ones do not (see
     :func:`_no_global_step_hooks`).  Counters named ``step`` are reset to
