@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
@@ -513,8 +514,14 @@ def prepare_optim(
     extras = {}
     if not all(_native_load(optim) for optim in optimizers):
         extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
-    if extras:
-        osd = {k: v for k, v in osd.items() if k not in extras}
+        if extras:
+            osd = {k: v for k, v in osd.items() if k not in extras}
+        if info.broadcast_from_rank0 and dist.is_available() and dist.is_initialized():
+            # only the source holds them: one small object broadcast (every
+            # rank has the same optimizers, so every rank takes this branch)
+            from ._distribute import agree_with_source
+
+            extras = agree_with_source(info.index, extras) or {}
     view = _view(info.index, osd or {})
     if fsdp1:
         # original parameters' state -> flat shards / local pieces

@@ -105,7 +105,45 @@ def precision_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                 except Exception as exc:  # noqa: BLE001 - reported
                     out["dcp_optim"] = f"{type(exc).__name__}: {exc}"[:300] or traceback.format_exc(limit=2)
     results["schema_less_fsdp2"] = {"dcp_optim": _run(lambda: _schema_less(mesh))}
+    results["extras_broadcast"] = {"dcp_optim": _run(lambda: _extras_broadcast(mesh, rank))}
     return results
+
+
+class _Counting(torch.optim.SGD):
+    """An optimizer whose own state_dict() has a top-level key."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.total = 0
+
+    def step(self, closure=None):
+        self.total += 1
+        return super().step(closure)
+
+    def state_dict(self):
+        return {**super().state_dict(), "total": self.total}
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self.total = state_dict.get("total", 0)
+
+
+def _extras_broadcast(mesh, rank):
+    """A broadcast load gives the source's top-level keys to every rank."""
+    src = fsdp2_model(mesh, seed=0)
+    src_o = _Counting(src.parameters())
+    train(src, src_o, steps=2, seed=5)
+    for flat in (False, True):
+        options = dict(full_state_dict=True, flatten_optimizer_state_dict=flat)
+        osd = dcp_optim.get_optimizer_state_dict(src, src_o, options=dcp_optim.StateDictOptions(**options))
+        assert osd["total"] == 2
+        dst = fsdp2_model(mesh, seed=0)
+        dst_o = _Counting(dst.parameters())
+        dcp_optim.set_optimizer_state_dict(
+            dst, dst_o, osd if rank == 0 else {},
+            options=dcp_optim.StateDictOptions(broadcast_from_rank0=True, **options),
+        )
+        assert dst_o.total == 2, (rank, dst_o.total)
 
 
 def _run(fn) -> str:

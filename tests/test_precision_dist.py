@@ -24,7 +24,7 @@ SCENARIOS = [
 @pytest.fixture(scope="module")
 def outcomes():
     results = run_ranks(2, cases.precision_fsdp2, timeout=300)
-    assert sorted(results[0]) == sorted([*SCENARIOS, "schema_less_fsdp2"])
+    assert sorted(results[0]) == sorted([*SCENARIOS, "schema_less_fsdp2", "extras_broadcast"])
     return results
 
 
@@ -54,3 +54,10 @@ def test_upstream(outcomes, scenario):
             assert r[scenario]["upstream"].startswith("KeyError"), r[scenario]
         else:
             assert r[scenario]["upstream"] == "ok", r[scenario]
+
+
+def test_extra_state_dict_keys_reach_every_rank(outcomes):
+    """Top-level keys of an optimizer's own state_dict() (kept, unlike
+    upstream) travel with a broadcast load to every rank."""
+    for rank, r in enumerate(outcomes):
+        assert r["extras_broadcast"]["dcp_optim"] == "ok", (rank, r["extras_broadcast"])
