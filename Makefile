@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml Makefile
 	# transformers: tiny GPT-2/Llama/BERT built from local configs in the
 	# module corpus (tests/test_module_corpus.py); torch stays pinned.
 	$(PIP) install -q transformers==5.24.0 "$(TORCH)"
+	# the optimizer corpus (tests/test_optim_corpus.py); torch pinned again.
+	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -758,9 +758,12 @@ static PyObject *cast_value(dcp_cast_ctx *c,
  *         device when the schema always puts it there (ASGD), else on the
  *         CPU (torch keeps whatever device it came with, which turns
  *         every step into a sync);
- *   others: on the param's device; dtype of the live state when the
- *         optimizer holds one, else as saved (torch casts to the param
- *         dtype, which silently widens bf16 moments: SPEC D9). */
+ *   others: on the param's device; for a floating parameter, the dtype
+ *         of the state the optimizer already holds under that key (a
+ *         deliberately low-precision state keeps its precision), else --
+ *         nothing held, e.g. a never-stepped optimizer -- as torch does,
+ *         a floating value takes the parameter's dtype (non-floating
+ *         values keep theirs). */
 static PyObject *
 cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
 {
@@ -788,6 +791,23 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
         }
         if (live_is_tensor) {
             dtype = PyObject_GetAttr(live, st->str_dtype);
+            if (dtype == NULL) {
+                return NULL;
+            }
+        }
+    }
+    if (c->floating && dtype == NULL) {
+        /* Nothing held under this key: torch's policy, a floating value
+         * takes the parameter's dtype (the next step() computes in it). */
+        PyObject *fl =
+            PyObject_CallMethodNoArgs(value, st->str_is_floating_point);
+        int value_floating = fl ? PyObject_IsTrue(fl) : -1;
+        Py_XDECREF(fl);
+        if (value_floating < 0) {
+            return NULL;
+        }
+        if (value_floating) {
+            dtype = PyObject_GetAttr(c->param, st->str_dtype);
             if (dtype == NULL) {
                 return NULL;
             }

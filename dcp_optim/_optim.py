@@ -17,9 +17,11 @@ scan, with the dtype/device policy of D9), through the optimizer's own
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
@@ -28,7 +30,7 @@ from . import errors
 from ._core import C, context
 from ._model import _is_patched, state_dict_fn
 from ._tree import maybe_full_or_cpu_state_dict
-from .schema import PARAM, PARAM_DEVICE, _fallback_pristine, schema_for
+from .schema import PARAM, PARAM_DEVICE, fallback_pristine, schema_for
 
 __all__ = ["get_optim", "load_optim", "init_optim_state"]
 
@@ -90,24 +92,54 @@ def _specs(schema, optim: _Optimizer) -> list[list[tuple] | None]:
 def pristine_states(index: Any, optim: _Optimizer) -> dict[str, dict[str, Any]] | None:
     """Pristine state for every trainable parameter of ``optim`` without
     state, keyed by FQN, in param-group order (None if there is none)."""
+    return pristine(index, optim)[0]
+
+
+def pristine(
+    index: Any, optim: _Optimizer
+) -> tuple[dict[str, dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """(pristine_states, group keys): the latter, for optimizers without a
+    schema, lists per param group the keys a first step adds to the group
+    (None when there are none)."""
     missing = C.optim_missing(index, optim)
     if not missing:
-        return None
+        return None, None
     schema = schema_for(optim)
     if schema is not None:
-        return C.materialize_state(missing, _specs(schema, optim), PARAM, PARAM_DEVICE) or None
-    # No schema: throw-away optimizer per group (see schema._fallback_pristine).
-    by_group: dict[int, list[tuple[torch.Tensor, str]]] = {}
-    for param, group_index, fqn in missing:
-        by_group.setdefault(group_index, []).append((param, fqn))
+        return C.materialize_state(missing, _specs(schema, optim), PARAM, PARAM_DEVICE) or None, None
+    # No schema: one step of a shadow optimizer (see schema.fallback_pristine).
+    try:
+        states, group_keys = fallback_pristine(optim, [p for p, _, _ in missing])
+    except Exception as exc:  # noqa: BLE001 - reported, upstream's rule
+        # a step that cannot run on copies (AdaHessian needs the loss'
+        # graph): the parameters are returned as they are, without state
+        # (upstream's getter returns them so once the optimizer holds any
+        # state, and raises before)
+        warnings.warn(
+            f"dcp_optim could not build the pristine state of {type(optim).__qualname__}'s "
+            f"parameters without state (its step raised {type(exc).__name__}: {exc}); they "
+            "are returned without state. Declare the optimizer's schema with "
+            "dcp_optim.register_optimizer_schema.",
+            UserWarning,
+            stacklevel=6,
+        )
+        return None, None
     out: dict[str, dict[str, Any]] = {}
-    for group_index, items in by_group.items():
-        group = optim.param_groups[group_index]
-        states = _fallback_pristine(optim, group, [p for p, _ in items])
-        for (_, fqn), st in zip(items, states):
-            if st:
-                out[fqn] = st
-    return out or None
+    for param, _, fqn in missing:
+        st = states.get(id(param))
+        if st is not None:
+            out[fqn] = st
+    return out or None, (group_keys if any(group_keys) else None)
+
+
+def _add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> None:
+    """Adds the first-step group keys to the (returned, never the live)
+    groups of one optimizer."""
+    if not extra or len(extra) != len(groups):
+        return
+    for group, keys in zip(groups, extra):
+        for k, v in keys.items():
+            group.setdefault(k, v)
 
 
 @torch.no_grad()
@@ -122,8 +154,13 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         osd = get_fsdp1_optim(model, optimizers, info)
     else:
         osd = _get_plain(optimizers, info)
+    extras = getattr(info, "optim_extras", None)
     if info.flatten_optimizer_state_dict:
         osd = C.flatten_optim(context(), osd, info.group_counts)
+    if extras:
+        # after "state"/"param_groups" (nested) or the flat keys
+        for key, value in extras.items():
+            osd.setdefault(key, value)
     return maybe_full_or_cpu_state_dict(osd, info)
 
 
@@ -132,23 +169,81 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     counts: list[int] = []
+    extras: dict[str, Any] = {}
     for optim in optimizers:
-        extra = pristine_states(index, optim)
+        extra, group_keys = pristine(index, optim)
         if _native_get(optim):
+            first = len(groups)
             C.optim_pack(index, (optim,), (extra,), state, groups)
+            _add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
         osd = state_dict_fn(optim, "state_dict")()
         if not osd:
             continue
+        _check_own_state_dict(optim, osd)
         C.optim_remap(index, optim, osd)
+        _collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
             state.update(extra)
+        _add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts
+    info.optim_extras = extras
     return {"state": state, "param_groups": groups}
+
+
+_LAYOUT = ("state", "param_groups")
+
+
+def _check_own_state_dict(optim: _Optimizer, osd: Any) -> None:
+    """An optimizer's own ``state_dict()`` must have torch's layout to be
+    keyed by FQN (wrappers such as Lookahead return another layout;
+    upstream raises ``KeyError: 'state'`` on them)."""
+    if isinstance(osd, dict) and all(k in osd for k in _LAYOUT):
+        return
+    got = sorted(map(repr, osd)) if isinstance(osd, dict) else type(osd).__name__
+    raise errors.StateDictKeyError(
+        f"{type(optim).__qualname__}.state_dict() returned {got}, not torch's "
+        "{'state': ..., 'param_groups': ...} layout, so its state cannot be keyed "
+        "by parameter FQN; save and load this optimizer with its own "
+        "state_dict()/load_state_dict()"
+    )
+
+
+def _collect_extras(optim: _Optimizer, osd: dict[str, Any], extras: dict[str, Any]) -> None:
+    """Top-level entries of an optimizer's own ``state_dict()`` besides
+    "state" and "param_groups" (StableSPAM's ``total_step``): kept at the
+    top level of the returned dict, and given back to the optimizer's own
+    ``load_state_dict`` on load (upstream drops them)."""
+    for key, value in osd.items():
+        if key in _LAYOUT:
+            continue
+        if key in extras:
+            warnings.warn(
+                f"optimizers share the top-level state_dict() key {key!r}: the "
+                f"combined dict keeps the first one's, not {type(optim).__qualname__}'s "
+                "(upstream keeps neither); get them one optimizer at a time to keep both",
+                UserWarning,
+                stacklevel=6,
+            )
+            continue
+        extras[key] = value
+
+
+def _loaded_extras(osd: Any, flat: bool) -> dict[str, Any]:
+    """The top-level entries of a loaded dict that belong to neither
+    format's state or groups (see _collect_extras)."""
+    if not isinstance(osd, dict):
+        return {}
+    if flat:
+        return {
+            k: v for k, v in osd.items()
+            if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
+        }
+    return {k: v for k, v in osd.items() if k not in _LAYOUT}
 
 
 def init_optim_state(optim: _Optimizer) -> None:
@@ -183,24 +278,29 @@ def _is_native_format(osd: dict[str, Any]) -> bool:
     return bool(params) and all(isinstance(p, int) for p in params)
 
 
-def _expect_state(optim: _Optimizer) -> list[bool] | None:
+def _expect_state(optim: _Optimizer, groups: list[dict[str, Any]] | None = None) -> list[bool] | None:
+    """Per group, whether its parameters keep state, from the schema
+    applied to ``groups`` (the groups as the load installs them: the
+    checkpoint's values win, as in ``Optimizer.load_state_dict``; default:
+    the live ones).  None without a schema."""
     schema = schema_for(optim)
     if schema is None:
         return None
-    return [bool(schema(optim, g)) for g in optim.param_groups]
+    return [bool(schema(optim, g)) for g in (optim.param_groups if groups is None else groups)]
 
 
-def _param_shaped(optim: _Optimizer) -> list[dict[str, int] | None] | None:
-    """Per group, what a loaded entry must hold (from the schema): state
-    name -> 1 (required), 2 (required, a floating tensor shaped like the
-    parameter) or 3 (required, created on the parameter's device: where a
-    loaded ``step`` goes when the group is neither capturable nor fused,
-    as ASGD's).  None without a schema."""
+def _param_shaped(optim: _Optimizer, groups: list[dict[str, Any]]) -> list[dict[str, int] | None] | None:
+    """Per group, what a loaded entry must hold (from the schema applied to
+    the groups as loaded, ``groups``): state name -> 1 (required), 2
+    (required, a floating tensor shaped like the parameter) or 3 (required,
+    created on the parameter's device: where a loaded ``step`` goes when
+    the group is neither capturable nor fused, as ASGD's).  None without a
+    schema."""
     schema = schema_for(optim)
     if schema is None:
         return None
     out: list[dict[str, int] | None] = []
-    for group in optim.param_groups:
+    for group in groups:
         specs = schema(optim, group) or []
         # what lives on the parameter's device whatever the flags
         flagless = schema(optim, {**group, "capturable": False, "fused": False}) or []
@@ -261,12 +361,53 @@ def _nothing() -> None:
     return None
 
 
-def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
+def _drop_stateless(
+    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str]
+) -> list[str]:
+    """``missing`` without the parameters of schema-less optimizers that a
+    first step gives no state (LoRA-RITE keeps none for 1-D parameters):
+    nothing of theirs can be missing from a checkpoint.  Where the shadow
+    step cannot run (see schema.fallback_pristine), none of that
+    optimizer's parameters count as missing: torch's rule, which checks
+    nothing."""
+    todo = set(missing)
+    stateless: set[str] = set()
+    for optim, split in zip(optimizers, splits):
+        if schema_for(optim) is not None:
+            continue
+        pairs = [
+            (fqn, param)
+            for saved, live in zip(split["param_groups"], optim.param_groups)
+            for fqn, param in zip(saved["params"], live["params"])
+            if fqn in todo
+        ]
+        if not pairs:
+            continue
+        try:
+            states, _ = fallback_pristine(optim, [p for _, p in pairs])
+        except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
+            states = {}
+        stateless.update(fqn for fqn, p in pairs if not states.get(id(p)))
+    return [fqn for fqn in missing if fqn not in stateless] if stateless else missing
+
+
+def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, extras: dict[str, Any] | None = None):
     """Validate a loaded view against every optimizer and build what
     commit installs: (prepared, missing, unexpected).  Raises on bad input;
-    installs nothing."""
+    installs nothing.  ``extras``: top-level entries of the loaded dict
+    for the optimizers' own ``load_state_dict`` (see _collect_extras)."""
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
+    # Which state is required follows the groups as loaded (the
+    # checkpoint's hyperparameters win): Adam saved without amsgrad loads
+    # into Adam(amsgrad=True).  Split again in the rare case it differs.
+    loaded_expect = [
+        _expect_state(optim, split["param_groups"]) for optim, split in zip(optimizers, splits)
+    ]
+    if loaded_expect != expect:
+        splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
+    if missing:
+        missing = _drop_stateless(optimizers, splits, missing)
     if missing and info.strict:
         message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
         if len(missing) > 1:
@@ -276,14 +417,15 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any):
     prepared = []
     for optim, split in zip(optimizers, splits):
         _drop_sgd_placeholders(optim, split)
-        expected = _param_shaped(optim)
+        expected = _param_shaped(optim, split["param_groups"])
+        _check_steps(split["state"])
         if _native_load(optim):
             prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
         else:
             # validate the same way, then let the optimizer's own
             # load_state_dict install it
             C.prepare_install(ctx, optim, split, expected)
-            prepared.append((False, split))
+            prepared.append((False, {**split, **extras} if extras else split))
     return prepared, missing, unexpected
 
 
@@ -293,6 +435,56 @@ def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]
     state: dict[str, Any] = {}
     C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [])
     return state
+
+
+def _check_loaded_dict(osd: Any, flat: bool) -> None:
+    """The loaded dict's shape, before anything else reads it: a dict, and
+    (nested) param groups listing FQNs when the state is keyed by FQN."""
+    if osd is None:
+        return
+    if not isinstance(osd, dict):
+        raise errors.OptimizerDictTypeError(
+            f"the optimizer state dict must be a dict (nested or flattened, as "
+            f"get_optimizer_state_dict returns), got {type(osd).__name__}: {osd!r:.80}"
+        )
+    if flat or "state" not in osd:
+        return
+    state, groups = osd.get("state"), osd.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        return
+    if not any(isinstance(k, str) for k in state):
+        return
+    for g, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, (list, tuple)):
+            for p in params:
+                if isinstance(p, int):
+                    raise errors.StateDictKeyError(
+                        f"param_groups[{g}]['params'] lists parameter ID {p!r}, but the "
+                        "state is keyed by FQN: a dict keyed by FQN lists FQNs in its "
+                        "groups (get_optimizer_state_dict's format), one keyed by IDs "
+                        "is Optimizer.state_dict()'s"
+                    )
+
+
+def _check_steps(state: dict[str, Any]) -> None:
+    """A ``step`` that is not a tensor is converted with ``float()`` by
+    the optimizer's ``__setstate__`` (Adam & co.) at commit, after other
+    state was installed: the same conversion is tried here first.
+    ``state``: a split's entries by FQN."""
+    for fqn, entry in state.items():
+        if not isinstance(entry, dict):
+            continue
+        step = entry.get("step")
+        if step is None or isinstance(step, torch.Tensor):
+            continue
+        try:
+            float(step)
+        except (TypeError, ValueError) as exc:
+            raise errors.StateDictValueError(
+                f"optimizer state 'step' of parameter '{fqn}' is {step!r:.80}, not a "
+                f"number or a tensor ({exc})"
+            ) from None
 
 
 @torch.no_grad()
@@ -309,6 +501,7 @@ def prepare_optim(
         return _nothing, None
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
+    _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
     fsdp1 = bool(info.fsdp_modules)
     if fsdp1:
         from ._fsdp1 import load_via_fsdp, native_supported
@@ -323,6 +516,17 @@ def prepare_optim(
         return commit_native, _IncompatibleKeys([], [])
     from ._distribute import localize_optim_view
 
+    extras = {}
+    if not all(_native_load(optim) for optim in optimizers):
+        extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
+        if extras:
+            osd = {k: v for k, v in osd.items() if k not in extras}
+        if info.broadcast_from_rank0 and dist.is_available() and dist.is_initialized():
+            # only the source holds them: one small object broadcast (every
+            # rank has the same optimizers, so every rank takes this branch)
+            from ._distribute import agree_with_source
+
+            extras = agree_with_source(info.index, extras) or {}
     view = _view(info.index, osd or {})
     if fsdp1:
         # original parameters' state -> flat shards / local pieces
@@ -345,9 +549,9 @@ def prepare_optim(
                 info,
                 full=info.full_state_dict,
                 held=lambda: held_state(info.index, optimizers),
-                precheck=lambda v: _prepare_view(optimizers, v, info),
+                precheck=lambda v: _prepare_view(optimizers, v, info, extras),
             )
-    prepared, missing, unexpected = _prepare_view(optimizers, view, info)
+    prepared, missing, unexpected = _prepare_view(optimizers, view, info, extras)
 
     def commit():
         for optim, (native, payload) in zip(optimizers, prepared):

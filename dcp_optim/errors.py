@@ -18,6 +18,7 @@ __all__ = [
     "StateDictKeyError",
     "StateDictValueError",
     "StateDictTypeError",
+    "OptimizerDictTypeError",
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
 ]
@@ -40,6 +41,11 @@ class StateDictValueError(DcpOptimError, ValueError):
 
 class StateDictTypeError(DcpOptimError, TypeError):
     """A value has the wrong type."""
+
+
+class OptimizerDictTypeError(StateDictTypeError, AttributeError):
+    """An optimizer state dict that is not a dict (upstream fails with
+    ``TypeError`` or ``AttributeError``, depending on the type)."""
 
 
 class StateDictRuntimeError(DcpOptimError, RuntimeError):

@@ -26,3 +26,12 @@ def world1(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The optimizer corpus' count of what ran (tests/test_optim_corpus.py)."""
+    import sys
+
+    corpus = sys.modules.get("tests.test_optim_corpus")
+    for line in corpus.corpus_summary() if corpus else []:
+        terminalreporter.write_line(line)

@@ -185,7 +185,13 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                     st[k] = st[k].to(torch.bfloat16)
             osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat))
             dst = build(seed=10)
-            dst_o = _adamw(dst)  # never stepped: holds no dtype of its own
+            dst_o = _adamw(dst)
+            # holds bf16 moments (a never-stepped optimizer casts to the
+            # parameter dtype, as torch: tests/dist_cases_precision.py)
+            train(dst, dst_o, steps=1, seed=9)
+            for st in dst_o.state.values():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = st[k].to(torch.bfloat16)
             impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat))
             for p, st in dst_o.state.items():
                 assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].placements == p.placements

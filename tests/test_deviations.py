@@ -534,14 +534,17 @@ def test_optimizer_dict_is_not_mutated_and_can_be_reused(flat):
 
 @impls("state is cast to the parameter dtype (bf16 moments become fp32)")
 def test_low_precision_state_keeps_its_dtype(impl):
+    """An optimizer that holds bf16 moments keeps them bf16 (a fresh,
+    never-stepped one follows torch's cast: tests/test_longtail_optim.py)."""
     src, src_optim = trained()
     for st in src_optim.state.values():
         st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
         st["exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16)
     sd = impl.get_optimizer_state_dict(src, src_optim)
-    torch.manual_seed(3)
-    model = Net()
-    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, optim = trained(seed=3)
+    for st in optim.state.values():
+        st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
+        st["exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16)
     impl.set_optimizer_state_dict(model, optim, sd)
     assert all(st["exp_avg"].dtype == torch.bfloat16 for st in optim.state.values())
 
