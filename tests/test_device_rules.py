@@ -168,14 +168,20 @@ def _expected_after_load(name, group, key, saved, param, live):
     differences: a ``step`` of a group that is neither capturable nor fused
     goes where a fresh optimizer creates it (the CPU; ASGD: the
     parameter's device) instead of staying where it came from, and other
-    floating state keeps the dtype the optimizer already holds (else the
-    saved one) instead of taking the parameter's."""
+    floating state keeps the dtype the optimizer already holds instead of
+    taking the parameter's (with nothing held, it takes the parameter's,
+    as in torch)."""
     flags = group.get("capturable") or group.get("fused")
     if key == "step":
         if flags:
             return param.device, torch.float32, tuple(saved.shape)
         return (param.device if name == "ASGD" else CPU), saved.dtype, tuple(saved.shape)
-    dtype = live.dtype if isinstance(live, torch.Tensor) and param.is_floating_point() else saved.dtype
+    if not param.is_floating_point():
+        dtype = saved.dtype
+    elif isinstance(live, torch.Tensor):
+        dtype = live.dtype
+    else:
+        dtype = param.dtype if saved.is_floating_point() else saved.dtype
     return param.device, dtype, tuple(saved.shape)
 
 
