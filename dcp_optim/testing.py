@@ -189,9 +189,12 @@ def gather_objects(obj: Any, *, what: str = "gather_objects", timeout: float | N
 
     All ranks must call it the same number of times in the same order;
     ``what`` labels the call site and a mismatch between ranks raises.
+    Without a process group: ``[obj]``.
     """
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        return [obj]  # a single process without a group
     store = _store()
     rank, ws = dist.get_rank(), dist.get_world_size()
     _state["counter"] += 1
@@ -260,7 +263,8 @@ def assert_all_ranks(condition: bool, message: str = "") -> None:
     results = gather_objects((bool(condition), str(message)), what="assert_all_ranks")
     failing = [r for r, (ok, _) in enumerate(results) if not ok]
     if failing:
-        lines = [f"check failed on rank(s) {failing} of {dist.get_world_size()}:"]
+        ws = dist.get_world_size() if dist.is_initialized() else 1
+        lines = [f"check failed on rank(s) {failing} of {ws}:"]
         lines += [f"  rank {r}: {results[r][1] or 'failed'}" for r in failing]
         raise RankFailure("\n".join(lines), failing)
 
@@ -280,7 +284,8 @@ def on_all_ranks(what: str = "check") -> Iterator[None]:
     results = gather_objects(error, what=f"on_all_ranks({what})")
     failing = [r for r, e in enumerate(results) if e is not None]
     if failing:
-        text = f"{what} failed on rank(s) {failing} of {dist.get_world_size()}:\n"
+        ws = dist.get_world_size() if dist.is_initialized() else 1
+        text = f"{what} failed on rank(s) {failing} of {ws}:\n"
         text += "".join(f"--- rank {r} ---\n{_indent(results[r])}" for r in failing)
         raise RankFailure(text, failing)
 
@@ -330,17 +335,22 @@ def _kind(value: Any) -> str:
     return "value"
 
 
-def _difference(a: Any, b: Any, rtol: float, atol: float) -> str | None:
+def _difference(a: Any, b: Any, rtol: float, atol: float) -> tuple[str, tuple | None] | None:
+    """None if equal, else (why, the first differing index or None)."""
     import torch
 
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-        return f"{type(a).__name__} != {type(b).__name__}"
+        return f"{type(a).__name__} != {type(b).__name__}", None
     if not isinstance(a, torch.Tensor):
-        return None if (a == b) is True or a == b else f"{a!r} != {b!r}"
+        try:
+            same = bool(a == b)
+        except Exception:  # noqa: BLE001 - incomparable values differ
+            same = False
+        return None if same else (f"{a!r} != {b!r}", None)
     if a.dtype != b.dtype:
-        return f"dtype {a.dtype} != {b.dtype}"
+        return f"dtype {a.dtype} != {b.dtype}", None
     if a.shape != b.shape:
-        return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+        return f"shape {tuple(a.shape)} != {tuple(b.shape)}", None
     a, b = a.cpu(), b.cpu()
     if rtol == 0 and atol == 0:
         same = torch.equal(a, b)
@@ -348,16 +358,39 @@ def _difference(a: Any, b: Any, rtol: float, atol: float) -> str | None:
         same = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
     if same:
         return None
+    if a.dim() == 0:
+        return f"{a.item()!r} != {b.item()!r}", None
     if a.is_floating_point() or a.is_complex():
-        diff = (a.to(torch.float64) - b.to(torch.float64)).abs().nan_to_num(float("inf"))
-        where = divmod_index(int(diff.argmax()), a.shape)
-        return (
-            f"values differ: max abs difference {float(diff.max()):.6g} at index {where} "
-            f"({a.flatten()[int(diff.argmax())].item()!r} != {b.flatten()[int(diff.argmax())].item()!r})"
+        diff = (a.to(torch.complex128 if a.is_complex() else torch.float64) - b).abs()
+        diff = diff.nan_to_num(float("inf")).flatten()
+        flat = int(diff.argmax())
+        index = divmod_index(flat, a.shape)
+        why = (
+            f"max abs difference {float(diff[flat]):.6g} at index {index} "
+            f"({a.flatten()[flat].item()!r} != {b.flatten()[flat].item()!r})"
         )
-    mask = (a != b).flatten()
-    first = int(mask.nonzero()[0]) if mask.any() else 0
-    return f"values differ at index {divmod_index(first, a.shape)}"
+        return why, index
+    flat = int((a != b).flatten().nonzero()[0])
+    index = divmod_index(flat, a.shape)
+    return f"values differ at index {index}", index
+
+
+def _holds(value: Any, index: tuple | None) -> bool | None:
+    """Whether this rank's shard of DTensor ``value`` holds global
+    ``index`` (None when not a DTensor or unknown)."""
+    from torch.distributed.tensor import DTensor
+
+    if index is None or not isinstance(value, DTensor):
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+    except Exception:  # noqa: BLE001 - private helper: best effort
+        return None
+    return all(o <= i < o + n for i, o, n in zip(index, offset, shape))
 
 
 def divmod_index(flat: int, shape) -> tuple[int, ...]:
@@ -388,7 +421,6 @@ def assert_state_dicts_equal(
     a difference every rank raises :class:`RankFailure` naming the first
     differing key in ``actual``'s order and the ranks that see it.
     """
-    import torch.distributed as dist
 
     a_leaves = list(_leaves(actual))
     b_leaves = list(_leaves(expected))
@@ -410,7 +442,6 @@ def assert_state_dicts_equal(
     layout = (a_keys, [_kind(v) for _, v in a_leaves], [_kind(v) for _, v in b_leaves])
     views = gather_objects((structure, layout), what=f"assert_state_dicts_equal({what})")
     problems = {r: s for r, (s, _) in enumerate(views) if s is not None}
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if not problems:
         differing = [r for r, (_, lay) in enumerate(views) if lay != views[0][1]]
         if differing:
@@ -424,22 +455,25 @@ def assert_state_dicts_equal(
             f"{what}s differ: {problems[first]} (rank(s) {sorted(problems)})", sorted(problems)
         )
     mismatch = None
-    for (key, a), (_, b) in zip(a_leaves, b_leaves):
-        fa, fb = _full(a), _full(b)
+    for pos, ((key, a), (_, b)) in enumerate(zip(a_leaves, b_leaves)):
+        fa, fb = _full(a), _full(b)  # collectives: on every rank, for every key
         if mismatch is None:
-            why = _difference(fa, fb, rtol, atol)
-            if why is not None:
-                mismatch = (a_keys.index(key), key, why)
+            found = _difference(fa, fb, rtol, atol)
+            if found is not None:
+                why, index = found
+                holders = (_holds(a, index), _holds(b, index))
+                mismatch = (pos, key, why, holders)
     found = gather_objects(mismatch, what=f"assert_state_dicts_equal({what}) values")
     bad = {r: m for r, m in enumerate(found) if m is not None}
     if bad:
-        index, key, why = min(bad.values())
+        pos, key, why, _ = min(bad.values(), key=lambda m: m[0])
         ranks = sorted(r for r, m in bad.items() if m[1] == key)
-        raise RankFailure(
-            f"{what}s differ at {key!r} on rank(s) {ranks}: {why}"
-            + ("" if rank in ranks else f" (this is rank {rank})"),
-            sorted(bad),
-        )
+        message = f"{what}s differ at {key!r}: {why}; seen on rank(s) {ranks}"
+        for side, label in ((0, "actual"), (1, "expected")):
+            holding = sorted(r for r in ranks if bad[r][3][side])
+            if holding:
+                message += f"; the {label} shard holding it is on rank(s) {holding}"
+        raise RankFailure(message, ranks)
 
 
 # ---------------------------------------------------------------------------
@@ -602,7 +636,13 @@ class _TorchrunSession:
     def pytest_unconfigure(self, config):
         import torch.distributed as dist
 
-        if self.created and dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        # Every rank has printed its report before any exits: torchrun
+        # terminates the other ranks as soon as one exits with an error.
+        with contextlib.suppress(Exception):
+            gather_objects(None, what="end of session", timeout=60)
+        if self.created:
             dist.destroy_process_group()
 
     # verdicts ----------------------------------------------------------------

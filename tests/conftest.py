@@ -77,16 +77,28 @@ def _calls_run_ranks(item) -> bool:
     return False
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "torchrun: launches torchrun itself (make test-torchrun); runs only when "
+        "selected with -m torchrun",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under torchrun only the distributed test bodies run (tests calling
-    ``run_ranks``, directly or through a fixture): a single-process test
-    would find torchrun's process group and act collectively (DCP does),
-    and it runs in ``make test`` anyway."""
-    if not TORCHRUN:
-        return
+    """Tests marked ``torchrun`` (they launch torchrun, tens of seconds
+    each) run only when ``-m`` names them.  Under torchrun only the
+    distributed test bodies run (tests calling ``run_ranks``, directly or
+    through a fixture): a single-process test would find torchrun's process
+    group and act collectively (DCP does), and it runs in ``make test``."""
     keep, drop = [], []
+    opted_in = "torchrun" in (config.option.markexpr or "")
     for item in items:
-        (keep if _calls_run_ranks(item) else drop).append(item)
+        if item.get_closest_marker("torchrun") is not None:
+            ok = opted_in and not TORCHRUN
+        else:
+            ok = not TORCHRUN or _calls_run_ranks(item)
+        (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
