@@ -148,7 +148,7 @@ def test_demo_output_is_clean(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dcp_optim.demo", "--steps", "2", "--save-at", "1",
          "--dir", str(tmp_path / "ckpt")],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=_env(), capture_output=True, text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
