@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,15 @@ CASES = textwrap.dedent(
 )
 
 
+def _readme_example() -> tuple[str, str]:
+    """The README's example ``conftest.py`` and test file."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    blocks = re.findall(r"```python\n(# conftest\.py\n.*?)```\n+```python\n(# test_checkpoint\.py\n.*?)```", text, re.S)
+    assert len(blocks) == 1, "README: the conftest.py / test_checkpoint.py example is missing"
+    return blocks[0]
+
+
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", COLUMNS="240")
     env.pop("PYTEST_ADDOPTS", None)
@@ -87,17 +97,24 @@ def _torchrun(nproc: int, *args: str, cwd: str, timeout: float, logs=None):
 
 
 def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
+    """The README's example suite passes; checks failing or hanging on one
+    rank fail on every rank, naming it; the hangs end at the timeouts."""
+    conftest, example = _readme_example()
+    assert conftest.strip().endswith(CONFTEST.strip())
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "test_checkpoint.py").write_text(example)
     (tmp_path / "test_cases.py").write_text(CASES)
     rc, ranks, elapsed = _torchrun(
         2, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--timeout", "8",
-        "--dist-pg-timeout", "5", "--dist-keep-going", "test_cases.py",
+        "--dist-pg-timeout", "5", "--dist-keep-going", "test_checkpoint.py", "test_cases.py",
         cwd=str(tmp_path), timeout=240, logs=tmp_path / "logs",
     )
     assert rc != 0, ranks
     # every rank reports the same consolidated verdicts
     for out in ranks:
         for line in (
+            "PASSED test_checkpoint.py::test_resume_continues_exactly",
+            "PASSED test_checkpoint.py::test_sharded_equals_full",
             "PASSED test_cases.py::test_passes",
             "FAILED test_cases.py::test_fails_on_rank_1 - rank(s) [1]: AssertionError: "
             "deliberately false on rank 1",
@@ -108,7 +125,7 @@ def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
             assert line in out, (line, out)
         assert out.count("call failed on rank(s) [1] of 2 (rank 0 passed)") == 2, out
         assert "Timed out waiting 5000ms" in out, out
-        assert "3 failed, 2 passed" in out, out
+        assert "3 failed, 4 passed" in out, out
     # the hangs were ended by the test timeout (8 s) and the group's (5 s)
     assert elapsed < 150, (elapsed, ranks)
 
