@@ -94,13 +94,14 @@ _DEFAULT_PG_TIMEOUT_S = 60.0
 class RankFailure(AssertionError):
     """A check failed on some rank(s); raised on every rank alike.
 
-    ``ranks`` lists the failing ranks.  ``in_step`` tells whether every rank
-    reached the agreement point through the same code path (so the
-    process group's collectives are still paired); a failure raised from an
-    agreement helper is in step.
+    ``ranks`` lists the failing ranks.  ``in_step`` tells whether the
+    process group's collectives are still paired: True when every rank
+    reached the agreement point through the same code (the assertion
+    helpers), False when they are known not to be (a rank never arrived,
+    ranks at different agreement points), None when unknown.
     """
 
-    def __init__(self, message: str, ranks: list[int], in_step: bool = True):
+    def __init__(self, message: str, ranks: list[int], in_step: bool | None = True):
         super().__init__(message)
         self.ranks = list(ranks)
         self.in_step = in_step
@@ -668,7 +669,7 @@ class _TorchrunSession:
         status = report.outcome
         if hasattr(report, "wasxfail"):
             status += "/xfail"
-        in_step = False
+        in_step = None
         if call.excinfo is not None and isinstance(call.excinfo.value, RankFailure):
             in_step = call.excinfo.value.in_step
         crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
@@ -713,14 +714,15 @@ class _TorchrunSession:
         else:
             message = "; ".join(f"rank {r}: {firsts[r]}" for r in failed[:3])
         self._fail(report, "\n".join(lines), message, failed)
-        # Still paired: every rank failed at the same place, or at an
-        # agreement helper, and nobody timed out.
-        in_step = len(failed) == n and (
-            all(views[r]["in_step"] for r in failed)
-            or len({views[r]["where"] for r in failed}) == 1
-        )
-        if any(_is_timeout(views[r]["text"]) for r in failed):
-            in_step = False
+        # Still paired: every rank failed at an agreement helper, or at the
+        # same place, and nobody timed out (a rank left behind in a
+        # collective fails with the group's timeout).
+        flags = [views[r]["in_step"] for r in failed]
+        in_step = len(failed) == n and False not in flags
+        if in_step and not all(flags):
+            in_step = len({views[r]["where"] for r in failed}) == 1 and not any(
+                _is_timeout(views[r]["text"]) for r in failed
+            )
         if not in_step:
             self._maybe_stop(
                 item, f"{item.nodeid} failed on rank(s) {failed} only or after a timeout"

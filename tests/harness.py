@@ -474,8 +474,9 @@ def _run_ranks_in_process(world_size: int, fn: Callable, args: tuple, what: str)
         text = f"{what}: {len(failed)} of {ws} rank(s) failed\n" + "\n".join(
             f"--- rank {r}: raised ---\n{outcomes[r][1]}" for r in failed
         )
-        # A rank that raised may have left collectives its peers were in.
-        raise RankFailure(text, failed, in_step=False)
+        # Whether a rank that raised left collectives its peers were in is
+        # unknown here (a peer left in one fails with the group's timeout).
+        raise RankFailure(text, failed, in_step=None)
     return [result for _, result in outcomes]
 
 

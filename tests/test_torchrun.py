@@ -59,6 +59,24 @@ CASES = textwrap.dedent(
 )
 
 
+# The project's own harness under torchrun: a rank function failing on
+# rank 1 while rank 0 waits in a barrier rank 1 never joins.
+HARNESS_CASES = textwrap.dedent(
+    '''
+    from tests import dist_cases_canary as cases
+    from tests.harness import run_ranks
+
+
+    def test_run_ranks_fails_on_rank_1():
+        run_ranks(2, cases.fail_on_rank, 1)
+
+
+    def test_never_reached():
+        pass
+    '''
+)
+
+
 def _readme_example() -> tuple[str, str]:
     """The README's example ``conftest.py`` and test file."""
     with open(os.path.join(REPO, "README.md")) as f:
@@ -70,6 +88,7 @@ def _readme_example() -> tuple[str, str]:
 
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", COLUMNS="240")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.pop("PYTEST_ADDOPTS", None)
     return env
 
@@ -130,20 +149,31 @@ def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
     assert elapsed < 150, (elapsed, ranks)
 
 
-def test_an_out_of_step_failure_stops_the_session(tmp_path):
+def test_run_ranks_failure_names_the_rank_and_stops_the_session(tmp_path):
+    """tests.harness.run_ranks under torchrun: rank 1's error and rank 0's
+    group timeout in one report on every rank; the group is out of step
+    after it, so the session stops."""
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_cases.py").write_text(CASES)
+    (tmp_path / "test_harness_cases.py").write_text(HARNESS_CASES)
     rc, ranks, _ = _torchrun(
-        2, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", "8", "test_cases.py",
+        2, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--timeout", "30",
+        "--dist-pg-timeout", "5", "test_harness_cases.py",
         cwd=str(tmp_path), timeout=240, logs=tmp_path / "logs",
     )
     assert rc != 0, ranks
     for out in ranks:
         assert (
-            "Interrupted: dcp_optim.testing: test_cases.py::test_fails_on_rank_1 failed on "
-            "rank(s) [1] only or after a timeout; the ranks' collectives may be out of step"
+            "FAILED test_harness_cases.py::test_run_ranks_fails_on_rank_1 - rank(s) [0, 1]: "
+            "dcp_optim.testing.RankFailure: run_ranks(2, tests.dist_cases_canary.fail_on_rank): "
+            "2 of 2 rank(s) failed"
         ) in out, out
-        assert "1 failed, 1 passed" in out, out
+        assert "--- rank 1: raised ---" in out and "ValueError: deliberate failure on rank 1" in out, out
+        assert "--- rank 0: raised ---" in out and "Timed out waiting 5000ms" in out, out
+        assert (
+            "Interrupted: dcp_optim.testing: test_harness_cases.py::test_run_ranks_fails_on_rank_1 "
+            "failed on rank(s) [0, 1] only or after a timeout; the ranks' collectives may be out of step"
+        ) in out, out
+        assert "1 failed in" in out and "test_never_reached" not in out, out
 
 
 def test_demo_under_torchrun_resumes_at_another_world_size(tmp_path):
