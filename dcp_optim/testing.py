@@ -659,7 +659,7 @@ class _TorchrunSession:
             views = None
             error = str(exc)
         if views is None:
-            self._fail(report, f"{call.when}: {error}", error, [])
+            self._fail(report, f"{call.when}: {error}", error)
             item.session.shouldstop = f"dcp_optim.testing: ranks out of step: {error}"
             return
         self._consolidate(item, report, call.when, views)
@@ -690,7 +690,7 @@ class _TorchrunSession:
             text = f"ranks disagree on {item.nodeid} ({when}): " + ", ".join(
                 f"rank {r} {s}" for r, s in enumerate(statuses)
             )
-            self._fail(report, text, text, [])
+            self._fail(report, text, text)
             self._maybe_stop(item, text)
             return
         n = len(views)
@@ -713,22 +713,20 @@ class _TorchrunSession:
             message = f"rank(s) {failed}: {firsts[failed[0]]}"
         else:
             message = "; ".join(f"rank {r}: {firsts[r]}" for r in failed[:3])
-        self._fail(report, "\n".join(lines), message, failed)
+        self._fail(report, "\n".join(lines), message)
         # Still paired: every rank failed at an agreement helper, or at the
         # same place, and nobody timed out (a rank left behind in a
         # collective fails with the group's timeout).
         flags = [views[r]["in_step"] for r in failed]
+        timed_out = any(_is_timeout(views[r]["text"]) for r in failed)
         in_step = len(failed) == n and False not in flags
         if in_step and not all(flags):
-            in_step = len({views[r]["where"] for r in failed}) == 1 and not any(
-                _is_timeout(views[r]["text"]) for r in failed
-            )
+            in_step = len({views[r]["where"] for r in failed}) == 1 and not timed_out
         if not in_step:
-            self._maybe_stop(
-                item, f"{item.nodeid} failed on rank(s) {failed} only or after a timeout"
-            )
+            why = f"{item.nodeid} failed on rank(s) {failed} of {n}"
+            self._maybe_stop(item, why + (" after a timeout" if timed_out else ""))
 
-    def _fail(self, report, text: str, message: str, ranks) -> None:
+    def _fail(self, report, text: str, message: str) -> None:
         path, lineno = report.location[0], (report.location[1] or 0) + 1
         report.outcome = "failed"
         if hasattr(report, "wasxfail"):

@@ -171,7 +171,7 @@ def test_run_ranks_failure_names_the_rank_and_stops_the_session(tmp_path):
         assert "--- rank 0: raised ---" in out and "Timed out waiting 5000ms" in out, out
         assert (
             "Interrupted: dcp_optim.testing: test_harness_cases.py::test_run_ranks_fails_on_rank_1 "
-            "failed on rank(s) [0, 1] only or after a timeout; the ranks' collectives may be out of step"
+            "failed on rank(s) [0, 1] of 2 after a timeout; the ranks' collectives may be out of step"
         ) in out, out
         assert "1 failed in" in out and "test_never_reached" not in out, out
 
