@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.deps-stamp
 export DCP_OPTIM_WERROR ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all venv build build-debug test test-fast test-dist test-torchrun demo bench clean
+.PHONY: all venv build build-debug test test-fast test-dist demo bench clean
 
 all: build
 
@@ -62,6 +62,10 @@ TORCHRUN_TESTS    ?= tests/test_sharded.py tests/test_reshard_dcp.py tests/test_
                      tests/test_verify.py tests/test_canary_gloo.py tests/test_testing.py
 TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp1_full_cpu_offload
 TORCHRUN_LIMIT    ?= 600
+
+.PHONY: test-torchrun
+# `make ci` runs it too (a prerequisite added here, beside the target).
+ci: test-torchrun
 
 test-torchrun: build
 	for n in $(TORCHRUN_NPROCS); do \
@@ -210,4 +214,4 @@ test-valgrind: build-valgrind
 	    PYTHONMALLOC=malloc valgrind --quiet --error-exitcode=99 --leak-check=no \
 	    $(SYS_PY) -m pytest $(PYTEST_FLAGS) -p no:faulthandler -c $(NOTORCH_INI) $(NOTORCH_TESTS)
 
-ci: lint test test-torchrun test-asan test-refleak test-valgrind
+ci: lint test test-asan test-refleak test-valgrind
