@@ -491,7 +491,10 @@ def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 180) -> lis
     processes, each running the same pytest items: ``fn`` runs in this
     process on the session's process group, the results of every rank are
     exchanged, and a test that needs another world size than torchrun's
-    skips.  ``timeout`` is then pytest-timeout's and the group's job.
+    skips.  ``timeout`` is then pytest-timeout's and the group's job.  The
+    test body around ``run_ranks`` runs on every rank too, and ``tmp_path``
+    is shared: work done there on files (or with DCP, which acts on the
+    whole group) must be safe to do on every rank at once.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
