@@ -32,21 +32,6 @@ pytest_plugins = ["dcp_optim.testing"]
 TORCHRUN = launched_by_torchrun()
 
 
-@pytest.fixture
-def world1(tmp_path):
-    """A world-size-1 gloo process group in this process (DDP of one rank,
-    trivial full/broadcast paths); destroyed after the test."""
-    if TORCHRUN:
-        pytest.skip("needs a one-process default group; under torchrun it is torchrun's")
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 if TORCHRUN:
     # Checkpoints written by all ranks go to one directory: rank 0 creates
     # it and every rank gets its path.
@@ -102,3 +87,18 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture
+def world1(tmp_path):
+    """A world-size-1 gloo process group in this process (DDP of one rank,
+    trivial full/broadcast paths); destroyed after the test."""
+    if TORCHRUN:
+        pytest.skip("needs a one-process default group; under torchrun it is torchrun's")
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
