@@ -55,6 +55,39 @@ test-fast: build
 demo: build
 	$(PY) -m dcp_optim.demo
 
+# The distributed test bodies under torchrun at 2 and 4 processes: every
+# rank runs the same pytest items on torchrun's process group
+# (tests.harness.run_ranks runs the rank functions in-process; tests for
+# another world size skip) and dcp_optim.testing consolidates each verdict
+# across ranks (rank 0's console shows every rank's failures).  Then the
+# tests that launch torchrun themselves: a failing and a hanging rank, the
+# demo under torchrun.  Timeouts: pytest-timeout per test, the process
+# group's per collective, `timeout` per launch.  Left out: the spawn
+# harness's own tests, peak-memory measurements (meaningless in a
+# long-lived process), the FSDP1 crash canary (it kills its rank) and a
+# test whose body (outside its rank functions) writes a checkpoint with
+# single-process DCP, which every rank would do into the shared directory.
+TORCHRUN_NPROCS   ?= 2 4
+TORCHRUN_TESTS    ?= tests/test_sharded.py tests/test_reshard_dcp.py tests/test_pipeline.py \
+                     tests/test_collectives.py tests/test_deviations_sharded.py tests/test_fsdp1.py \
+                     tests/test_verify.py tests/test_canary_gloo.py tests/test_testing.py
+TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp1_full_cpu_offload \
+                     and not resharded_loads_and_corruption
+TORCHRUN_LIMIT    ?= 600
+
+.PHONY: test-torchrun
+# `make ci` runs it too (a prerequisite added here, beside the target).
+ci: test-torchrun
+
+test-torchrun: build
+	for n in $(TORCHRUN_NPROCS); do \
+	    echo "== torchrun --nproc-per-node=$$n"; \
+	    timeout -k 10 $(TORCHRUN_LIMIT) $(VENV)/bin/torchrun --standalone --nproc-per-node=$$n \
+	        --local-ranks-filter=0 -m pytest -q -p no:cacheprovider --disable-warnings \
+	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || exit 1; \
+	done
+	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/test_torchrun.py
+
 bench: build
 	$(PY) -m benchmarks
 

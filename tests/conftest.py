@@ -1,4 +1,11 @@
-"""Test configuration: environment for gloo workers, shared fixtures."""
+"""Test configuration: environment for gloo workers, shared fixtures.
+
+Under ``torchrun`` (``make test-torchrun``) every rank runs the same tests:
+``dcp_optim.testing`` initialises the process group from torchrun's
+environment and consolidates each test's verdict across ranks,
+``tests.harness.run_ranks`` runs rank functions in-process, and
+``tmp_path`` / ``tmp_path_factory`` give every rank the same directory.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +16,85 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import pytest  # noqa: E402
+
+# The plugin below is imported here first: let pytest rewrite it anyway.
+pytest.register_assert_rewrite("dcp_optim.testing")
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from dcp_optim.testing import launched_by_torchrun  # noqa: E402
+
 torch.set_num_threads(1)
+
+pytest_plugins = ["dcp_optim.testing"]
+
+TORCHRUN = launched_by_torchrun()
+
+
+if TORCHRUN:
+    # Checkpoints written by all ranks go to one directory: rank 0 creates
+    # it and every rank gets its path.
+
+    @pytest.fixture(scope="session")
+    def tmp_path_factory(dist_tmp_path_factory):
+        return dist_tmp_path_factory
+
+    @pytest.fixture
+    def tmp_path(dist_tmp_path):
+        return dist_tmp_path
+
+
+def _calls_run_ranks(item) -> bool:
+    """Whether the test or one of its fixtures calls ``run_ranks``."""
+    import inspect
+
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        functions += [d.func for d in defs]
+    for fn in functions:
+        try:
+            if "run_ranks(" in inspect.getsource(fn):
+                return True
+        except (TypeError, OSError):
+            continue
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "torchrun: launches torchrun itself (make test-torchrun); runs only when "
+        "selected with -m torchrun",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``torchrun`` (they launch torchrun, tens of seconds
+    each) run only when ``-m`` names them.  Under torchrun only the
+    distributed test bodies run (tests calling ``run_ranks``, directly or
+    through a fixture): a single-process test would find torchrun's process
+    group and act collectively (DCP does), and it runs in ``make test``."""
+    keep, drop = [], []
+    opted_in = "torchrun" in (config.option.markexpr or "")
+    for item in items:
+        if item.get_closest_marker("torchrun") is not None:
+            ok = opted_in and not TORCHRUN
+        else:
+            ok = not TORCHRUN or _calls_run_ranks(item)
+        (keep if ok else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture
 def world1(tmp_path):
     """A world-size-1 gloo process group in this process (DDP of one rank,
     trivial full/broadcast paths); destroyed after the test."""
+    if TORCHRUN:
+        pytest.skip("needs a one-process default group; under torchrun it is torchrun's")
     assert not dist.is_initialized()
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -7,6 +7,10 @@ parent collects results under a deadline, kills stragglers and raises a single
 ``AssertionError`` that carries every failing rank's traceback, every crash
 (exit code / signal, faulthandler dump) and every timed-out rank.
 
+Under ``torchrun`` (``make test-torchrun``) every rank runs the same pytest
+items and ``run_ranks`` runs ``fn`` in-process on torchrun's group instead
+(see ``run_ranks``); ``dcp_optim.testing`` consolidates the verdicts.
+
 ``run_in_subprocess(fn, *args)`` runs ``fn(*args)`` alone in a fresh forkserver
 child without a process group (isolated checks such as peak-RSS measurement).
 
@@ -27,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from typing import Any
@@ -405,16 +410,97 @@ def _launch(targets, timeout: float, what: str) -> list:
             pass
 
 
+def under_torchrun() -> bool:
+    """True when this pytest process is one rank of a ``torchrun`` launch
+    (``dcp_optim.testing`` then owns the session's process group)."""
+    from dcp_optim.testing import launched_by_torchrun
+
+    return launched_by_torchrun()
+
+
+def _process_groups() -> set:
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)
+
+
+# Python's default warning filters (no -W option).
+_IGNORED_BY_DEFAULT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def _run_ranks_in_process(world_size: int, fn: Callable, args: tuple, what: str) -> list:
+    """``run_ranks`` under torchrun: this process is one of the ranks, so
+    run ``fn`` here on the session's default group (torchrun's env://
+    group), then agree on every rank's outcome through the store."""
+    import pickle
+
+    import pytest
+    import torch.distributed as dist
+
+    from dcp_optim.testing import RankFailure, gather_objects
+
+    ws = dist.get_world_size()
+    if world_size != ws:
+        pytest.skip(f"needs {world_size} ranks; torchrun started {ws}")
+    rank = dist.get_rank()
+    before = _process_groups()
+    try:
+        # Copies of the arguments, and the warning filters of a fresh
+        # interpreter (not pytest's "error"), as the spawned ranks get them.
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for category in _IGNORED_BY_DEFAULT:
+                warnings.simplefilter("ignore", category)
+            result = fn(rank, ws, *pickle.loads(pickle.dumps(args)))
+        _check_plain(result)
+        pickle.dumps(result)
+        outcome = ("ok", result)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - every failure is reported, timeouts too
+        outcome = ("err", traceback.format_exc())
+    try:
+        outcomes = gather_objects(outcome, what=what)
+    finally:
+        # Groups (meshes, sub-groups) the body created, once every rank is
+        # done with them; the default group lives for the session.
+        # Destroying one is local (no collective).
+        default = dist.group.WORLD
+        for pg in _process_groups() - before:
+            if pg is not default:
+                dist.destroy_process_group(pg)
+    failed = [r for r, (status, _) in enumerate(outcomes) if status != "ok"]
+    if failed:
+        text = f"{what}: {len(failed)} of {ws} rank(s) failed\n" + "\n".join(
+            f"--- rank {r}: raised ---\n{outcomes[r][1]}" for r in failed
+        )
+        # Whether a rank that raised left collectives its peers were in is
+        # unknown here (a peer left in one fails with the group's timeout).
+        raise RankFailure(text, failed, in_step=None)
+    return [result for _, result in outcomes]
+
+
 def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 180) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     Returns the per-rank results ordered by rank. Raises one ``AssertionError``
     with every failing rank's traceback (and which ranks timed out).
     ``args`` are pickled; results must be plain Python data.
+
+    Under ``torchrun`` (``make test-torchrun``) the ranks are torchrun's
+    processes, each running the same pytest items: ``fn`` runs in this
+    process on the session's process group, the results of every rank are
+    exchanged, and a test that needs another world size than torchrun's
+    skips.  ``timeout`` is then pytest-timeout's and the group's job.  The
+    test body around ``run_ranks`` runs on every rank too, and ``tmp_path``
+    is shared: work done there on files (or with DCP, which acts on the
+    whole group) must be safe to do on every rank at once.
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     module, qualname = _fn_ref(fn)
+    if under_torchrun():
+        return _run_ranks_in_process(world_size, fn, args, f"run_ranks({world_size}, {module}.{qualname})")
     store_dir = tempfile.mkdtemp(prefix="dcp_optim_store_")
     store_path = os.path.join(store_dir, "store")
     try:
