@@ -119,26 +119,151 @@ def check_agreement(
 
 
 def _describe_difference(what: str, details: list[Any], ranks: list[int]) -> str:
-    reference = details[0]
-    longest = max(len(d) for d in details)
+    """Name the first entry -- in the order the ranks list them -- whose
+    description differs between ranks or that some ranks lack (entries are
+    matched by name, not by position: an extra entry on one rank, such as
+    an optimizer state only ``amsgrad`` creates, is the difference, not
+    everything after it)."""
+    maps = [dict(d) for d in details]
+    seen: set[Any] = set()
+    longest = max((len(d) for d in details), default=0)
     for i in range(longest):
-        entries = [d[i] if i < len(d) else None for d in details]
-        if all(e == entries[0] for e in entries):
-            continue
-        groups: dict[str, list[int]] = {}
-        for rank, entry in zip(ranks, entries):
-            text = "nothing" if entry is None else f"{entry[1]}"
-            groups.setdefault(text, []).append(rank)
-        names = sorted({e[0] for e in entries if e is not None})
-        name = names[0] if names else "?"
-        per_rank = "; ".join(f"rank(s) {rs}: {text}" for text, rs in groups.items())
-        return (
-            f"ranks disagree on the {what} before a collective; first "
-            f"difference at '{name}': {per_rank}. Every rank must pass the "
-            "same options and state dict structure for this call."
-        )
-    del reference
+        for d in details:
+            if i >= len(d) or d[i][0] in seen:
+                continue
+            name = d[i][0]
+            seen.add(name)
+            entries = [m.get(name) for m in maps]
+            if all(e == entries[0] for e in entries):
+                continue
+            groups: dict[str, list[int]] = {}
+            for rank, entry in zip(ranks, entries):
+                text = "nothing (no such entry)" if entry is None else f"{entry}"
+                groups.setdefault(text, []).append(rank)
+            per_rank = "; ".join(f"rank(s) {rs}: {text}" for text, rs in groups.items())
+            return (
+                f"ranks disagree on the {what} before a collective; first "
+                f"difference at '{name}': {per_rank}. Every rank must pass the "
+                "same options and state dict structure for this call."
+            )
     return (
         f"ranks disagree on the {what} before a collective (ranks {ranks}); "
         "every rank must pass the same options and state dict structure."
     )
+
+
+# --- agreement on the outcome of a load -------------------------------------------
+#
+# A load is a sequence of steps, each either local (checks, planning) or
+# collective (metadata exchange, data stream).  Before every collective
+# step, and before anything is installed, the ranks of the load's mesh
+# exchange one fixed-size record -- 20-byte digest of the call's options,
+# a failed byte, 8 flag bytes -- whatever their options or outcome, so
+# that the exchange itself always matches.  If every digest agrees and no
+# rank failed, the load goes on; otherwise (error path only) every rank
+# contributes its option details and its exception to one object
+# all-gather, and every rank raises the same exception.
+
+_FLAG_BYTES = 8
+
+
+class Agreement:
+    """The agreement points of one distributed load (``mesh`` None: the
+    default group).  ``options`` is a list of (name, value) pairs that must
+    be equal on every rank (the call's options: they decide which
+    collectives follow)."""
+
+    def __init__(self, mesh: Any | None, what: str, options: list[tuple[str, Any]]):
+        self.mesh = mesh
+        self.what = what
+        self.options = options
+        self.digest = _digest(options)
+
+    def agree(
+        self,
+        error: BaseException | None = None,
+        flags: tuple[int, ...] = (),
+        flags_check: Any = None,
+    ) -> list[tuple[int, ...]]:
+        """One agreement point.  ``error``: this rank's failure since the
+        last point (None: it passed).  ``flags``: up to 8 small ints every
+        rank learns (returned per rank, in row-major mesh order);
+        ``flags_check(flags_per_rank, ranks)`` returns an error message
+        when the flags disagree in a way that must stop the load.  Raises
+        the same exception on every rank when the options differ, the
+        flags check fails, or any rank failed (the lowest failing rank's
+        exception, naming that rank)."""
+        if len(flags) > _FLAG_BYTES:
+            raise ValueError("at most 8 flags")
+        record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
+        blobs, ranks = mesh_all_gather_bytes(self.mesh, record)
+        per_rank = [tuple(b[21 : 21 + len(flags)]) for b in blobs]
+        same = len({b[:20] for b in blobs}) == 1
+        failed = any(b[20] for b in blobs)
+        problem = None
+        if same and flags_check is not None:
+            problem = flags_check(per_rank, ranks)
+        if same and not failed and problem is None:
+            return per_rank
+        # Error path: every rank is here (the records say so on every rank).
+        mine = (None if same else self.options, None if error is None else _export_error(error))
+        gathered, ranks = mesh_all_gather_object(self.mesh, mine)
+        if not same:
+            raise errors.StateDictRuntimeError(
+                _describe_difference(
+                    f"options of {self.what}", [g[0] for g in gathered], ranks
+                )
+            )
+        if problem is not None:
+            raise errors.StateDictValueError(problem)
+        failures = [(r, g[1]) for r, g in zip(ranks, gathered) if g[1] is not None]
+        texts = {text for _, (_, text) in failures}
+        if error is not None and len(failures) == len(ranks) and len(texts) == 1:
+            raise error  # every rank failed alike: its own exception
+        rank, exported = failures[0]
+        agreed = _import_error(exported, rank, [r for r, _ in failures], len(failures) == len(ranks))
+        if error is not None:
+            raise agreed from error
+        raise agreed
+
+
+def option_pairs(options: Any, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(name, repr(value)) of the option fields ``names`` of ``options``
+    (a StateDictOptions or None), read without validating anything."""
+    return [(name, repr(getattr(options, name, None))) for name in names]
+
+
+def _export_error(error: BaseException) -> tuple[bytes | None, str]:
+    import pickle
+
+    text = f"{type(error).__name__}: {error}"
+    try:
+        blob = pickle.dumps(error)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - not picklable: its text travels
+        blob = None
+    return blob, text
+
+
+def _import_error(exported: tuple[bytes | None, str], rank: int, failing: list[int], everywhere: bool) -> BaseException:
+    import pickle
+
+    blob, text = exported
+    note = (
+        f" [raised on rank {rank}"
+        + ("" if everywhere else f"; rank(s) {failing} failed, the other ranks passed this check")
+        + "; nothing was loaded on any rank]"
+    )
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if not isinstance(exc, BaseException):
+        return errors.StateDictRuntimeError(text + note)
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (exc.args[0] + note, *exc.args[1:])
+    else:
+        exc.args = (*exc.args, note.strip())
+    return exc
