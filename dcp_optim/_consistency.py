@@ -98,6 +98,14 @@ def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], l
     return chunks, mesh.mesh.flatten().tolist()
 
 
+# Every fixed-size exchange of dcp_optim (a getter's gather check, a
+# load's agreement) has this size, so that ranks that reached different
+# ones -- ranks that disagree on which call or which options -- still
+# complete the exchange, see records that differ, and raise instead of
+# aborting in the backend ("Received data size doesn't match").
+RECORD_BYTES = 64
+
+
 def _digest(value: Any) -> bytes:
     return hashlib.sha1(repr(value).encode()).digest()
 
@@ -110,12 +118,31 @@ def check_agreement(
     (name, description) pairs that locate the difference; it runs only on
     that error path.  ``flag`` (0-255) is not compared: the flags of every
     mesh rank, in row-major mesh order, are returned."""
-    blobs, ranks = mesh_all_gather_bytes(mesh, _digest(summary) + bytes((flag,)))
-    if len({b[:-1] for b in blobs}) == 1:
-        return [b[-1] for b in blobs]
-    details, _ = mesh_all_gather_object(mesh, details_fn())
-    message = _describe_difference(what, details, ranks)
+    record = (_digest(summary) + bytes((flag,))).ljust(RECORD_BYTES, b"\0")
+    blobs, ranks = mesh_all_gather_bytes(mesh, record)
+    if len({b[:20] + b[21:] for b in blobs}) == 1:
+        return [b[20] for b in blobs]
+    details, _ = mesh_all_gather_object(mesh, ("gather", what, details_fn()))
+    _check_same_call(details, ranks)
+    message = _describe_difference(what, [d[2] for d in details], ranks)
     raise errors.StateDictRuntimeError(message)
+
+
+def _check_same_call(gathered: list[Any], ranks: list[int]) -> None:
+    """The error paths of a getter's gather check and of a load's
+    agreement exchange tagged payloads: ranks that reached different ones
+    (different calls, or options that send one rank down another path)
+    raise this, the same on every rank."""
+    calls: dict[str, list[int]] = {}
+    for rank, g in zip(ranks, gathered):
+        calls.setdefault(f"{g[0]} ({g[1]})", []).append(rank)
+    if len(calls) > 1:
+        per_rank = "; ".join(f"rank(s) {rs}: {c}" for c, rs in calls.items())
+        raise errors.StateDictRuntimeError(
+            "ranks are in different dcp_optim calls (or took different paths "
+            f"through one): {per_rank}. Every rank must make the same calls with "
+            "the same options."
+        )
 
 
 def _describe_difference(what: str, details: list[Any], ranks: list[int]) -> str:
@@ -165,19 +192,29 @@ def _describe_difference(what: str, details: list[Any], ranks: list[int]) -> str
 # all-gather, and every rank raises the same exception.
 
 _FLAG_BYTES = 8
+_AGREEMENT_TAG = b"load"
 
 
 class Agreement:
     """The agreement points of one distributed load (``mesh`` None: the
     default group).  ``options`` is a list of (name, value) pairs that must
     be equal on every rank (the call's options: they decide which
-    collectives follow)."""
+    collectives follow); ``structure`` another such list (the structure of
+    the dicts every rank holds: keys, shapes, dtypes, hyperparameters),
+    compared after the options and the flags."""
 
-    def __init__(self, mesh: Any | None, what: str, options: list[tuple[str, Any]]):
+    def __init__(
+        self,
+        mesh: Any | None,
+        what: str,
+        options: list[tuple[str, Any]],
+        structure: list[tuple[str, Any]] | None = None,
+    ):
         self.mesh = mesh
         self.what = what
         self.options = options
-        self.digest = _digest(options)
+        self.structure = structure or []
+        self.digest = _digest(options) + _digest(self.structure)
 
     def agree(
         self,
@@ -191,32 +228,46 @@ class Agreement:
         ``flags_check(flags_per_rank, ranks)`` returns an error message
         when the flags disagree in a way that must stop the load.  Raises
         the same exception on every rank when the options differ, the
-        flags check fails, or any rank failed (the lowest failing rank's
-        exception, naming that rank)."""
+        flags check fails, the structures differ, or any rank failed (the
+        lowest failing rank's exception, naming that rank)."""
         if len(flags) > _FLAG_BYTES:
             raise ValueError("at most 8 flags")
         record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
+        record = (record + _AGREEMENT_TAG).ljust(RECORD_BYTES, b"\0")
         blobs, ranks = mesh_all_gather_bytes(self.mesh, record)
-        per_rank = [tuple(b[21 : 21 + len(flags)]) for b in blobs]
-        same = len({b[:20] for b in blobs}) == 1
-        failed = any(b[20] for b in blobs)
+        per_rank = [tuple(b[41 : 41 + len(flags)]) for b in blobs]
+        same_options = len({b[:20] for b in blobs}) == 1
+        same_structure = len({b[20:40] for b in blobs}) == 1
+        failed = any(b[40] for b in blobs)
         problem = None
-        if same and flags_check is not None:
+        if same_options and flags_check is not None:
             problem = flags_check(per_rank, ranks)
-        if same and not failed and problem is None:
+        if same_options and same_structure and not failed and problem is None:
             return per_rank
         # Error path: every rank is here (the records say so on every rank).
-        mine = (None if same else self.options, None if error is None else _export_error(error))
+        mine = (
+            "load",
+            self.what,
+            None if same_options else self.options,
+            None if same_structure or not same_options or problem else self.structure,
+            None if error is None else _export_error(error),
+        )
         gathered, ranks = mesh_all_gather_object(self.mesh, mine)
-        if not same:
+        _check_same_call(gathered, ranks)
+        gathered = [g[2:] for g in gathered]
+        if not same_options:
             raise errors.StateDictRuntimeError(
-                _describe_difference(
-                    f"options of {self.what}", [g[0] for g in gathered], ranks
-                )
+                _describe_difference(f"options of {self.what}", [g[0] for g in gathered], ranks)
             )
         if problem is not None:
             raise errors.StateDictValueError(problem)
-        failures = [(r, g[1]) for r, g in zip(ranks, gathered) if g[1] is not None]
+        if not same_structure:
+            raise errors.StateDictRuntimeError(
+                _describe_difference(
+                    f"state dicts passed to {self.what}", [g[1] for g in gathered], ranks
+                )
+            )
+        failures = [(r, g[2]) for r, g in zip(ranks, gathered) if g[2] is not None]
         texts = {text for _, (_, text) in failures}
         if error is not None and len(failures) == len(ranks) and len(texts) == 1:
             raise error  # every rank failed alike: its own exception

@@ -447,7 +447,9 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
             _verify_state_dict(model_state_dict or {}, optim_state_dict or {}, info)
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
-        agreement = _agreement_for(api, model, info, options) if _distributed() else None
+        agreement = None
+        if _distributed():
+            agreement = _agreement_for(api, model, info, options, model_state_dict, optim_state_dict)
         try:
             if error is None:
                 try:
@@ -524,7 +526,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agreement_for(api: str, model: Any, info: Any, options: Any) -> Any:
+def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any) -> Any:
     """The agreement of a distributed load, or None for a load that runs
     alone on each rank (no full dict, no sharded tensors).  Decided from
     the options as passed and the model's tensors, also where the load
@@ -547,7 +549,44 @@ def _agreement_for(api: str, model: Any, info: Any, options: Any) -> Any:
         return None
     mesh = route_for(index, None).mesh if index is not None else None
     pairs = [("api", api), *option_pairs(options, _COLLECTIVE_OPTIONS), ("bucket", repr(_bucket_setting()))]
-    return Agreement(mesh, api, pairs)
+    structure = None
+    if full and not getattr(options, "broadcast_from_rank0", False):
+        # every rank holds the full dicts: the same checkpoint, so the
+        # same keys, shapes, dtypes and hyperparameters
+        structure = _structure(model_state_dict, "model") + _structure(optim_state_dict, "optimizer")
+    return Agreement(mesh, api, pairs, structure)
+
+
+def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:
+    """(entry, description) of every entry of a state dict, tensors as
+    (shape, dtype): what every rank's copy of a full dict must share."""
+    if not state_dict or not isinstance(state_dict, dict):
+        return []
+    from ._distribute import TensorMeta
+
+    try:
+        ctx = context()
+        leaves = C.tree_leaves(ctx, state_dict, False)
+        meta = C.tree_rebuild(ctx, state_dict, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+    except Exception:  # noqa: BLE001 - the load's own checks report it
+        return [(what, "a state dict whose structure cannot be read")]
+    out = []
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            out.append((f"{what} entry", type(key).__name__))
+        elif key == "state" and isinstance(value, dict):
+            for fqn, entry in value.items():
+                items = entry.items() if isinstance(entry, dict) else [("", entry)]
+                for name, v in items:
+                    out.append((f"{what} state '{fqn}' '{name}'", repr(v)))
+        elif key == "param_groups" and isinstance(value, list):
+            for i, group in enumerate(value):
+                items = group.items() if isinstance(group, dict) else [("", group)]
+                for name, v in items:
+                    out.append((f"{what} param_groups[{i}] '{name}'", repr(v)))
+        else:
+            out.append((f"{what} '{key}'", repr(value)))
+    return out
 
 
 def _bucket_setting():
