@@ -51,19 +51,24 @@ def _snapshot(model: nn.Module, optim) -> Any:
 
 
 def _local_snapshot(model: nn.Module, optim) -> Any:
-    """Without collectives (for scenarios that may leave ranks apart)."""
-    params = {
-        n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
+    """This rank's shards of every parameter -- FSDP2's sharded
+    parameters, whatever state a forward left the module in -- and of the
+    optimizer state, without collectives (for scenarios that may leave
+    ranks apart)."""
+
+    def local(v):
+        return (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+
+    params = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                params.extend(local(fp.sharded_param) for fp in group.fsdp_params)
     state = []
     if optim is not None:
         for p in [p for g in optim.param_groups for p in g["params"]]:
             st = optim.state.get(p, {})
-            state.append({
-                k: ((v.to_local() if isinstance(v, DTensor) else v).clone() if isinstance(v, torch.Tensor) else v)
-                for k, v in st.items()
-            })
+            state.append({k: (local(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items()})
     return params, state
 
 
@@ -489,8 +494,8 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
 
         if where == "stream":
             _distribute.Route.broadcast = die
-        elif where == "hang":
-            _consistency.mesh_all_gather_bytes = lambda *a, **k: time.sleep(30)
+        elif where == "hang":  # alive, but late by more than the timeout
+            _consistency.mesh_all_gather_bytes = lambda *a, **k: time.sleep(8)
         else:
             _consistency.mesh_all_gather_bytes = die
     t0 = time.monotonic()

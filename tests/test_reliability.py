@@ -82,7 +82,7 @@ def test_5_a_check_failing_on_one_rank_is_agreed(reliability):
     assert not a[1] and not b[1]
     # strict=False: both ranks load what the checkpoint has
     a, b = _both(reliability, "d5[strict=False]")
-    assert a == b == ["ok", True, True], (a, b)
+    assert a == b == ("ok", True, True), (a, b)
 
 
 def test_6_disagreement_names_the_first_real_difference(reliability):
@@ -140,15 +140,17 @@ def test_a_rank_dying_inside_a_collective(where):
     at once when the peer's process is gone (gloo: connection closed),
     after the process-group timeout (5 s here) when the peer is alive but
     never arrives."""
+    if where == "hang":
+        survivor, _ = run_ranks(2, cases.dying_rank_case, where, timeout=60)
+        assert survivor["result"].startswith("RuntimeError"), survivor
+        assert "Timed out" in survivor["result"] or "timeout" in survivor["result"].lower(), survivor
+        assert survivor["seconds"] < 8
+        return
     with pytest.raises(AssertionError) as info:
         run_ranks(2, cases.dying_rank_case, where, timeout=60)
     survivor = info.value.rank_results.get(0)
     assert survivor is not None, str(info.value)[-2000:]
     assert survivor["result"].startswith("RuntimeError"), survivor
-    if where == "hang":
-        assert "Timed out" in survivor["result"] or "timeout" in survivor["result"].lower(), survivor
-        assert survivor["seconds"] < 30
-    else:
-        assert info.value.exitcodes[1] == 3
-        assert "Connection closed" in survivor["result"] or "Connection reset" in survivor["result"], survivor
-        assert survivor["seconds"] < 10
+    assert info.value.exitcodes[1] == 3
+    assert "Connection closed" in survivor["result"] or "Connection reset" in survivor["result"], survivor
+    assert survivor["seconds"] < 10
