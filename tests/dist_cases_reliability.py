@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 
 import dcp_optim
 
-from .dist_cases import MLP, make_optimizer, train
-from .oracle import assert_same_tree, optimizer_snapshot
+from .dist_cases import MLP, train
+from .oracle import assert_same_tree
 
 
 def _outcome(fn) -> str:
@@ -39,15 +39,6 @@ def _outcome(fn) -> str:
         return "ok"
     except Exception as exc:  # noqa: BLE001 - the failure is the result
         return f"{type(exc).__name__}: {exc}"[:600] or traceback.format_exc(limit=2)
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _snapshot(model: nn.Module, optim) -> Any:
-    params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return params, optimizer_snapshot([optim]) if optim is not None else None
 
 
 def _local_snapshot(model: nn.Module, optim) -> Any:
