@@ -402,12 +402,14 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     error on every rank):
 
     1. local checks and planning of every part (optimizers first, then the
-       model: upstream's order, also for the collectives);
-    2. broadcast loads: one agreement, one metadata broadcast from the
-       source, the validation of the whole load on every rank;
-    3. one agreement (options, D15, every rank's verdict), the data
-       movement, one more agreement on the checks made on the moved data,
-       then commit -- which cannot fail on bad input.
+       model: upstream's order, also for the collectives); without
+       broadcast, the validation of the whole load too;
+    2. one agreement: options, D15, the full dicts' structure, every
+       rank's verdict;
+    3. broadcast loads: one metadata broadcast from the source, the
+       validation of the whole load on every rank, one agreement;
+    4. the data movement and the checks made on the moved data, one more
+       agreement, then commit -- which cannot fail on bad input.
 
     Agreements are fixed-size all-gathers (``_consistency.Agreement``)
     among the ranks of the model's mesh, made whenever the load
@@ -487,9 +489,12 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
                 except Exception as exc:  # noqa: BLE001
                     error = exc
                 agreement.agree(error)
-            # data movement: every part runs (the streams are collectives)
+            # data movement: on broadcast loads every part runs even after
+            # one failed (its stream is a collective the others wait in)
             results = []
             for _, gen in steps:
+                if error is not None and not bcast:
+                    break
                 try:
                     results.append(next(gen))
                 except Exception as exc:  # noqa: BLE001
