@@ -185,12 +185,16 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
     #    state, rank 0's does not, the checkpoint lacks state for one
     #    trainable parameter.  strict: the same MissingOptimizerStateError
     #    on both ranks, nothing loaded; strict=False: both ranks load.
-    for strict in (True, False):
+    for strict, flat in ((True, False), (False, False), (True, True), (False, True)):
         src_model, src_optim = build(mesh, seed=4)
         osd = dcp_optim.get_optimizer_state_dict(
-            src_model, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
-        osd = {"state": {k: v for k, v in osd["state"].items() if k != "head.weight"},
-               "param_groups": osd["param_groups"]}
+            src_model, src_optim,
+            options=dcp_optim.StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flat))
+        if flat:
+            osd = {k: v for k, v in osd.items() if not k.startswith("state.head.weight.")}
+        else:
+            osd = {"state": {k: v for k, v in osd["state"].items() if k != "head.weight"},
+                   "param_groups": osd["param_groups"]}
         if rank != 0:
             osd = {}
         model, optim = build(mesh, seed=1)
@@ -199,7 +203,8 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
         before = _local_snapshot(model, optim)
         result = _outcome(lambda: dcp_optim.set_optimizer_state_dict(
             model, optim, osd,
-            options=dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)))
+            options=dcp_optim.StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=strict, flatten_optimizer_state_dict=flat)))
         changed = not _same(before, _local_snapshot(model, optim))
         loaded = None
         if result == "ok":
@@ -208,7 +213,7 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
             got = dcp_optim.get_optimizer_state_dict(
                 model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
             loaded = all(_same(got["state"][k], v) for k, v in expect["state"].items() if k != "head.weight")
-        out[f"d5[strict={strict}]"] = {"dcp_optim": (result, changed, loaded)}
+        out[f"d5[strict={strict}{',flat' if flat else ''}]"] = {"dcp_optim": (result, changed, loaded)}
 
     # 4. ranks disagreeing on broadcast_from_rank0 (rank 0 broadcasts, rank
     #    1 passes {} without broadcast): the same error on both.
@@ -240,16 +245,20 @@ def global_shape_suite(rank: int, ws: int) -> dict[str, str]:
     out = {}
     for state in ("sharded", "eval", "mid_training"):
         for mode in ("sharded", "full", "broadcast"):
-            for part in ("model", "optim"):
+            for part in ("model", "optim", "optim_flat"):
                 model, optim = _states(mesh, state)
                 full = mode != "sharded"
-                opts = dcp_optim.StateDictOptions(full_state_dict=full, broadcast_from_rank0=mode == "broadcast")
+                flat = part == "optim_flat"
+                opts = dcp_optim.StateDictOptions(
+                    full_state_dict=full, broadcast_from_rank0=mode == "broadcast", flatten_optimizer_state_dict=flat)
                 src_model, src_optim = build(mesh, seed=2)
                 msd, osd = dcp_optim.get_state_dict(
-                    src_model, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=full))
+                    src_model, src_optim,
+                    options=dcp_optim.StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=flat))
                 if part == "model":
-                    bad = torch.randn(7, 8) if full else torch.randn(7, 8)  # global (5, 8)
-                    msd = {**msd, "head.weight": bad}
+                    msd = {**msd, "head.weight": torch.randn(7, 8)}  # global (5, 8)
+                elif flat:
+                    osd = {**osd, "state.head.weight.exp_avg": torch.randn(5, 1)}
                 else:
                     st = dict(osd["state"]["head.weight"])
                     st["exp_avg"] = torch.randn(5, 1)

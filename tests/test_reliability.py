@@ -73,15 +73,16 @@ def test_4_disagreeing_broadcast_option_is_one_python_error(reliability):
     assert unchanged0 and unchanged1
 
 
-def test_5_a_check_failing_on_one_rank_is_agreed(reliability):
+@pytest.mark.parametrize("fmt", ["", ",flat"])
+def test_5_a_check_failing_on_one_rank_is_agreed(reliability, fmt):
     # strict: rank 1's check (it holds state) and rank 0's (it does not)
     # agree -- the checkpoint lacks a trainable parameter's state, so the
     # load fails on both ranks with the same error and changes nothing
-    a, b = _both(reliability, "d5[strict=True]")
+    a, b = _both(reliability, f"d5[strict=True{fmt}]")
     assert a[0] == b[0] and a[0].startswith("MissingOptimizerStateError"), (a, b)
     assert not a[1] and not b[1]
     # strict=False: both ranks load what the checkpoint has
-    a, b = _both(reliability, "d5[strict=False]")
+    a, b = _both(reliability, f"d5[strict=False{fmt}]")
     assert a == b == ("ok", True, True), (a, b)
 
 
@@ -94,7 +95,7 @@ def test_6_disagreement_names_the_first_real_difference(reliability):
 
 def test_no_load_writes_another_global_shape():
     results = run_ranks(2, cases.global_shape_suite, timeout=240)
-    assert results[0].keys() == results[1].keys() and len(results[0]) == 18
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 27
     for key in results[0]:
         (err0, changed0), (err1, changed1) = results[0][key], results[1][key]
         assert err0 != "ok" and err1 != "ok", key
