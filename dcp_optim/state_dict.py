@@ -268,7 +268,8 @@ def set_model_state_dict(
 
     :type model_state_dict: typing.Dict[str, ValueType]
     """
-    result, _ = _run_load("set_model_state_dict", model, None, model_state_dict, None, options)
+    model_state_dict, error = _unflatten(model, model_state_dict)
+    result, _ = _run_load("set_model_state_dict", model, None, model_state_dict, None, options, error)
     _check_after_load(model, (), options, ("model",))
     return result
 
@@ -356,8 +357,9 @@ def set_state_dict(
     :type model_state_dict: typing.Dict[str, ValueType]
     :type optim_state_dict: typing.OptimizerStateType
     """
+    model_state_dict, error = _unflatten(model, model_state_dict)
     (result, handle_model), optimizers = _run_load(
-        "set_state_dict", model, optimizers, model_state_dict, optim_state_dict, options
+        "set_state_dict", model, optimizers, model_state_dict, optim_state_dict, options, error
     )
     sections = ("model", "optim") if handle_model else ("optim",)
     _check_after_load(model, optimizers, options, sections)
@@ -396,7 +398,16 @@ _COLLECTIVE_OPTIONS = (
 )
 
 
-def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, options):
+def _unflatten(model: Any, model_state_dict: Any) -> tuple[Any, Exception | None]:
+    """The deprecated module-keyed form, flattened here (its warning
+    points at the caller); a failure is agreed on like any other."""
+    try:
+        return unflatten_model_state_dict(model, model_state_dict), None
+    except Exception as exc:  # noqa: BLE001 - raised by _run_load
+        return model_state_dict, exc
+
+
+def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, options, error=None):
     """The three setters.  Every check of every rank runs, and is agreed
     on, before any data moves or anything is installed (atomic, the same
     error on every rank):
@@ -417,7 +428,6 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     sharded load runs alone on each rank, as upstream's does."""
     from ._distribute import reshard_fsdp2, route_for
 
-    error = None
     info = None
     steps: list[tuple[str, Any]] = []
     metas: list[Any] = []
@@ -428,17 +438,17 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     with _gc_context():
         try:
             torch.set_grad_enabled(False)
+            if error is not None:
+                raise error
             if isinstance(model, nn.Module):
                 reshard_fsdp2(model)
             if optimizers is not None:
                 optimizers = _normalize_optimizers(optimizers)
             if api == "set_model_state_dict":
-                model_state_dict = unflatten_model_state_dict(model, model_state_dict)
                 info = _prepare(model, (), optim_only=False, options=options)
             elif api == "set_optimizer_state_dict":
                 info = _prepare(model, optimizers, optim_only=True, options=options)
             else:
-                model_state_dict = unflatten_model_state_dict(model, model_state_dict)
                 info = _prepare(model, optimizers, optim_only=not model_state_dict, options=options)
                 if info.broadcast_from_rank0 and _distributed():
                     # Receivers pass {}: whether the model is loaded is the
