@@ -11,6 +11,14 @@ The digest travels as a fixed-size byte tensor (one all-gather, no
 pickling: ``all_gather_object`` costs two collectives, sizes then
 payload); a one-byte per-rank flag rides along, which callers use to learn
 which ranks want the data (the rank-0-only gathers of ``cpu_offload``).
+
+Every such record has the same size (``RECORD_BYTES``), a getter's gather
+check as well as a load's agreement (``Agreement``: options, the full
+dicts' structure, the rank's verdict on its own checks), so that ranks
+that reached different ones still complete the exchange and raise the
+same error instead of aborting in the backend; the error paths exchange
+tagged payloads through ``all_gather_object`` (sizes first, then the
+payload: the same two collectives on every rank).
 """
 
 from __future__ import annotations
