@@ -499,6 +499,13 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
         else:
             _consistency.mesh_all_gather_bytes = die
     t0 = time.monotonic()
+    if where == "getter":  # rank 0 gets a full dict, rank 1 a sharded one
+        full = rank == 0
+        result = _outcome(lambda: dcp_optim.get_model_state_dict(
+            model, options=dcp_optim.StateDictOptions(full_state_dict=full)))
+        if rank == 1:
+            time.sleep(7)  # alive, in no collective, past the timeout
+        return {"result": result, "seconds": round(time.monotonic() - t0, 1)}
     result = _outcome(lambda: dcp_optim.set_model_state_dict(
         model, msd if rank == 0 else {},
         options=dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))
