@@ -144,7 +144,7 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
 
 
 def _noop_commit() -> _IncompatibleKeys:
-    return _IncompatibleKeys([], [])
+    return _IncompatibleKeys({}, {})  # upstream's, dicts included
 
 
 def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):

@@ -519,7 +519,7 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
             if "optim" in parts:
                 commit, optim_report = parts["optim"]
                 commit()
-            model_report = _IncompatibleKeys([], [])
+            model_report = _IncompatibleKeys({}, {})
             if "model" in parts:
                 commit, _ = parts["model"]
                 model_report = commit()
