@@ -161,17 +161,20 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
 
     # 3. set_state_dict is atomic: a bad model dict changes neither the
     #    model nor the optimizer (full, broadcast and sharded modes).
-    for mode in ("full", "broadcast", "sharded"):
-        out[f"d3[{mode}]"] = {}
+    for mode, flat in ((m, f) for m in ("full", "broadcast", "sharded") for f in (False, True)):
+        key = f"d3[{mode}{',flat' if flat else ''}]"
+        out[key] = {}
         # upstream's set_state_dict hangs when receivers pass {} (see the
         # README): not run in broadcast mode
         for impl in (upstream, dcp_optim) if mode != "broadcast" else (dcp_optim,):
             model, optim = build(mesh)
             src_model, src_optim = build(mesh, seed=3)
             full = mode != "sharded"
-            opts = dict(full_state_dict=full, broadcast_from_rank0=mode == "broadcast")
+            opts = dict(full_state_dict=full, broadcast_from_rank0=mode == "broadcast",
+                        flatten_optimizer_state_dict=flat)
             msd, osd = dcp_optim.get_state_dict(
-                src_model, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=full))
+                src_model, src_optim,
+                options=dcp_optim.StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=flat))
             msd = dict(msd)
             msd["layers.0.up.bias"] = torch.zeros(3)  # the wrong global shape (7,)
             if mode == "broadcast" and rank != 0:
@@ -179,7 +182,7 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
             before = _local_snapshot(model, optim)
             result = _outcome(lambda: impl.set_state_dict(
                 model, optim, model_state_dict=msd, optim_state_dict=osd, options=_opts(impl, **opts)))
-            out[f"d3[{mode}]"][impl.__name__.split(".")[0]] = (result, _same(before, _local_snapshot(model, optim)))
+            out[key][impl.__name__.split(".")[0]] = (result, _same(before, _local_snapshot(model, optim)))
 
     # 5. a check that fails on one rank only: rank 1's optimizer holds
     #    state, rank 0's does not, the checkpoint lacks state for one

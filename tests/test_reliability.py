@@ -56,14 +56,16 @@ def test_2_getters_and_setters_in_every_fsdp2_state(reliability, state):
                 assert value["dcp_optim"] == "ok", (key, value)
 
 
+@pytest.mark.parametrize("fmt", ["", ",flat"])
 @pytest.mark.parametrize("mode", ["full", "broadcast", "sharded"])
-def test_3_set_state_dict_is_atomic(reliability, mode):
-    key = f"d3[{mode}]"
+def test_3_set_state_dict_is_atomic(reliability, mode, fmt):
+    key = f"d3[{mode}{fmt}]"
     errs = {r[key]["dcp_optim"][0] for r in reliability}
     assert len(errs) == 1 and "size mismatch for layers.0.up.bias" in errs.pop()
     assert all(r[key]["dcp_optim"][1] for r in reliability), "model or optimizer changed"
-    if mode != "broadcast":
-        # upstream: the optimizer is loaded before the model load fails
+    if mode != "broadcast" and not fmt:
+        # upstream (nested format): the optimizer is loaded before the
+        # model load fails
         assert not any(r[key]["torch"][1] for r in reliability)
 
 
@@ -103,6 +105,20 @@ def test_no_load_writes_another_global_shape():
         assert err0.split(":")[0] == err1.split(":")[0], (key, err0, err1)
         assert "(5, 8)" in err0 or "[5, 8]" in err0, (key, err0)
         assert not changed0 and not changed1, key
+
+
+def test_empty_model_load_reports_like_upstream():
+    # the no-op load of an empty dict (strict=False) returns upstream's
+    # _IncompatibleKeys({}, {}), dicts included
+    import torch
+    import torch.distributed.checkpoint.state_dict as upstream
+
+    import dcp_optim
+
+    model = torch.nn.Linear(2, 2)
+    a = upstream.set_model_state_dict(model, {}, options=upstream.StateDictOptions(strict=False))
+    b = dcp_optim.set_model_state_dict(model, {}, options=dcp_optim.StateDictOptions(strict=False))
+    assert a == b and type(b.missing_keys) is type(a.missing_keys) is dict
 
 
 # --- fault injection --------------------------------------------------------------
