@@ -560,14 +560,18 @@ def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_di
             index = None
     full = bool(getattr(options, "full_state_dict", False) or getattr(options, "broadcast_from_rank0", False))
     sharded = index is not None and bool(C.indices_of(index.tensors, DTensor))
-    if not (full or sharded):
-        return None
     mesh = route_for(index, None).mesh if index is not None else None
+    # Without one device mesh the group is the default one, which may
+    # hold other models (pipeline stages): only loads that communicate
+    # there anyway agree there.
+    if not (full or (sharded and mesh is not None)):
+        return None
     pairs = [("api", api), *option_pairs(options, _COLLECTIVE_OPTIONS), ("bucket", repr(_bucket_setting()))]
     structure = None
-    if full and not getattr(options, "broadcast_from_rank0", False):
-        # every rank holds the full dicts: the same checkpoint, so the
-        # same keys, shapes, dtypes and hyperparameters
+    if full and mesh is not None and not getattr(options, "broadcast_from_rank0", False):
+        # every rank of the mesh holds the full dicts of one model: the
+        # same checkpoint, so the same keys, shapes, dtypes and
+        # hyperparameters
         structure = _structure(model_state_dict, "model") + _structure(optim_state_dict, "optimizer")
     return Agreement(mesh, api, pairs, structure)
 
