@@ -18,16 +18,16 @@ sharded on a sub-mesh the data travels within that mesh.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import errors
-from ._collectives import bucket_bytes, bucket_setting
+from ._collectives import bucket_bytes
 from ._core import C, context
 
 _CLASSES = (Shard, _StridedShard, Replicate)
@@ -69,12 +69,6 @@ class Route:
             self.stages.append((mesh.get_group(d), int(grid[tuple(at_zero)])))
         self.source = int(grid[(0,) * mesh.ndim])
         self.is_source = all(c == 0 for c in coord)
-
-    def agree(self, what: str, summary: Any) -> None:
-        """Same error on every rank of the route when ``summary`` differs."""
-        from ._consistency import check_agreement
-
-        check_agreement(self.mesh, what, summary, lambda: [("options", repr(summary))])
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         for group, src in self.stages:
@@ -150,95 +144,166 @@ def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
 # --- model ---------------------------------------------------------------------
 
 
-def distribute_model_state_dict(
-    full: dict[str, Any],
-    local: dict[str, Any],
-    device: torch.device,
-    *,
-    precheck: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Every rank holds ``full``: upstream's _distribute_state_dict +
-    update(local).  With ``precheck`` (the model load's full validation)
-    and the same keys as the model's, the dict is validated first and each
-    shard is then copied straight into the parameter's local tensor, as
-    upstream does (no second copy of the shards); otherwise DTensors are
-    sliced into new DTensors and nothing is written to the model before
-    load_state_dict validates the result."""
-    merged, jobs = C.full_load_merge(context(), full, local, device)
-    in_place = precheck is not None and full.keys() == local.keys()
-    if in_place:
-        # Full tensors have the global shapes the check compares with.
-        precheck(full)
-    if jobs:
-        job_list = [(full_t, local_t, local_t.device) for _, full_t, local_t in jobs]
-        values = run_full_load(job_list, route=None, in_place=in_place)
-        C.write_slots([(merged, key) for key, _, _ in jobs], values)
-    return merged
+class ModelFullLoad:
+    """A full model load in three steps, so that every check of every rank
+    is agreed on before any data moves (see ``_consistency.Agreement``):
 
+    * ``source_meta()`` (local): what the source broadcasts -- the tree of
+      (shape, dtype) of its dict -- or None;
+    * ``validate(meta)`` (local, after the metadata exchange): the jobs,
+      every tensor's global shape against the parameter's, and ``precheck``
+      (the model load's whole validation) on the dict as it will be
+      loaded;
+    * ``move()``: the data -- local slicing when every rank holds the full
+      dict (``route`` None, upstream's _distribute_state_dict +
+      update(local)), else a bucketed stream from the route's source
+      (upstream's _broadcast_state_dict semantics).  Returns the dict to
+      load.
 
-def broadcast_model_state_dict(
-    full: dict[str, Any],
-    local: dict[str, Any],
-    device: torch.device,
-    *,
-    strict: bool,
-    cpu_offload: bool,
-    route: Route,
-    precheck: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Only the route's source holds ``full``; everyone ends with its
-    local dict updated (upstream's _broadcast_state_dict semantics).
-    ``precheck`` as for distribute_model_state_dict."""
-    ctx = context()
-    route.agree("model load options", ("model", strict, cpu_offload, bucket_setting()))
-    if route.is_source:
-        leaves = C.tree_leaves(ctx, full, False)
-        meta = C.tree_rebuild(ctx, full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
-    else:
-        meta = None
-    meta = route.broadcast_object(meta)
-    if not isinstance(meta, dict):
-        raise errors.StateDictValueError(
-            "broadcast_from_rank0=True: the source rank "
-            f"({route.source}) did not provide a model state dict"
+    Where the checks ran on the whole dict (same keys as the model's, and a
+    ``precheck``), the shards are written straight into the parameters
+    (upstream's footprint: no second copy); otherwise DTensors are sliced
+    into new DTensors and nothing is written before load_state_dict."""
+
+    def __init__(
+        self, full, local, device, *, route=None, strict=True, cpu_offload=False, precheck=None, info=None
+    ):
+        self.info = info
+        self.full = full
+        self.local = local
+        self.device = device
+        self.route = route
+        self.strict = strict
+        self.cpu_offload = cpu_offload
+        self.precheck = precheck
+
+    def source_meta(self) -> Any:
+        route = self.route
+        if route is None or not route.is_source:
+            return None
+        ctx = context()
+        leaves = C.tree_leaves(ctx, self.full, False)
+        return C.tree_rebuild(ctx, self.full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+
+    def validate(self, meta: Any = None) -> None:
+        if self.route is None:
+            self._validate_local()
+        else:
+            self._validate_stream(meta)
+
+    def _validate_local(self) -> None:
+        full, local = self.full, self.local
+        merged, jobs = C.full_load_merge(context(), full, local, self.device)
+        self.merged = merged
+        self.keys = [key for key, _, _ in jobs]
+        self.jobs = [(full_t, local_t, local_t.device) for _, full_t, local_t in jobs]
+        self.in_place = self.precheck is not None and full.keys() == local.keys()
+        if self.precheck is not None:
+            # The dict as it will be loaded, full tensors standing in for
+            # this rank's shards: torch's own errors, all of them.
+            pre = dict(merged)
+            for key, job in zip(self.keys, self.jobs):
+                pre[key] = job[0]
+            self.precheck(pre)
+        # Never cut a tensor with a parameter's sharding unless it has the
+        # parameter's global shape (whatever else is known about the load).
+        check_global_shapes(self.keys, self.jobs)
+
+    def _validate_stream(self, meta: Any) -> None:
+        route = self.route
+        if not isinstance(meta, dict):
+            raise errors.StateDictValueError(
+                "broadcast_from_rank0=True: the source rank "
+                f"({route.source}) did not provide a model state dict"
+            )
+        self.meta = meta
+        keys, jobs, non_tensor = _broadcast_jobs(
+            meta, self.full if route.is_source else None, self.local, self.device
         )
-    keys, jobs, non_tensor = _broadcast_jobs(meta, full if route.is_source else None, local, device)
-    _check_broadcast_shapes(keys, jobs)
-    out = dict(local)
-    for key, value in non_tensor:
-        if key in out:
-            out[key] = value
-    # In place (shards streamed straight into the parameters, peak one
-    # bucket, as upstream) only once the whole load is known to pass: the
-    # same keys as the model's, and the dict as it will be loaded -- the
-    # live tensors standing in for the streamed ones, whose shapes were
-    # just checked -- passes the model load's own checks.
-    in_place = precheck is not None and meta.keys() == local.keys()
-    if in_place:
-        precheck(out)
-    values = run_full_load(
-        jobs, route=route, offload=_CPU if cpu_offload else None, in_place=in_place
-    )
-    C.write_slots([(out, k) for k in keys], values)
-    if strict:
-        for key in [k for k in out if k not in meta]:
-            del out[key]
-    if route.is_source:
-        merged = dict(full)
-        merged.update(out)
-        return merged
-    return out
+        check_global_shapes(keys, jobs)
+        out = dict(self.local)
+        for key, value in non_tensor:
+            if key in out:
+                out[key] = value
+        self.keys, self.jobs, self.out = keys, jobs, out
+        # In place (shards streamed straight into the parameters, peak one
+        # bucket, as upstream) only once the whole load is known to pass:
+        # the same keys as the model's, and the dict as it will be loaded
+        # -- the live tensors standing in for the streamed ones, whose
+        # shapes were just checked -- passes the model load's own checks.
+        self.in_place = self.precheck is not None and meta.keys() == self.local.keys()
+        if self.precheck is not None:
+            self.precheck(self._as_loaded(out))
+
+    def _as_loaded(self, out: dict[str, Any]) -> dict[str, Any]:
+        """What move() returns, with ``out``'s values (live tensors of the
+        global shapes just checked, for the streamed ones)."""
+        out = dict(out)
+        if self.strict:
+            for key in [k for k in out if k not in self.meta]:
+                del out[key]
+        if self.route.is_source:
+            merged = dict(self.full)
+            merged.update(out)
+            return merged
+        return out
+
+    def move(self) -> dict[str, Any]:
+        route = self.route
+        if not in_place_allowed(self.info):
+            self.in_place = False
+        if route is None:
+            if self.jobs:
+                values = run_full_load(self.jobs, route=None, in_place=self.in_place)
+                C.write_slots([(self.merged, key) for key in self.keys], values)
+            return self.merged
+        out = self.out
+        values = run_full_load(
+            self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place
+        )
+        C.write_slots([(out, k) for k in self.keys], values)
+        if self.strict:
+            for key in [k for k in out if k not in self.meta]:
+                del out[key]
+        if route.is_source:
+            merged = dict(self.full)
+            merged.update(out)
+            return merged
+        return out
 
 
-def _check_broadcast_shapes(keys: list[str], jobs: list[tuple]) -> None:
-    """Every rank sees the same metadata and model, so a shape mismatch is
-    found -- and raised, with torch's wording -- on every rank alike,
-    before the stream starts."""
+def _stand_in(job: tuple) -> Any:
+    """What validates in place of a job's result before the data moves:
+    its template (this rank's shard of the same global shape), else the
+    full tensor, else (metadata on a receiving rank) an uninitialised
+    tensor of its shape and dtype, freed before the data arrives in one of
+    the same size."""
+    value, template, device = job
+    if template is not None:
+        return template
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device=device)
+
+
+def in_place_allowed(info: Any) -> bool:
+    """Writes into live tensors before commit only while every part of
+    the load was validated in full before data moved (a model whose load
+    hooks may rename keys is validated after the data arrives: then
+    nothing of the load is written in place, so that its failure changes
+    nothing)."""
+    return info is None or not getattr(info, "validated_after_move", False)
+
+
+def check_global_shapes(keys: list[str], jobs: list[tuple], what: str = "") -> None:
+    """A full tensor is cut with its template's sharding only when it has
+    the template's global shape: raised with torch's wording, on every rank
+    that sees the mismatch, before any data moves."""
     bad = C.shape_mismatches(jobs, torch.Tensor)
     if bad:
         i, got, want = bad[0]
         raise errors.StateDictRuntimeError(
-            f"size mismatch for {keys[i]}: copying a param with shape {torch.Size(got)} "
+            f"size mismatch for {what}{keys[i]}: copying a param with shape {torch.Size(got)} "
             f"from checkpoint, the shape in current model is {torch.Size(want)}."
         )
 
@@ -259,59 +324,12 @@ def collective_device(device: torch.device, index: Any) -> torch.device:
     return device if device.type in types else group._device_types[0]
 
 
-def require_full_dict_everywhere(has_data: Any, index: Any, what: str) -> None:
-    """SPEC D15: a full load without broadcast needs the full dict on
-    every rank.  Upstream hangs when only some ranks pass it (or raises on
-    the empty ones only); one small agreement collective, before any other
-    check, makes every rank raise the same clear error.
-
-    ``has_data`` is one bool, or a tuple of bools (one per dict of the
-    call), compared across the ranks of the model's mesh."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    route = route_for(index, None)
-    flags, ranks = _gather_flags(route.mesh, has_data)
-    if all(f == flags[0] for f in flags):
-        return
-    empty = [r for r, f in zip(ranks, flags) if f != max(flags)]
-    raise errors.StateDictValueError(
-        f"full_state_dict=True loads need the full {what} state dict on every "
-        f"rank, but rank(s) {empty} passed an empty one. To load a dict that "
-        "only rank 0 holds, use StateDictOptions(full_state_dict=True, "
-        "broadcast_from_rank0=True)."
-    )
-
-
-def _gather_flags(mesh: Any, flags: Any) -> tuple[list[Any], list[int]]:
-    """Every mesh rank's ``flags`` (a bool or a short tuple of bools): one
-    all-gather of 16 bytes (an object all-gather costs two collectives and
-    pickling)."""
-    from ._consistency import mesh_all_gather_bytes, mesh_all_gather_object
-
-    seq = flags if isinstance(flags, tuple) else (flags,)
-    if len(seq) > 14 or not all(isinstance(f, bool) for f in seq):
-        return mesh_all_gather_object(mesh, flags)
-    data = bytes([isinstance(flags, tuple), len(seq), *map(int, seq)]).ljust(16, b"\0")
-    blobs, ranks = mesh_all_gather_bytes(mesh, data)
-    out = []
-    for b in blobs:
-        values = tuple(bool(x) for x in b[2 : 2 + b[1]])
-        out.append(values if b[0] else values[0])
-    return out, ranks
-
-
 # --- optimizer -----------------------------------------------------------------
 
 
-def localize_optim_view(
-    view: tuple,
-    info: Any,
-    *,
-    full: bool,
-    held: Callable[[], dict[str, Any]] | None = None,
-    precheck: Callable[[tuple], Any] | None = None,
-) -> tuple:
-    """Make the tensors of a loaded optimizer view local to this rank.
+class OptimLocalize:
+    """Make the tensors of a loaded optimizer view local to this rank, in
+    the three steps of ``ModelFullLoad`` (source_meta, validate, move).
 
     full=True (full_state_dict loads): full tensors of DTensor parameters
     become this rank's shard, as DTensors (D9); with broadcast_from_rank0
@@ -320,51 +338,73 @@ def localize_optim_view(
     parameters are converted (D9); everything else is left as is.
 
     ``held()`` (the optimizers' current state by FQN) and ``precheck(view)``
-    (the load's whole validation): on full loads where every streamed
-    tensor belongs to a DTensor parameter, the view is validated first with
-    the current state tensors (or the parameters) standing in for the
-    incoming ones, and the shards are then written straight into the
-    current state tensors where dtype and layout allow -- upstream's
-    footprint, without a second copy of the optimizer state, and still
-    nothing changed when a check fails.
+    (the load's whole validation): the view is validated first with the
+    current state tensors (or the parameters) standing in for the incoming
+    ones; on full loads where every streamed tensor belongs to a held
+    state tensor, the shards are then written straight into it where dtype
+    and layout allow -- upstream's footprint, without a second copy of the
+    optimizer state, and still nothing changed when a check fails.
     """
-    state, groups, fqn_group, empties, unexpected = view
-    route = None
-    if full and info.broadcast_from_rank0:
-        device = _state_device(info.index)
-        route = route_for(info.index, device)
-        route.agree("optimizer load options", ("optim", info.strict, bucket_setting()))
+
+    def __init__(self, view: tuple, info: Any, *, full: bool, held=None, precheck=None):
+        self.view = view
+        self.info = info
+        self.full = full
+        self.held = held
+        self.precheck = precheck
+        self.route = None
+        if full and info.broadcast_from_rank0:
+            self.route = route_for(info.index, _state_device(info.index))
+
+    def source_meta(self) -> Any:
+        route = self.route
+        if route is None or not route.is_source:
+            return None
+        state, groups, fqn_group, empties, unexpected = self.view
         ctx = context()
-        if route.is_source:
-            leaves = C.tree_leaves(ctx, state, False)
-            meta_state = C.tree_rebuild(
-                ctx, state, C.to_metadata(leaves, TensorMeta, torch.Tensor), False
-            )
-            payload = (meta_state, groups, fqn_group, empties, unexpected)
-        else:
-            payload = None
-        payload = route.broadcast_object(payload)
-        if payload is None:
-            raise errors.StateDictValueError(
-                "broadcast_from_rank0=True: the source rank "
-                f"({route.source}) did not provide an optimizer state dict"
-            )
-        if not route.is_source:
-            state, groups, fqn_group, empties, unexpected = payload
-    existing = held() if full and held is not None and precheck is not None else None
-    new_state, jobs, slots, n_held = C.optim_state_jobs(
-        info.index, state, DTensor, 0 if full else 1, DTensor.from_local, existing
-    )
-    # Only when every job's template is a held state tensor: an in-place
-    # load writes into its templates, and a parameter is never one here.
-    in_place = bool(jobs) and n_held == len(jobs)
-    if in_place:
-        C.write_slots(slots, [job[1] for job in jobs])
-        precheck((new_state, groups, fqn_group, empties, unexpected))
-    if jobs:
-        values = run_full_load(jobs, route=route, in_place=in_place)
-        C.write_slots(slots, values)
-    return (new_state, groups, fqn_group, empties, unexpected)
+        leaves = C.tree_leaves(ctx, state, False)
+        meta_state = C.tree_rebuild(ctx, state, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+        return (meta_state, groups, fqn_group, empties, unexpected)
+
+    def validate(self, payload: Any = None) -> None:
+        state, groups, fqn_group, empties, unexpected = self.view
+        route = self.route
+        if route is not None:
+            if payload is None:
+                raise errors.StateDictValueError(
+                    "broadcast_from_rank0=True: the source rank "
+                    f"({route.source}) did not provide an optimizer state dict"
+                )
+            if not route.is_source:
+                state, groups, fqn_group, empties, unexpected = payload
+        full = self.full
+        existing = self.held() if full and self.held is not None and self.precheck is not None else None
+        new_state, jobs, slots, n_held = C.optim_state_jobs(
+            self.info.index, state, DTensor, 0 if full else 1, DTensor.from_local, existing
+        )
+        if full and jobs:
+            owner = {id(entry): fqn for fqn, entry in new_state.items() if isinstance(entry, dict)}
+            names = [f"{owner.get(id(slot[0]), '?')}.{slot[1]}" for slot in slots]
+            check_global_shapes(names, jobs, "optimizer state ")
+        # Only when every job's template is a held state tensor: an in-place
+        # load writes into its templates, and a parameter is never one here.
+        self.in_place = bool(jobs) and n_held == len(jobs)
+        self.result = (new_state, groups, fqn_group, empties, unexpected)
+        self.jobs, self.slots = jobs, slots
+        if self.precheck is not None and jobs:
+            # the templates stand in for the incoming tensors (same global
+            # shape, just checked; this rank's shard of it)
+            C.write_slots(slots, [_stand_in(job) for job in jobs])
+            self.precheck(self.result)
+            C.write_slots(slots, [None] * len(slots))
+
+    def move(self) -> tuple:
+        if not in_place_allowed(self.info):
+            self.in_place = False
+        if self.jobs:
+            values = run_full_load(self.jobs, route=self.route, in_place=self.in_place)
+            C.write_slots(self.slots, values)
+        return self.result
 
 
 def _state_device(index: Any) -> torch.device:
@@ -380,9 +420,67 @@ def _state_device(index: Any) -> torch.device:
     return dist.distributed_c10d._get_pg_default_device()
 
 
-def agree_with_source(index: Any, value: Any) -> Any:
-    """The source rank's ``value`` on every rank of the model's route (one
-    small object broadcast).  Used so that ranks holding ``{}`` in a
-    broadcast load take the same code path as the source: upstream's
-    set_state_dict skips the model load on them and hangs."""
-    return route_for(index, None).broadcast_object(value)
+def only_fsdp2_load_hooks(model: nn.Module) -> bool:
+    """True when every load_state_dict pre-hook in ``model`` is FSDP2's
+    (``to_sharded_hook``: it reshards, renames no key) or the
+    activation-checkpoint wrapper's lone one (csrc/walk.c accepts that)."""
+    for module in model.modules():
+        hooks = getattr(module, "_load_state_dict_pre_hooks", None)
+        if not hooks:
+            continue
+        for hook in hooks.values():
+            fn = getattr(hook, "hook", hook)
+            if getattr(fn, "__qualname__", "") == _FSDP2_LOAD_HOOK:
+                continue
+            if len(hooks) == 1 and "_checkpoint_wrapped_module" in module._modules:
+                continue
+            return False
+    return True
+
+
+_FSDP2_LOAD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+
+
+def reshard_fsdp2(model: nn.Module) -> None:
+    """Bring every FSDP2 parameter group of ``model`` that a forward left
+    unsharded (a ``no_grad`` forward of the root, ``reshard_after_forward=
+    False``, between forward and backward) back to its sharded parameters,
+    as the state-dict hooks FSDP2 registers do when upstream calls
+    ``model.state_dict()`` / ``load_state_dict`` -- here before the model
+    is walked, so that the optimizers' (sharded) parameters are the
+    model's.  Local (no communication); the next forward all-gathers
+    again.  Costs one pass over the process's FSDP2 states when none is
+    unsharded."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # pragma: no cover - other torch layouts
+        return
+    pending = []
+    for module, ref in list(_module_state_mapping.items()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        groups = [g for g in getattr(state, "_fsdp_param_groups", ()) if not g.is_sharded]
+        if groups:
+            pending.append((module, groups))
+    if not pending:
+        return
+    inside = {id(m) for m in model.modules()}
+    for module, groups in pending:
+        if id(module) in inside:
+            for group in groups:
+                group._to_sharded()
+
+
+def drive_steps(steps: Any, info: Any) -> tuple[Any, Any]:
+    """Run a load generator (``_optim.optim_load_steps``,
+    ``_model.model_load_steps``) alone, without agreeing with other ranks:
+    the source's metadata travels by one object broadcast on broadcast
+    loads.  Returns (commit, report)."""
+    with torch.no_grad():
+        meta = next(steps)
+        if info.broadcast_from_rank0 and dist.is_initialized():
+            meta = route_for(info.index, None).broadcast_object(meta)
+        steps.send(meta)
+        return next(steps)

@@ -144,17 +144,30 @@ def load_model(
 @torch.no_grad()
 def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
     """Everything of a model load that can fail or communicate; returns
-    commit(), which runs model.load_state_dict on the validated dict."""
-    if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
-        return lambda: _IncompatibleKeys({}, {})
-    from ._distribute import (
-        broadcast_model_state_dict,
-        collective_device,
-        distribute_model_state_dict,
-        route_for,
-    )
+    commit(), which runs model.load_state_dict on the validated dict.
+    (Single-caller form of ``model_load_steps``, without agreement.)"""
+    from ._distribute import drive_steps
 
-    plan = load_plan(model, info)
+    return drive_steps(model_load_steps(model, state_dict, info), info)[0]
+
+
+def _noop_commit() -> _IncompatibleKeys:
+    return _IncompatibleKeys({}, {})  # upstream's, dicts included
+
+
+def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
+    """A model load as a generator of steps (see _optim.optim_load_steps):
+    local checks (yields the source's metadata, receives the exchanged
+    one), validation of the whole load (yields None), data movement and
+    the final checks (yields (commit, None)).  Run under no_grad."""
+    if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
+        yield None
+        yield None
+        yield _noop_commit, None
+        return
+    from ._distribute import ModelFullLoad, collective_device, route_for
+
+    rules = load_plan(model, info)
     full_path = info.broadcast_from_rank0 or info.full_state_dict
     route = route_for(info.index, None) if info.broadcast_from_rank0 else None
     rename = route is None or route.is_source
@@ -163,32 +176,46 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
         info.index, state_dict, info.strict, rename, full_path
     )
     assign = False
+    plan = None
+    # Load rules only the modules' own code knows (rules.torch_path): no
+    # up-front key check; torch's load decides at commit.
+    native_checks = not info.fsdp_modules and not rules.torch_path
     if full_path:
-        device, assign = _load_device(info, local, plan.lazy)
+        device, assign = _load_device(info, local, rules.lazy)
         # Where the model load's checks can run before any data moves, the
         # shards are written straight into the parameters (see
         # _distribute); FSDP1 and models whose load hooks rename keys keep
         # the load-then-copy path.
         precheck = None
-        if not info.fsdp_modules and not info.index.custom_load and not plan.torch_path:
+        if native_checks and not _custom_load(model, info):
             def precheck(sd: dict[str, Any]) -> None:
-                check_load(model, sd, info, plan)
+                check_load(model, sd, info, rules)
+        else:
+            info.validated_after_move = True
         if route is not None:
             route.device = collective_device(device, info.index)
-            load_sd = broadcast_model_state_dict(
-                load_sd, local, device, strict=info.strict,
-                cpu_offload=info.cpu_offload, route=route, precheck=precheck,
-            )
-        else:
-            load_sd = distribute_model_state_dict(load_sd, local, device, precheck=precheck)
-    if not info.fsdp_modules and plan.torch_path:
-        # Load rules only the modules' own code knows: torch's load
-        # decides, now (after everything else of the call validated), and
-        # what it wrote is put back if it raises.
-        result = load_restoring(model, load_sd, info, assign)
-        return lambda: result
-    if not info.fsdp_modules:
-        check_load(model, load_sd, info, plan)
+        plan = ModelFullLoad(
+            load_sd, local, device, route=route, strict=info.strict,
+            cpu_offload=info.cpu_offload, precheck=precheck, info=info,
+        )
+    elif native_checks:
+        check_load(model, load_sd, info, rules)
+    meta = yield (plan.source_meta() if plan is not None else None)
+    if plan is not None:
+        plan.validate(meta)
+    yield None
+    if plan is not None:
+        load_sd = plan.move()
+        if native_checks:
+            check_load(model, load_sd, info, rules)
+    if not info.fsdp_modules and rules.torch_path:
+        # torch's load decides, at commit: the setters commit the model
+        # before the optimizer, and what it wrote is put back if it raises.
+        def torch_commit() -> _IncompatibleKeys:
+            return load_restoring(model, load_sd, info, assign)
+
+        yield torch_commit, None
+        return
 
     def commit() -> _IncompatibleKeys:
         with info.fsdp_context():
@@ -199,7 +226,20 @@ def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
                 ),
             )
 
-    return commit
+    yield commit, None
+
+
+def _custom_load(model: nn.Module, info: Any) -> bool:
+    """``index.custom_load`` (load hooks that may rename keys), except
+    where the only hooks are FSDP2's: they reshard, rename nothing, and
+    the load reshards up front anyway."""
+    value = getattr(info, "custom_load_hooks", None)
+    if value is None:
+        from ._distribute import only_fsdp2_load_hooks
+
+        value = bool(info.index.custom_load) and not only_fsdp2_load_hooks(model)
+        info.custom_load_hooks = value
+    return value
 
 
 def check_load(
@@ -221,11 +261,12 @@ def check_load(
     # upstream's, keeps the first path, but load_state_dict recurses into
     # every one and wants the keys under each; those come from torch's own
     # state_dict() (rare: one extra Python walk).
-    keys_known = not index.custom_load and not index.shared_modules
+    custom = _custom_load(model, info)
+    keys_known = not custom and not index.shared_modules
     missing, unexpected, errs = C.check_model_load(
         index, load_sd, info.strict, keys_known
     )
-    if info.strict and index.shared_modules and not index.custom_load:
+    if info.strict and index.shared_modules and not custom:
         expected = model.state_dict(keep_vars=True).keys()
         missing = [k for k in expected if k not in load_sd]
         unexpected = [k for k in load_sd if k not in expected]

@@ -487,7 +487,6 @@ def _check_steps(state: dict[str, Any]) -> None:
             ) from None
 
 
-@torch.no_grad()
 def prepare_optim(
     model: nn.Module,
     optimizers: tuple[_Optimizer, ...],
@@ -496,8 +495,37 @@ def prepare_optim(
 ):
     """Everything of an optimizer load that can fail or communicate, with
     nothing installed yet: returns (commit, report).  commit() installs the
-    prepared state into every optimizer and cannot fail on bad input."""
+    prepared state into every optimizer and cannot fail on bad input.
+    (Single-caller form of ``optim_load_steps``, without agreement.)"""
+    from ._distribute import drive_steps
+
+    return drive_steps(optim_load_steps(model, optimizers, osd, info), info)
+
+
+def optim_load_steps(
+    model: nn.Module,
+    optimizers: tuple[_Optimizer, ...],
+    osd: dict[str, Any],
+    info: Any,
+):
+    """An optimizer load as a generator of steps, so that the caller can
+    agree with the other ranks between them (state_dict._run_load):
+
+    1. local checks and planning; yields what the source broadcasts (or
+       None), receives the exchanged metadata;
+    2. validation of the whole load; yields None;
+    3. data movement and the final checks; yields (commit, report).
+
+    The caller runs it under ``torch.no_grad()``.
+    """
+    commit_report = yield from _optim_steps(model, optimizers, osd, info)
+    yield commit_report
+
+
+def _optim_steps(model, optimizers, osd, info):
     if not info.handle_optim:
+        yield None
+        yield None
         return _nothing, None
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
@@ -507,51 +535,62 @@ def prepare_optim(
         from ._fsdp1 import load_via_fsdp, native_supported
 
         if not native_supported(info):
+            yield None
+            yield None
             return (lambda: load_via_fsdp(model, optimizers, osd, info)), None
     if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
         def commit_native():
             for optim in optimizers:
                 state_dict_fn(optim, "load_state_dict")(state_dict=osd)
 
+        yield None
+        yield None
         return commit_native, _IncompatibleKeys([], [])
-    from ._distribute import localize_optim_view
+    from ._distribute import OptimLocalize
 
     extras = {}
     if not all(_native_load(optim) for optim in optimizers):
         extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
         if extras:
             osd = {k: v for k, v in osd.items() if k not in extras}
-        if info.broadcast_from_rank0 and dist.is_available() and dist.is_initialized():
-            # only the source holds them: one small object broadcast (every
-            # rank has the same optimizers, so every rank takes this branch)
-            from ._distribute import agree_with_source
-
-            extras = agree_with_source(info.index, extras) or {}
+    # On broadcast loads only the source holds the extra keys: they travel
+    # with its metadata (every rank has the same optimizers).
+    source = {"extras": extras}
     view = _view(info.index, osd or {})
-    if fsdp1:
-        # original parameters' state -> flat shards / local pieces
-        from ._fsdp1 import localize_fsdp1_view
-
-        view = localize_fsdp1_view(view, info)
-    else:
+    localize = None
+    if not fsdp1 and (
         # Full tensors of sharded parameters become local shards (full
         # loads); plain tensors given for DTensor parameters are sharded
         # too (D9).  A sharded load into a model without DTensors only
         # copies the containers there, which the native install does
         # anyway (it casts into new containers): skipped.
-        if (
-            info.full_state_dict
-            or not all(_native_load(optim) for optim in optimizers)
-            or C.indices_of(info.index.tensors, DTensor)
-        ):
-            view = localize_optim_view(
-                view,
-                info,
-                full=info.full_state_dict,
-                held=lambda: held_state(info.index, optimizers),
-                precheck=lambda v: _prepare_view(optimizers, v, info, extras),
-            )
-    prepared, missing, unexpected = _prepare_view(optimizers, view, info, extras)
+        info.full_state_dict
+        or not all(_native_load(optim) for optim in optimizers)
+        or C.indices_of(info.index.tensors, DTensor)
+    ):
+        localize = OptimLocalize(
+            view,
+            info,
+            full=info.full_state_dict,
+            held=lambda: held_state(info.index, optimizers),
+            precheck=lambda v: _prepare_view(optimizers, v, info, source["extras"]),
+        )
+    meta, received = yield (
+        localize.source_meta() if localize is not None else None,
+        extras,
+    )
+    source["extras"] = received or {}
+    if localize is not None:
+        localize.validate(meta)
+    yield None
+    if fsdp1:
+        # original parameters' state -> flat shards / local pieces
+        from ._fsdp1 import localize_fsdp1_view
+
+        view = localize_fsdp1_view(view, info)
+    elif localize is not None:
+        view = localize.move()
+    prepared, missing, unexpected = _prepare_view(optimizers, view, info, source["extras"])
 
     def commit():
         for optim, (native, payload) in zip(optimizers, prepared):

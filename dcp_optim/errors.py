@@ -59,6 +59,9 @@ class MissingOptimizerStateError(StateDictRuntimeError):
         super().__init__(message)
         self.missing = missing
 
+    def __reduce__(self):  # picklable (errors travel between ranks)
+        return (type(self), (str(self.args[0]) if self.args else "", self.missing))
+
 
 # --- upstream texts (SPEC.md section 4) -----------------------------------
 

@@ -25,13 +25,13 @@ from . import errors
 # from here like the rest of upstream's private helpers (test_wrappers).
 from ._core import EXTRA_STATE as _EXTRA_STATE  # noqa: F401
 from ._core import C, context
-from ._model import PATCH_MARK, get_model, load_model, prepare_model, unflatten_model_state_dict
-from ._optim import get_optim, init_optim_state, load_optim, prepare_optim
+from ._model import PATCH_MARK, get_model, model_load_steps, unflatten_model_state_dict
+from ._optim import get_optim, init_optim_state, optim_load_steps
 from ._verify import (
     _gc_context,
     _normalize_optimizers,
     _prepare,
-    _StateDictInfo,
+    _StateDictInfo,  # noqa: F401
     _verify_options,  # noqa: F401
     _verify_state_dict,
 )
@@ -129,6 +129,7 @@ def get_model_state_dict(
     :rtype: typing.Dict[str, ValueType]
     """
     with _gc_context():
+        _reshard_fsdp2(model)
         info = _prepare(model, (), optim_only=False, submodules=submodules, options=options)
         model_state_dict = get_model(model, info)
         _verify_state_dict(model_state_dict, {}, info)
@@ -167,6 +168,7 @@ def get_optimizer_state_dict(
     :rtype: OptimizerStateType
     """
     with _gc_context():
+        _reshard_fsdp2(model)
         optimizers = _normalize_optimizers(optimizers)
         info = _prepare(
             model, optimizers, optim_only=True, submodules=submodules, options=options
@@ -224,6 +226,7 @@ def get_state_dict(
     :rtype: typing.Tuple[typing.Dict[str, ValueType], OptimizerStateType]
     """
     with _gc_context():
+        _reshard_fsdp2(model)
         optimizers = _normalize_optimizers(optimizers)
         info = _prepare(
             model, optimizers, optim_only=False, submodules=submodules, options=options
@@ -265,12 +268,8 @@ def set_model_state_dict(
 
     :type model_state_dict: typing.Dict[str, ValueType]
     """
-    model_state_dict = unflatten_model_state_dict(model, model_state_dict)
-    with _gc_context():
-        info = _prepare(model, (), optim_only=False, options=options)
-        _agree_on_full_load(info, bool(model_state_dict), "model")
-        _verify_state_dict(model_state_dict, {}, info)
-        result = load_model(model, model_state_dict, info)
+    model_state_dict, error = _unflatten(model, model_state_dict)
+    result, _ = _run_load("set_model_state_dict", model, None, model_state_dict, None, options, error)
     _check_after_load(model, (), options, ("model",))
     return result
 
@@ -308,12 +307,9 @@ def set_optimizer_state_dict(
 
     :type optim_state_dict: typing.OptimizerStateType
     """
-    with _gc_context():
-        optimizers = _normalize_optimizers(optimizers)
-        info = _prepare(model, optimizers, optim_only=True, options=options)
-        _agree_on_full_load(info, bool(optim_state_dict), "optimizer")
-        _verify_state_dict({}, optim_state_dict, info)
-        result = load_optim(model, optimizers, optim_state_dict, info)
+    result, optimizers = _run_load(
+        "set_optimizer_state_dict", model, optimizers, None, optim_state_dict, options
+    )
     _check_after_load(model, optimizers, options, ("optim",))
     return result
 
@@ -361,39 +357,22 @@ def set_state_dict(
     :type model_state_dict: typing.Dict[str, ValueType]
     :type optim_state_dict: typing.OptimizerStateType
     """
-    model_state_dict = unflatten_model_state_dict(model, model_state_dict)
-    with _gc_context():
-        optimizers = _normalize_optimizers(optimizers)
-        info = _prepare(
-            model, optimizers, optim_only=not model_state_dict, options=options
-        )
-        if info.broadcast_from_rank0 and dist.is_initialized():
-            # Receivers pass {}: whether the model is loaded is the
-            # source's decision, or ranks take different collective paths
-            # (upstream hangs here).
-            from ._distribute import agree_with_source
-
-            info.handle_model = agree_with_source(info.index, bool(model_state_dict))
-            if not info.handle_model and not optimizers:
-                raise RuntimeError(errors.E4_NO_OPTIMIZERS)
-        _agree_on_full_load(
-            info,
-            (bool(model_state_dict), bool(optim_state_dict)),
-            "model and optimizer",
-        )
-        _verify_state_dict(model_state_dict, optim_state_dict, info)
-        # Optimizers first, then the model (upstream's order, also for the
-        # collectives); nothing is installed until both validated (atomic).
-        commit_optim, optim_report = prepare_optim(model, optimizers, optim_state_dict, info)
-        commit_model = prepare_model(model, model_state_dict, info)
-        commit_optim()
-        model_report = commit_model()
-        result = _LoadResult(*model_report)
-        result.optim_missing_keys = optim_report.missing_keys if optim_report else []
-        result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
-    sections = ("model", "optim") if info.handle_model else ("optim",)
+    model_state_dict, error = _unflatten(model, model_state_dict)
+    (result, handle_model), optimizers = _run_load(
+        "set_state_dict", model, optimizers, model_state_dict, optim_state_dict, options, error
+    )
+    sections = ("model", "optim") if handle_model else ("optim",)
     _check_after_load(model, optimizers, options, sections)
     return result
+
+
+def _reshard_fsdp2(model: Any) -> None:
+    """Getters see the sharded parameters the optimizers hold, whatever
+    state a forward left FSDP2 in (see _distribute.reshard_fsdp2)."""
+    if isinstance(model, nn.Module):
+        from ._distribute import reshard_fsdp2
+
+        reshard_fsdp2(model)
 
 
 def _check_after_load(model: nn.Module, optimizers: Any, options: Any, sections: tuple[str, ...]) -> None:
@@ -406,12 +385,254 @@ def _check_after_load(model: nn.Module, optimizers: Any, options: Any, sections:
     verify(model, optimizers, expected, options=options, sections=sections)
 
 
-def _agree_on_full_load(info: _StateDictInfo, has_data: Any, what: str) -> None:
-    """D15, before any check that could raise on some ranks only."""
-    if info.full_state_dict and not info.broadcast_from_rank0:
-        from ._distribute import require_full_dict_everywhere
+# Options that decide which collectives a load runs: every rank of the
+# load's mesh must pass the same.
+_COLLECTIVE_OPTIONS = (
+    "full_state_dict",
+    "broadcast_from_rank0",
+    "cpu_offload",
+    "strict",
+    "flatten_optimizer_state_dict",
+    "ignore_frozen_params",
+    "keep_submodule_prefixes",
+)
 
-        require_full_dict_everywhere(has_data, info.index, what)
+
+def _unflatten(model: Any, model_state_dict: Any) -> tuple[Any, Exception | None]:
+    """The deprecated module-keyed form, flattened here (its warning
+    points at the caller); a failure is agreed on like any other."""
+    try:
+        return unflatten_model_state_dict(model, model_state_dict), None
+    except Exception as exc:  # noqa: BLE001 - raised by _run_load
+        return model_state_dict, exc
+
+
+def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, options, error=None):
+    """The three setters.  Every check of every rank runs, and is agreed
+    on, before any data moves or anything is installed (atomic, the same
+    error on every rank):
+
+    1. local checks and planning of every part (optimizers first, then the
+       model: upstream's order, also for the collectives); without
+       broadcast, the validation of the whole load too;
+    2. one agreement: options, D15, the full dicts' structure, every
+       rank's verdict;
+    3. broadcast loads: one metadata broadcast from the source, the
+       validation of the whole load on every rank, one agreement;
+    4. the data movement and the checks made on the moved data, one more
+       agreement, then commit -- which cannot fail on bad input.
+
+    Agreements are fixed-size all-gathers (``_consistency.Agreement``)
+    among the ranks of the model's mesh, made whenever the load
+    communicates or the model holds sharded tensors; a plain model's
+    sharded load runs alone on each rank, as upstream's does."""
+    from ._distribute import reshard_fsdp2, route_for
+
+    info = None
+    steps: list[tuple[str, Any]] = []
+    metas: list[Any] = []
+    has = (model_state_dict is not None and bool(model_state_dict),
+           optim_state_dict is not None and bool(optim_state_dict))
+    bcast = bool(getattr(options, "broadcast_from_rank0", False))
+    grad = torch.is_grad_enabled()
+    with _gc_context():
+        try:
+            torch.set_grad_enabled(False)
+            if error is not None:
+                raise error
+            if isinstance(model, nn.Module):
+                reshard_fsdp2(model)
+            if optimizers is not None:
+                optimizers = _normalize_optimizers(optimizers)
+            if api == "set_model_state_dict":
+                info = _prepare(model, (), optim_only=False, options=options)
+            elif api == "set_optimizer_state_dict":
+                info = _prepare(model, optimizers, optim_only=True, options=options)
+            else:
+                info = _prepare(model, optimizers, optim_only=not model_state_dict, options=options)
+                if info.broadcast_from_rank0 and _distributed():
+                    # Receivers pass {}: whether the model is loaded is the
+                    # source's decision (learnt at the first agreement),
+                    # or ranks take different collective paths (upstream
+                    # hangs here).  Planned on every rank until then.
+                    info.handle_model = True
+            _verify_state_dict(model_state_dict or {}, optim_state_dict or {}, info)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+        agreement = None
+        if _distributed():
+            agreement = _agreement_for(api, model, info, options, model_state_dict, optim_state_dict)
+        try:
+            if error is None:
+                try:
+                    if api != "set_model_state_dict":
+                        steps.append(("optim", optim_load_steps(model, optimizers, optim_state_dict, info)))
+                    if api != "set_optimizer_state_dict":
+                        steps.append(("model", model_load_steps(model, model_state_dict, info)))
+                    metas = [next(gen) for _, gen in steps]
+                    if not (bcast and agreement is not None):
+                        # alone: the source's metadata is its own
+                        for (_, gen), meta in zip(steps, metas):
+                            gen.send(meta)
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+            flags_check = None
+            if info is not None and info.full_state_dict and not info.broadcast_from_rank0:
+                flags_check = functools.partial(_full_dict_everywhere, api)
+            if agreement is not None:
+                per_rank = agreement.agree(error, flags=(int(has[0]), int(has[1])), flags_check=flags_check)
+            elif error is not None:
+                raise error
+            if bcast and agreement is not None:
+                if api == "set_state_dict":
+                    # the source is the mesh's first rank
+                    info.handle_model = bool(per_rank[0][0])
+                    if not info.handle_model:
+                        steps = [s for s in steps if s[0] != "model"]
+                        metas = metas[: len(steps)]
+                        if not optimizers:
+                            raise RuntimeError(errors.E4_NO_OPTIMIZERS)
+                metas = route_for(info.index, None).broadcast_object(tuple(metas))
+                try:
+                    for (_, gen), meta in zip(steps, metas):
+                        gen.send(meta)
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+                agreement.agree(error)
+            # data movement: on broadcast loads every part runs even after
+            # one failed (its stream is a collective the others wait in)
+            results = []
+            for _, gen in steps:
+                if error is not None and not bcast:
+                    break
+                try:
+                    results.append(next(gen))
+                except Exception as exc:  # noqa: BLE001
+                    error = error or exc
+                    results.append(None)
+            if agreement is not None:
+                agreement.agree(error)
+            elif error is not None:
+                raise error
+            parts = dict(zip([name for name, _ in steps], results))
+            # The model first: a model whose modules decide their own load
+            # rules is loaded by torch at its commit (restored if that
+            # raises), before the optimizer's state is installed.
+            model_report = _IncompatibleKeys({}, {})
+            if "model" in parts:
+                commit, _ = parts["model"]
+                model_report = commit()
+            optim_report = None
+            if "optim" in parts:
+                commit, optim_report = parts["optim"]
+                commit()
+        finally:
+            torch.set_grad_enabled(grad)
+            for _, gen in steps:
+                gen.close()
+    if api == "set_model_state_dict":
+        return model_report, optimizers
+    if api == "set_optimizer_state_dict":
+        return optim_report, optimizers
+    result = _LoadResult(*model_report)
+    result.optim_missing_keys = optim_report.missing_keys if optim_report else []
+    result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
+    return (result, info.handle_model), optimizers
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any) -> Any:
+    """The agreement of a distributed load, or None for a load that runs
+    alone on each rank (no full dict, no sharded tensors).  Decided from
+    the options as passed and the model's tensors, also where the load
+    failed before its info was built, so that a rank that failed early
+    still meets the others at the first agreement."""
+    from ._consistency import Agreement, option_pairs
+    from ._distribute import route_for
+
+    index = info.index if info is not None else None
+    if index is None and isinstance(model, nn.Module):
+        try:
+            from ._verify import walk
+
+            index = walk(model, getattr(options, "dsd_fqn_modifiers", "_fqn_modifiers"))
+        except Exception:  # noqa: BLE001 - the load's own error is raised
+            index = None
+    full = bool(getattr(options, "full_state_dict", False) or getattr(options, "broadcast_from_rank0", False))
+    sharded = index is not None and bool(C.indices_of(index.tensors, DTensor))
+    mesh = route_for(index, None).mesh if index is not None else None
+    # Without one device mesh the group is the default one, which may
+    # hold other models (pipeline stages): only loads that communicate
+    # there anyway agree there.
+    if not (full or (sharded and mesh is not None)):
+        return None
+    pairs = [("api", api), *option_pairs(options, _COLLECTIVE_OPTIONS), ("bucket", repr(_bucket_setting()))]
+    structure = None
+    if full and mesh is not None and not getattr(options, "broadcast_from_rank0", False):
+        # every rank of the mesh holds the full dicts of one model: the
+        # same checkpoint, so the same keys, shapes, dtypes and
+        # hyperparameters
+        structure = _structure(model_state_dict, "model") + _structure(optim_state_dict, "optimizer")
+    return Agreement(mesh, api, pairs, structure)
+
+
+def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:
+    """(entry, description) of every entry of a state dict, tensors as
+    (shape, dtype): what every rank's copy of a full dict must share."""
+    if not state_dict or not isinstance(state_dict, dict):
+        return []
+    from ._distribute import TensorMeta
+
+    try:
+        ctx = context()
+        leaves = C.tree_leaves(ctx, state_dict, False)
+        meta = C.tree_rebuild(ctx, state_dict, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+    except Exception:  # noqa: BLE001 - the load's own checks report it
+        return [(what, "a state dict whose structure cannot be read")]
+    out = []
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            out.append((f"{what} entry", type(key).__name__))
+        elif key == "state" and isinstance(value, dict):
+            for fqn, entry in value.items():
+                items = entry.items() if isinstance(entry, dict) else [("", entry)]
+                for name, v in items:
+                    out.append((f"{what} state '{fqn}' '{name}'", repr(v)))
+        elif key == "param_groups" and isinstance(value, list):
+            for i, group in enumerate(value):
+                items = group.items() if isinstance(group, dict) else [("", group)]
+                for name, v in items:
+                    out.append((f"{what} param_groups[{i}] '{name}'", repr(v)))
+        else:
+            out.append((f"{what} '{key}'", repr(value)))
+    return out
+
+
+def _bucket_setting():
+    from ._collectives import bucket_setting
+
+    return bucket_setting()
+
+
+def _full_dict_everywhere(api: str, flags: list, ranks: list[int]) -> str | None:
+    """SPEC D15: a full load without broadcast needs the full dict on
+    every rank; upstream hangs when only some ranks pass it (or raises on
+    the empty ones only)."""
+    for i, what in ((0, "model"), (1, "optimizer")):
+        values = [f[i] for f in flags]
+        if all(v == values[0] for v in values):
+            continue
+        empty = [r for r, v in zip(ranks, values) if not v]
+        return (
+            f"full_state_dict=True loads need the full {what} state dict on every "
+            f"rank, but rank(s) {empty} passed an empty one. To load a dict that "
+            "only rank 0 holds, use StateDictOptions(full_state_dict=True, "
+            "broadcast_from_rank0=True)."
+        )
+    return None
 
 
 class _LoadResult(_IncompatibleKeys):
