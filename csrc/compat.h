@@ -29,13 +29,6 @@ dcp_dict_get_ref(PyObject *dict, PyObject *key, PyObject **result)
 }
 #endif
 
-/* Free-threaded builds need critical sections around container
- * iteration; on GIL builds before 3.13 they do not exist. */
-#ifndef Py_BEGIN_CRITICAL_SECTION
-#define Py_BEGIN_CRITICAL_SECTION(op) {
-#define Py_END_CRITICAL_SECTION() }
-#endif
-
 /* Attach a PEP 678 note to the exception currently being raised, e.g.
  * "while walking module 'layers.3'".  Failures to add the note are
  * ignored: the original exception matters more than the note. */
@@ -154,14 +147,6 @@ dcp_type_module_by_def(PyTypeObject *tp, PyModuleDef *def)
                  tp->tp_name);
     return NULL;
 }
-#endif
-
-#if defined(__GNUC__) || defined(__clang__)
-#define DCP_NOINLINE __attribute__((noinline))
-#define DCP_UNLIKELY(x) __builtin_expect(!!(x), 0)
-#else
-#define DCP_NOINLINE
-#define DCP_UNLIKELY(x) (x)
 #endif
 
 #endif /* DCP_COMPAT_H */

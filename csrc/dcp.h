@@ -38,7 +38,6 @@
     X(params, "params")                              \
     X(state, "state")                                \
     X(param_groups, "param_groups")                  \
-    X(param_names, "param_names")                    \
     X(module, "module")                              \
     X(orig_mod, "_orig_mod")                         \
     X(ckpt_wrapped, "_checkpoint_wrapped_module")    \
@@ -49,16 +48,12 @@
     X(named_children, "named_children")              \
     X(named_parameters, "named_parameters")          \
     X(named_buffers, "named_buffers")                \
-    X(named_modules, "named_modules")                \
     X(get_extra_state, "get_extra_state")            \
-    X(items, "items")                                \
     X(dot, ".")                                      \
     X(empty, "")                                     \
     X(step, "step")                                  \
-    X(dunder_dict, "__dict__")                       \
     X(state_prefix, "state.")                        \
     X(pg_prefix, "param_groups.")                    \
-    X(setstate, "__setstate__")                      \
     X(to, "to")                                      \
     X(shape, "shape")                                \
     X(dtype, "dtype")                                \
@@ -74,7 +69,6 @@
     X(copy_, "copy_")                                \
     X(fused, "fused")                                \
     X(capturable, "capturable")                      \
-    X(add_note, "add_note")                          \
     X(device_mesh, "device_mesh")                    \
     X(load_pre_hooks, "_load_state_dict_pre_hooks")  \
     X(post_hooks, "_load_state_dict_post_hooks")     \
@@ -134,12 +128,8 @@ dcp_get_state_by_type(PyTypeObject *tp)
     X(base_named_children)   /* nn.Module.named_children */              \
     X(base_named_parameters) /* nn.Module.named_parameters */            \
     X(base_named_buffers)    /* nn.Module.named_buffers */               \
-    X(base_named_modules)    /* nn.Module.named_modules */               \
     X(base_get_extra_state)  /* nn.Module.get_extra_state */             \
     X(extra_state_marker)    /* class of the _extra_state marker */      \
-    X(optimizer_type)        /* torch.optim.Optimizer */                 \
-    X(base_optim_state_dict) /* torch.optim.Optimizer.state_dict */      \
-    X(base_optim_load)       /* torch.optim.Optimizer.load_state_dict */ \
     X(defaultdict_type)      /* collections.defaultdict */               \
     X(dict_type)             /* dict (defaultdict's factory) */          \
     X(float32)               /* torch.float32 */                         \
@@ -148,8 +138,7 @@ dcp_get_state_by_type(PyTypeObject *tp)
     X(deepcopy)              /* copy.deepcopy */                         \
     X(err_key)               /* dcp_optim KeyError subclass */           \
     X(err_value)             /* dcp_optim ValueError subclass */         \
-    X(err_type)              /* dcp_optim TypeError subclass */          \
-    X(err_runtime)           /* dcp_optim RuntimeError subclass */
+    X(err_type)              /* dcp_optim TypeError subclass */
 
 typedef struct {
     PyObject_HEAD

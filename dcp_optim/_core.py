@@ -57,12 +57,8 @@ def _build(compiled_types: tuple[type, ...]) -> C.Context:
         base_named_children=nn.Module.named_children,
         base_named_parameters=nn.Module.named_parameters,
         base_named_buffers=nn.Module.named_buffers,
-        base_named_modules=nn.Module.named_modules,
         base_get_extra_state=nn.Module.get_extra_state,
         extra_state_marker=_EXTRA_STATE,
-        optimizer_type=torch.optim.Optimizer,
-        base_optim_state_dict=torch.optim.Optimizer.state_dict,
-        base_optim_load=torch.optim.Optimizer.load_state_dict,
         defaultdict_type=collections.defaultdict,
         dict_type=dict,
         float32=torch.float32,
@@ -72,7 +68,6 @@ def _build(compiled_types: tuple[type, ...]) -> C.Context:
         err_key=errors.StateDictKeyError,
         err_value=errors.StateDictValueError,
         err_type=errors.StateDictTypeError,
-        err_runtime=errors.StateDictRuntimeError,
     )
 
 

@@ -352,12 +352,8 @@ def make_context(core=None, **overrides):
         base_named_children=FakeModule.named_children,
         base_named_parameters=FakeModule.named_parameters,
         base_named_buffers=FakeModule.named_buffers,
-        base_named_modules=FakeModule.named_modules,
         base_get_extra_state=FakeModule.get_extra_state,
         extra_state_marker=ExtraState,
-        optimizer_type=FakeOptimizer,
-        base_optim_state_dict=FakeOptimizer.state_dict,
-        base_optim_load=FakeOptimizer.load_state_dict,
         defaultdict_type=collections.defaultdict,
         dict_type=dict,
         float32=FLOAT32,
@@ -367,7 +363,6 @@ def make_context(core=None, **overrides):
         err_key=StateDictKeyError,
         err_value=StateDictValueError,
         err_type=StateDictTypeError,
-        err_runtime=StateDictRuntimeError,
     )
     fields.update(overrides)
     return core.Context(**fields)
