@@ -103,7 +103,7 @@ clean:
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 # ---------------------------------------------------------------------------
-# Hardening: lint, sanitizers, leak checks (STYLE.md sections 4-7).
+# Hardening: lint, sanitizers, leak checks (docs/contributing.md and docs/testing.md).
 # Every tool is installed by .ci/install-tools.sh (apt + pip), called by the
 # targets themselves; `make ci` is what .ci/run runs.
 #

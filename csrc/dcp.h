@@ -15,9 +15,9 @@
  *   reshard.c  shard geometry and bucket plans for DTensor gathers
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
  *
- * Conventions (see STYLE.md): functions document their return contract;
- * "new reference or NULL with an exception set" unless said otherwise;
- * int-returning helpers return 0 / -1; predicates 1 / 0 / -1.
+ * Conventions (see docs/contributing.md): functions document their return
+ * contract; "new reference or NULL with an exception set" unless said
+ * otherwise; int-returning helpers return 0 / -1; predicates 1 / 0 / -1.
  */
 #ifndef DCP_H
 #define DCP_H

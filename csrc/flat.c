@@ -7,9 +7,9 @@
  * the same order: all state keys (state order, then key order), then all
  * param_groups keys (group, param, key order).
  *
- * Empty param groups (SPEC D6).  Upstream cannot represent them: their
- * hyperparameters have no parameter to hang on.  dcp_optim stores them
- * under a reserved key family anchored on a neighbouring group of the
+ * Empty param groups (D6 in docs/differences.md).  Upstream cannot represent
+ * them: their hyperparameters have no parameter to hang on.  dcp_optim stores
+ * them under a reserved key family anchored on a neighbouring group of the
  * same optimizer, so that keys stay unique across pipeline stages (each
  * FQN lives on one stage) and survive concatenating optimizers:
  *

@@ -2,11 +2,11 @@
  *
  * resolve(): upstream's _get_fqns(model, name, ...) -- a getattr walk
  * along the dotted name that drops wrapper levels -- with one deliberate
- * change (SPEC D16): a name that passes through an activation-checkpoint
- * wrapper continues into the wrapped module, so a compiled module inside
- * a CheckpointWrapper loses its "_orig_mod." like any other compiled
- * module.  Names that do not involve that nesting resolve exactly as
- * upstream.
+ * change (D16 in docs/differences.md): a name that passes through an
+ * activation-checkpoint wrapper continues into the wrapped module, so a
+ * compiled module inside a CheckpointWrapper loses its "_orig_mod." like any
+ * other compiled module.  Names that do not involve that nesting resolve
+ * exactly as upstream.
  *
  * A batch of names (every key of model.state_dict()) shares most of its
  * prefixes, so the walk state after each dotted prefix is cached for the

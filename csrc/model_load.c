@@ -1,6 +1,7 @@
 /* Model loading: re-keying a canonical state dict the way
  * model.load_state_dict() expects it (wrapper prefixes such as DDP's
- * "module." put back), without touching the caller's dict (SPEC D11).
+ * "module." put back), without touching the caller's dict (D11 in
+ * docs/differences.md).
  */
 #include "dcp.h"
 

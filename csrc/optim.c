@@ -436,7 +436,8 @@ done:
 /* optim_pack(index, optimizers, extra_states, out_state, out_groups)
  *
  * extra_states[i] is None or a dict {fqn: state} appended after
- * optimizer i's own state (the pristine entries of SPEC D2). */
+ * optimizer i's own state (the pristine entries of D2 in docs/differences.md).
+ */
 PyObject *
 dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {

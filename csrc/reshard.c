@@ -2345,7 +2345,7 @@ dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* DTensor.from_local(val, param.device_mesh, param.placements,
  *                    shape=pshape, run_check=False): a plain tensor that
  * already is the parameter's local shard, wrapped like the parameter.
- * Rare (SPEC D9). */
+ * Rare (D9 in docs/differences.md). */
 static PyObject *
 wrap_local_shard(dcp_state *st,
                  PyObject *val,
@@ -2437,10 +2437,10 @@ done:
  *     metadata) except 0-dim ones; template = the parameter when it is a
  *     DTensor of the leaf's shape, else None (kept full); device = the
  *     parameter's (local) device.
- *   mode 1 (SPEC D9 on sharded loads): only plain tensors of DTensor
- *     parameters: of the parameter's global shape -> a slicing job; of
- *     its local shape -> wrapped here with from_local; any other shape ->
- *     ValueError naming the FQN and the state key.
+ *   mode 1 (sharded loads, D9 in docs/differences.md): only plain
+ *     tensors of DTensor parameters: of the parameter's global shape -> a
+ *     slicing job; of its local shape -> wrapped here with from_local; any
+ *     other shape -> ValueError naming the FQN and the state key.
  * slots[i] = (container, key) where jobs[i]'s result is to be stored.
  * existing (optional, mode 0): {fqn: the optimizer's current state dict};
  * where held_state_template accepts the current state tensor of a

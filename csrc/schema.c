@@ -1,4 +1,5 @@
-/* Pristine optimizer state from a declarative schema (SPEC D2).
+/* Pristine optimizer state from a declarative schema (D2 in
+ * docs/differences.md).
  *
  * A never-stepped parameter's state is what its optimizer would create on
  * the first step before updating anything (step 0, zero moments, Rprop's

@@ -8,9 +8,9 @@
  * prepare_install   Optimizer.load_state_dict's state and groups, built
  *                   without its per-tensor scan of every group's params
  *                   (quadratic in the parameter count) and with the
- *                   dtype/device policy of SPEC D9.
+ *                   dtype/device policy of D9 in docs/differences.md.
  *
- * Matching rules (SPEC D5-D7, D10):
+ * Matching rules (D5-D7, D10 in docs/differences.md):
  *   - a parameter takes the first of its FQNs (tied parameters have
  *     several) that the loaded dict mentions;
  *   - it gets state when the loaded dict has state for that FQN, whatever
@@ -310,7 +310,8 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
     return rc;
 }
 
-/* Adds the keys of the live group that `out` lacks (SPEC D7). */
+/* Adds the keys of the live group that `out` lacks (D7 in
+ * docs/differences.md). */
 static int
 keep_live_keys(dcp_state *st, PyObject *live, PyObject *out)
 {

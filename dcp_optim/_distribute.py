@@ -12,7 +12,7 @@ Two modes, both planned natively (``plan_full_load``):
   ``_collectives``: 16 MiB unless a tensor is larger).
 
 The "rank 0" of a broadcast is the first rank of the model's device mesh
-(global rank 0 whenever the mesh spans all ranks; SPEC D18): for a model
+(global rank 0 whenever the mesh spans all ranks; D18 in docs/differences.md): for a model
 sharded on a sub-mesh the data travels within that mesh.
 """
 

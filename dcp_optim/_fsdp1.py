@@ -42,7 +42,7 @@ __all__ = ["get_fsdp1_optim", "localize_fsdp1_view", "load_via_fsdp", "native_su
 
 
 def fsdp_process_group(model: nn.Module, info: Any):
-    """SPEC 3.7 / D18: the FSDP1 instance's process group (None for HSDP)."""
+    """D18 in docs/differences.md: the FSDP1 instance's process group (None for HSDP)."""
     if isinstance(model, FSDP):
         fsdp_module = model
     elif info.fsdp_modules:
@@ -168,7 +168,7 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
         params = [p for g in optim.param_groups for p in g["params"]]
         pristine = pristine_states(info.index, optim)
         if pristine:
-            # SPEC D2 for flat parameters too: never-stepped state from the
+            # D2 in docs/differences.md for flat parameters too: never-stepped state from the
             # schema, shaped like what the optimizer holds (the flat shard
             # or the original parameter's piece)
             pids = {id(p): i for i, p in enumerate(params)}

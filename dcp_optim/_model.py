@@ -26,7 +26,7 @@ from ._tree import maybe_full_or_cpu_state_dict
 
 __all__ = ["get_model", "load_model", "state_dict_fn", "unflatten_model_state_dict"]
 
-# Marks the closures _patch_*_state_dict installs (SPEC D17: a marker on the
+# Marks the closures _patch_*_state_dict installs (D17 in docs/differences.md: a marker on the
 # function instead of upstream's ever-growing registry of closures, which
 # keeps every patched model alive).
 PATCH_MARK = "_dcp_optim_patched"

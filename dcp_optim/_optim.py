@@ -3,7 +3,7 @@
 Get: the C core packs each optimizer's state keyed by FQN directly from
 ``optimizer.state`` and ``param_groups`` (what ``Optimizer.state_dict()``
 plus upstream's ID -> FQN renaming produce), adding pristine state for
-trainable parameters that have none yet (SPEC D1, D2).  Optimizers whose
+trainable parameters that have none yet (D1, D2 in docs/differences.md).  Optimizers whose
 class overrides ``state_dict`` or that carry state-dict hooks go through
 their own ``state_dict()`` and are re-keyed natively.
 
@@ -246,7 +246,7 @@ def _loaded_extras(osd: Any, flat: bool) -> dict[str, Any]:
 
 
 def init_optim_state(optim: _Optimizer) -> None:
-    """Upstream's ``_init_optim_state`` made safe (SPEC D4): fill
+    """Upstream's ``_init_optim_state`` made safe (D4 in docs/differences.md): fill
     ``optim.state`` with pristine state for trainable parameters lacking
     it.  No ``step()``, no hooks, no gradients."""
     params = [p for g in optim.param_groups for p in g["params"]]

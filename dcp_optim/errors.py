@@ -8,7 +8,7 @@ there, ``ValueError`` for a bad value, ``TypeError`` for a wrong type,
 working and new code can catch ``DcpOptimError``.
 
 Texts that must equal upstream's (tests match them verbatim) are the
-``E*``/``W*`` constants; the ids follow SPEC.md section 4.
+``E*``/``W*`` constants; the ids follow docs/architecture.md, "Errors and warnings".
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class MissingOptimizerStateError(StateDictRuntimeError):
         return (type(self), (str(self.args[0]) if self.args else "", self.missing))
 
 
-# --- upstream texts (SPEC.md section 4) -----------------------------------
+# --- upstream texts (docs/architecture.md, "Errors and warnings") ----------
 
 E4_NO_OPTIMIZERS = "Optimizers are not passed in but optim_only is set to True."
 E5_SUBMODULE_FQN = "Submodule FQN should only have 1 instance"

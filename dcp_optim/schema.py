@@ -1,6 +1,6 @@
 """Optimizer state schemas: what a never-stepped parameter's state is.
 
-``get_optimizer_state_dict`` never steps an optimizer (SPEC D1).  A
+``get_optimizer_state_dict`` never steps an optimizer (D1 in docs/differences.md).  A
 parameter the optimizer has not created state for yet is returned with the
 state the optimizer itself would create on its first step, before updating
 anything -- its *pristine* state -- built from a per-class schema and never

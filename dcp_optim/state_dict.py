@@ -1,7 +1,7 @@
 """Drop-in replacement for ``torch.distributed.checkpoint.state_dict``.
 
 Same public names and signatures as upstream (torch 2.13); see README.md
-for the behaviour that deliberately differs (SPEC.md section 6).  Each
+for the behaviour that deliberately differs (docs/differences.md).  Each
 public function is: verify options, do the work (natively), verify the
 result.
 """
@@ -91,7 +91,7 @@ def _iterate_valid_model_state(model: nn.Module, dsd_fqn_modifiers: str = "_fqn_
 
 def _init_optim_state(optim: torch.optim.Optimizer) -> None:
     """Fill ``optim.state`` with pristine state for trainable parameters
-    lacking it -- without ``step()``, hooks or gradients (SPEC D4)."""
+    lacking it -- without ``step()``, hooks or gradients (D4 in docs/differences.md)."""
     init_optim_state(optim)
 
 
@@ -618,7 +618,7 @@ def _bucket_setting():
 
 
 def _full_dict_everywhere(api: str, flags: list, ranks: list[int]) -> str | None:
-    """SPEC D15: a full load without broadcast needs the full dict on
+    """D15 in docs/differences.md: a full load without broadcast needs the full dict on
     every rank; upstream hangs when only some ranks pass it (or raises on
     the empty ones only)."""
     for i, what in ((0, "model"), (1, "optimizer")):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-# Before torch is imported anywhere (TESTING.md section 3.2).
+# Before torch is imported anywhere (docs/testing.md, "The multi-process harness").
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 

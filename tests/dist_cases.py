@@ -125,7 +125,7 @@ def train(model, optim, steps=2, seed=0, batch=4, width=8):
 
 
 def _betas_to_tuples(optim):
-    # SPEC D8: upstream's full load turns tuples into lists
+    # D8 in docs/differences.md: upstream's full load turns tuples into lists
     for g in optim.param_groups:
         if isinstance(g.get("betas"), list):
             g["betas"] = tuple(g["betas"])
@@ -385,7 +385,7 @@ def disagreement_cases(rank: int, ws: int) -> list[str]:
 def submesh_case(rank: int, ws: int) -> dict[str, Any]:
     """Two FSDP2 models on disjoint sub-meshes ([0, 1] and [2, 3]): full
     gathers stay inside each mesh, and a broadcast load's source is the
-    first rank of the model's mesh, not global rank 0 (SPEC D18)."""
+    first rank of the model's mesh, not global rank 0 (D18 in docs/differences.md)."""
     half = ws // 2
     ranks = list(range(half)) if rank < half else list(range(half, ws))
     from torch.distributed.device_mesh import DeviceMesh

@@ -1,4 +1,4 @@
-"""Rank functions for the gloo canaries (TESTING.md §5.5 and §8).
+"""Rank functions for the gloo canaries (docs/testing.md, "What runs on CPU with gloo").
 
 Each public function runs inside a worker started by ``tests.harness.run_ranks``
 and returns plain Python data: numbers, lists, strings and dicts. Sub-checks
@@ -537,7 +537,7 @@ def _check_fsdp1(rank: int, ws: int, rec: _Recorder) -> None:
 def fsdp1_full_cpu_offload(rank: int, ws: int) -> dict:
     """Upstream get_state_dict(full_state_dict=True, cpu_offload=True) on FSDP1.
 
-    TESTING.md pitfall 2: FSDP1's ``offload_to_cpu`` frees storage that is
+    docs/testing.md, pitfall 2: FSDP1's ``offload_to_cpu`` frees storage that is
     already on CPU (pytorch#188989). Runs in its own launch because it may
     SIGSEGV; afterwards trains one more step and reads the dict again to see
     whether the live parameters survived.

@@ -1,4 +1,4 @@
-"""Multi-process launcher for gloo tests (TESTING.md §3.2).
+"""Multi-process launcher for gloo tests (docs/testing.md, "The multi-process harness").
 
 ``run_ranks(ws, fn, *args)`` starts ``ws`` worker processes from a preloaded
 forkserver; each one joins a fresh gloo process group (``FileStore`` rendezvous,
@@ -161,7 +161,7 @@ def _resolve(module: str, qualname: str) -> Callable:
 
 
 def _check_plain(value: Any, path: str = "result") -> None:
-    """Children return plain data, never tensors (TESTING.md pitfall 8)."""
+    """Children return plain data, never tensors (docs/testing.md, pitfall 8)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         raise TypeError(

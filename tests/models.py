@@ -182,7 +182,7 @@ def _wrap_random(root: nn.Module, rng: random.Random, how: str) -> None:
     candidates = [
         (parent, name)
         for parent in root.modules()
-        # compiled-inside-checkpoint-wrapper is SPEC D16 (tested on its own)
+        # compiled-inside-checkpoint-wrapper is D16 in docs/differences.md (tested on its own)
         if type(parent).__name__ not in wrappers
         for name, child in parent._modules.items()
         if child is not None and type(child).__name__ not in wrappers
@@ -316,7 +316,7 @@ def generated_cases(n: int, base_seed: int = 0) -> list[Case]:
         kinds = tuple(rng.choice(OPTIMIZER_KINDS) for _ in range(n_opt))
         if n_opt > 1:
             # A stateless optimizer next to a stateful one trips upstream's
-            # E18 (SPEC D5); that combination is a deviation test.
+            # E18 (D5 in docs/differences.md); that combination is a deviation test.
             kinds = tuple("sgd_momentum" if k == "sgd" else k for k in kinds)
         cases.append(
             Case(

@@ -158,7 +158,7 @@ def load_three_ways(make_model, make_sd, *, strict=True, options=None):
             impl = upstream if name == "upstream" else dcp_optim
             opts = impl.StateDictOptions(strict=strict, **options)
             out = outcome(lambda: impl.set_model_state_dict(model, sd, options=opts))
-        if name == "dcp_optim":  # upstream's full path does (SPEC D11)
+        if name == "dcp_optim":  # upstream's full path does (D11 in docs/differences.md)
             assert list(sd.keys()) == list(sd_copy.keys()), "dcp_optim mutated the caller's dict"
             assert all(sd[k] is v for k, v in sd_copy.items())
         results[name] = (out, before, model_state(model), model)

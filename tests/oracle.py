@@ -1,4 +1,4 @@
-"""Strict comparators for state dicts (TESTING.md section 5.1).
+"""Strict comparators for state dicts (docs/testing.md, "The comparators").
 
 `assert_same_tree` compares two state-dict trees exactly: container types
 (OrderedDict vs dict, tuple vs list), key order, value types, tensor dtype,
@@ -119,7 +119,7 @@ def live_state_objects(optimizers) -> set[int]:
 def optimizer_snapshot(optimizers, skip_frozen: bool = False, sort_names: bool = False) -> list:
     """A deep, comparable snapshot of optimizer state and groups keyed by
     parameter position.  ``skip_frozen`` leaves out the state of parameters
-    with requires_grad=False (upstream drops it on load: SPEC D10)."""
+    with requires_grad=False (upstream drops it on load: D10 in docs/differences.md)."""
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = (optimizers,)
     snap = []

@@ -1,4 +1,4 @@
-"""Gloo canaries on the installed torch (TESTING.md §5.5 and §8).
+"""Gloo canaries on the installed torch (docs/testing.md, "What runs on CPU with gloo").
 
 These tests check *torch*, not dcp_optim: which collectives work on CPU gloo,
 whether FSDP2 averages gradients correctly, whether FSDP1 runs with
@@ -283,7 +283,7 @@ def test_fsdp1_cpu_step_and_upstream_full_state_dict(ws2):
 
 @pytest.mark.dist
 def test_fsdp1_full_cpu_offload_upstream(record_property):
-    """TESTING.md pitfall 2 (pytorch#188989, fix PR #188990): own launch.
+    """docs/testing.md, pitfall 2 (pytorch#188989, fix PR #188990): own launch.
 
     On 2.13.0 rank 0 SIGSEGVs in FSDP1's ``param_hook`` (``clone()`` of a
     parameter whose storage ``FlatParamHandle.to_cpu()`` just freed, because

@@ -1,4 +1,4 @@
-"""Cheap lint tests: string scans of the C sources (STYLE.md section 3).
+"""Cheap lint tests: string scans of the C sources (docs/contributing.md, lint).
 
 In the spirit of msgspec's ``tests/unit/test_cpylint.py``: each rule is a
 few lines of text matching over ``csrc/*.c`` (comments and string literals

@@ -1,4 +1,4 @@
-"""Where upstream is wrong and dcp_optim is right (SPEC section 6; issue 3).
+"""Where upstream is wrong and dcp_optim is right (docs/differences.md; issue 3).
 
 Every test runs the same scenario on both implementations (`impl` is the
 module: upstream's torch.distributed.checkpoint.state_dict or dcp_optim).

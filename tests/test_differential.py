@@ -9,8 +9,8 @@ their order, nesting, container and value types, dtypes, devices, bits,
 and which tensors alias live storage.  Loads are compared by the resulting
 optimizer state and by one more training step.
 
-Upstream is the oracle here; cases where it is deliberately not (SPEC
-section 6) live in test_deviations.py.
+Upstream is the oracle here; cases where it is deliberately not
+(docs/differences.md) live in test_deviations.py.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_differential(case: models.Case) -> None:
     fd_model, fd_optim = _fresh(case)
     upstream.set_state_dict(fu_model, fu_optim, model_state_dict=msd_u, optim_state_dict=osd_u)
     dcp_optim.set_state_dict(fd_model, fd_optim, model_state_dict=msd_d, optim_state_dict=osd_d)
-    # Upstream drops saved state of frozen parameters on load (SPEC D10,
+    # Upstream drops saved state of frozen parameters on load (D10 in docs/differences.md,
     # pytorch/pytorch#192202); dcp_optim keeps it -- checked just below.
     assert_same_optimizers(fu_optim, fd_optim, skip_frozen=True)
     _assert_frozen_state_kept(osd_d, fd_model, fd_optim)

@@ -179,7 +179,7 @@ def test_state_dicts_do_not_pin_the_model():
 
 
 def test_refcounts_of_touched_objects_unchanged():
-    """Inline refcount check (STYLE.md section 5): a get/set round trip
+    """Inline refcount check (docs/testing.md, "The torch-free suite"): a get/set round trip
     leaves the refcounts of the parameters, the param groups and the
     optimizer state dicts where they were."""
     model, optim = make()

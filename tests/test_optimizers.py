@@ -144,7 +144,7 @@ def test_muon():
 
 def test_init_optim_state_is_safe():
     """_init_optim_state stays importable and fills pristine state without
-    stepping (SPEC D4)."""
+    stepping (D4 in docs/differences.md)."""
     from dcp_optim.state_dict import _init_optim_state
 
     model, optim = build("adamw")

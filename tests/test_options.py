@@ -124,7 +124,7 @@ def test_full_state_dict_load():
     osd = upstream.get_optimizer_state_dict(mu, ou, options=upstream.StateDictOptions(full_state_dict=True))
     upstream.set_optimizer_state_dict(mu, ou, osd, options=upstream.StateDictOptions(full_state_dict=True))
     dcp_optim.set_optimizer_state_dict(md, od, osd, options=dcp_optim.StateDictOptions(full_state_dict=True))
-    # SPEC D8: upstream's full path turns tuples into lists; dcp_optim keeps them
+    # D8 in docs/differences.md: upstream's full path turns tuples into lists; dcp_optim keeps them
     assert type(ou.param_groups[0]["betas"]) is list
     assert type(od.param_groups[0]["betas"]) is tuple
     ou.param_groups[0]["betas"] = tuple(ou.param_groups[0]["betas"])
@@ -145,7 +145,7 @@ def test_world1_full_offload_and_broadcast(world1):
     dcp_optim.set_state_dict(md, od, model_state_dict=dict(msd), optim_state_dict=osd,
                              options=dcp_optim.StateDictOptions(**bc))
     assert_same_tree(params_snapshot(mu), params_snapshot(md))
-    # SPEC D8: upstream's full path turns tuples into lists
+    # D8 in docs/differences.md: upstream's full path turns tuples into lists
     assert type(ou.param_groups[0]["betas"]) is list
     ou.param_groups[0]["betas"] = tuple(ou.param_groups[0]["betas"])
     assert_same_optimizers(ou, od)

@@ -3,7 +3,7 @@
 Each case calls one function of ``dcp_optim._dcp_optim`` on fake module /
 optimizer / tensor classes (``fakes.py``; no torch), either expecting a
 result or a specific exception.  The measurement follows simplejson's
-two-phase test (STYLE.md section 5): warm-up calls, then two measured
+two-phase test (docs/testing.md, "The torch-free suite"): warm-up calls, then two measured
 phases with ``gc.collect()`` around each, asserting on phase 2 only (caches
 fill in phase 1; a real leak grows in both).
 
