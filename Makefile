@@ -62,17 +62,25 @@ demo: build
 # across ranks (rank 0's console shows every rank's failures).  Then the
 # tests that launch torchrun themselves: a failing and a hanging rank, the
 # demo under torchrun.  Timeouts: pytest-timeout per test, the process
-# group's per collective, `timeout` per launch.  Left out: the spawn
-# harness's own tests, peak-memory measurements (meaningless in a
-# long-lived process), the FSDP1 crash canary (it kills its rank) and a
-# test whose body (outside its rank functions) writes a checkpoint with
-# single-process DCP, which every rank would do into the shared directory.
+# group's per collective, `timeout` per launch.  In the listed files only
+# the tests calling run_ranks run (tests/conftest.py deselects the others:
+# single-process tests, and tests/test_gpu_check.py's, which runs a script
+# with its own one-process group).  Left out (README, Development): the
+# spawn harness's own tests, peak-memory measurements (meaningless in a
+# long-lived process; tests/test_collectives_memory.py too), the FSDP1
+# crash canary (it kills its rank), a test whose body (outside its rank
+# functions) writes a checkpoint with single-process DCP, which every rank
+# would do into the shared directory, and the dying-rank cases of
+# tests/test_reliability.py (a rank exits, or the group's timeout is set to
+# 5 s and let expire: torchrun's own group would not survive either).
 TORCHRUN_NPROCS   ?= 2 4
 TORCHRUN_TESTS    ?= tests/test_sharded.py tests/test_reshard_dcp.py tests/test_pipeline.py \
                      tests/test_collectives.py tests/test_deviations_sharded.py tests/test_fsdp1.py \
-                     tests/test_verify.py tests/test_canary_gloo.py tests/test_testing.py
+                     tests/test_verify.py tests/test_canary_gloo.py tests/test_testing.py \
+                     tests/test_reliability.py tests/test_precision_dist.py tests/test_trainers.py \
+                     tests/test_patch.py tests/test_hostile_checkpoints.py
 TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp1_full_cpu_offload \
-                     and not resharded_loads_and_corruption
+                     and not resharded_loads_and_corruption and not dying
 TORCHRUN_LIMIT    ?= 600
 
 .PHONY: test-torchrun

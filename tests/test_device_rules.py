@@ -398,3 +398,70 @@ def test_cpu_offload_copies_off_the_device_like_upstream(opts):
         assert "meta" in str(err.value)
         del optim
     assert errors[0] is errors[1] is NotImplementedError
+
+
+class _SpyCore:
+    """The C core as ``dcp_optim._collectives`` calls it, recording where a
+    full gather packs its bucket (the destination of ``pack_bytes``) and the
+    device it asks ``unpack_gathered`` to assemble the full tensors on."""
+
+    def __init__(self, core):
+        self._core = core
+        self.packed_on: list[torch.device] = []
+        self.assembled_on: list[torch.device] = []
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def pack_bytes(self, dest, *args):
+        self.packed_on.append(dest.device)
+        return self._core.pack_bytes(dest, *args)
+
+    def unpack_gathered(self, *args):
+        self.assembled_on.append(torch.device(args[4]))
+        return self._core.unpack_gathered(*args)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "cpu_offload"])
+def test_full_gather_buckets_live_on_the_mesh_device(world1, monkeypatch, offload):
+    """Full gathers (``full_state_dict``): the bucket is allocated on the
+    device the mesh names -- NCCL only moves CUDA tensors, whatever the
+    shards' storage -- and the full tensors are assembled there, as
+    ``DTensor.full_tensor()`` returns them, unless ``cpu_offload`` moves
+    them to the CPU.  A 1-rank CPU mesh that names ``meta`` (no collective
+    moves data on one rank): a rule that allocated the bucket or the
+    results on the CPU returns CPU tensors here, one that skipped the
+    offload returns meta tensors; the same gather on the mesh as it is
+    returns the values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_optim import _collectives
+
+    mesh = init_device_mesh("cpu", (1,))
+    a = torch.arange(12.0).reshape(3, 4)
+    b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    plain = torch.ones(2)
+    leaves = [distribute_tensor(a, mesh, [Shard(0)]), plain, distribute_tensor(b, mesh, [Shard(1)])]
+
+    got = _collectives.gather_full_tensors(leaves, cpu_offload=offload)
+    assert torch.equal(got[0], a) and torch.equal(got[2], b)
+    assert got[1] is plain
+
+    spy = _SpyCore(_collectives.C)
+    monkeypatch.setattr(_collectives, "C", spy)
+    monkeypatch.setattr(mesh, "_device_type", "meta")
+    assert leaves[0].device_mesh.device_type == "meta"
+    if offload:
+        # the bucket holds no data on meta: moving its tensors to the CPU
+        # is what fails (torch's own error)
+        with pytest.raises(NotImplementedError, match="meta"):
+            _collectives.gather_full_tensors(leaves, cpu_offload=True)
+    else:
+        got = _collectives.gather_full_tensors(leaves)
+        assert [(t.device, t.shape, t.dtype) for t in got] == [
+            (META, a.shape, a.dtype), (CPU, plain.shape, plain.dtype), (META, b.shape, b.dtype)
+        ]
+        assert got[1] is plain
+    assert spy.packed_on and set(spy.packed_on) == {META}
+    assert spy.assembled_on == [META]

@@ -27,12 +27,17 @@
 # Time (an estimate until the first GPU run): with torch already
 # installed, about 2 minutes (build 30 s, CPU
 # checks 30-60 s, CUDA suite 1-2 min).  Downloading a CUDA torch (~2.5 GB
-# plus NVIDIA libraries) adds 1-4 minutes on a fast link; the suite is
-# killed after GPU_CHECK_TIMEOUT seconds (default 360) so that the whole
-# run stays within 8 minutes.
+# plus NVIDIA libraries) adds 1-4 minutes on a fast link.  The whole run
+# stays within GPU_CHECK_BUDGET seconds (default 480, install included):
+# the CPU-side checks and then the CUDA suite are each killed at the time
+# left, less GPU_CHECK_MARGIN (default 20 s, for the summary); the suite's
+# limit is min(GPU_CHECK_TIMEOUT (default 360), budget - elapsed - margin),
+# printed before it starts.  With less than 30 s left the suite is not
+# started (exit 3): run the script again, torch is installed by then.
 #
 # `tools/gpu-check.sh --cuda-index` only prints the wheel index it would
-# install torch from.
+# install torch from; `tools/gpu-check.sh --suite-timeout ELAPSED` only
+# prints the suite's limit after ELAPSED seconds.
 #
 # Other settings: GPU_CHECK_VENV (default .venv-gpu), GPU_CHECK_SKIP_BUILD=1
 # (make test-gpu builds first), GPU_CHECK_CPU_TESTS (the CPU-side test
@@ -48,7 +53,10 @@ OUT=${GPU_CHECK_OUT:-$ROOT/gpu-check-out}
 VENV=${GPU_CHECK_VENV:-$ROOT/.venv-gpu}
 BASE_PY=${PYTHON:-python3}
 CPU_TESTS=${GPU_CHECK_CPU_TESTS:-tests/test_device_rules.py tests/gpu}
-SUITE_TIMEOUT=${GPU_CHECK_TIMEOUT:-360}
+SUITE_MAX=${GPU_CHECK_TIMEOUT:-360}
+BUDGET=${GPU_CHECK_BUDGET:-480}
+MARGIN=${GPU_CHECK_MARGIN:-20}
+SUITE_MIN=30
 START=$SECONDS
 
 log() { printf '[gpu-check %3ds] %s\n' "$((SECONDS - START))" "$*"; }
@@ -77,10 +85,24 @@ cuda_index() {
     echo "https://download.pytorch.org/whl/$tag"
 }
 
+# Seconds a step may take after $1 seconds of the run: what is left of the
+# budget less the margin, at most $2 (and never below 0).
+time_left() {
+    local left=$((BUDGET - $1 - MARGIN))
+    [ "$left" -gt 0 ] || left=0
+    [ -z "${2:-}" ] || [ "$left" -le "$2" ] || left=$2
+    echo "$left"
+}
+
 # tools/gpu-check.sh --cuda-index: print the wheel index it would use, and stop
 if [ "${1:-}" = "--cuda-index" ]; then
     cuda_index
     exit $?
+fi
+# tools/gpu-check.sh --suite-timeout ELAPSED: the suite's limit, and stop
+if [ "${1:-}" = "--suite-timeout" ]; then
+    time_left "${2:?elapsed seconds}" "$SUITE_MAX"
+    exit 0
 fi
 
 # --- 1. interpreter -------------------------------------------------------------
@@ -144,12 +166,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 PYTEST=("$PY" -m pytest -p no:cacheprovider -o junit_family=xunit1 -rfEs)
 
 # --- 4. CPU-side checks ---------------------------------------------------------
-log "CPU-side checks: $CPU_TESTS"
+CPU_LIMIT=$(time_left "$((SECONDS - START))")
+log "CPU-side checks: $CPU_TESTS (limit ${CPU_LIMIT}s)"
 set +e
 # shellcheck disable=SC2086  # a list of test paths / node ids
-env -u DCP_OPTIM_GPU "${PYTEST[@]}" -q --junitxml="$OUT/cpu.xml" $CPU_TESTS >"$OUT/cpu.log" 2>&1
+env -u DCP_OPTIM_GPU timeout -k 5 "$CPU_LIMIT" "${PYTEST[@]}" -q --junitxml="$OUT/cpu.xml" $CPU_TESTS >"$OUT/cpu.log" 2>&1
 CPU_RC=$?
 set -e
+[ "$CPU_RC" -ne 124 ] && [ "$CPU_RC" -ne 137 ] || log "CPU-side checks killed after ${CPU_LIMIT}s (the ${BUDGET}s budget)"
 tail -n 3 "$OUT/cpu.log"
 "$PY" -m tests.gpu.summary --brief "$OUT/cpu.xml" "CPU-side checks (torch $TORCH_NOW):" >"$OUT/cpu-summary.txt" || true
 
@@ -167,9 +191,16 @@ if [ -n "$REASON" ]; then
 fi
 
 DEVICE=$("$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}')")
-log "CUDA suite on $DEVICE (limit ${SUITE_TIMEOUT}s)"
+ELAPSED=$((SECONDS - START))
+SUITE_TIMEOUT=$(time_left "$ELAPSED" "$SUITE_MAX")
+log "CUDA suite on $DEVICE: limit ${SUITE_TIMEOUT}s = min(${SUITE_MAX}, ${BUDGET} budget - ${ELAPSED} elapsed - ${MARGIN} margin)"
+if [ "$SUITE_TIMEOUT" -lt "$SUITE_MIN" ]; then
+    cat "$OUT/cpu-summary.txt"
+    log "CUDA suite NOT run: ${SUITE_TIMEOUT}s left of the ${BUDGET}s budget after the install and the CPU-side checks; run again (torch is installed now)"
+    exit 3
+fi
 set +e
-DCP_OPTIM_GPU=1 timeout "$SUITE_TIMEOUT" "${PYTEST[@]}" -v --junitxml="$OUT/gpu.xml" tests/gpu >"$OUT/gpu.log" 2>&1
+DCP_OPTIM_GPU=1 timeout -k 5 "$SUITE_TIMEOUT" "${PYTEST[@]}" -v --junitxml="$OUT/gpu.xml" tests/gpu >"$OUT/gpu.log" 2>&1
 GPU_RC=$?
 set -e
 tail -n 5 "$OUT/gpu.log"
