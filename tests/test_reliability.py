@@ -1,7 +1,8 @@
 """Distributed loads that never corrupt, never hang, and work in every
 model state: issue 15's regression tests (defects 1-6), the global-shape
-guarantee, and the fault-injection suite.  Two gloo ranks, FSDP2 with
-uneven shards; the scenarios are in tests/dist_cases_reliability.py."""
+guarantee, the fault-injection suite, and upstream where its ranks fall
+apart.  Two gloo ranks, FSDP2 with uneven shards; the scenarios are in
+tests/dist_cases_reliability.py."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def test_2_getters_and_setters_in_every_fsdp2_state(reliability, state):
                 assert value["dcp_optim"] == "ok", (key, value)
 
 
+@pytest.mark.parametrize("state", ["eval", "mid_training"])
+def test_2_training_goes_on_bit_identically_after_getters_and_setters(reliability, state):
+    # after both getters and a full setter loading the model's own
+    # checkpoint: backward() and step() (mid-training: the stored loss's)
+    # give the parameters and optimizer state of a run without them
+    for r in reliability:
+        assert r[f"d2_train[{state}]"]["dcp_optim"] == "ok", r[f"d2_train[{state}]"]
+
+
 @pytest.mark.parametrize("fmt", ["", ",flat"])
 @pytest.mark.parametrize("mode", ["full", "broadcast", "sharded"])
 def test_3_set_state_dict_is_atomic(reliability, mode, fmt):
@@ -80,6 +90,7 @@ def test_5_a_check_failing_on_one_rank_is_agreed(reliability, fmt):
     # load fails on both ranks with the same error and changes nothing
     a, b = _both(reliability, f"d5[strict=True{fmt}]")
     assert a[0] == b[0] and a[0].startswith("MissingOptimizerStateError"), (a, b)
+    assert "[raised on rank" not in a[0]  # every rank raised it: unchanged
     assert not a[1] and not b[1]
     # strict=False: both ranks load what the checkpoint has
     a, b = _both(reliability, f"d5[strict=False{fmt}]")
@@ -92,15 +103,6 @@ def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
     assert a == b
     assert "first difference at 'state.layers.0.up.weight.max_exp_avg_sq'" in a, a
     assert "rank(s) [0]: nothing (no such entry)" in a
-
-
-@pytest.mark.parametrize("state", ["eval", "mid_training"])
-def test_2_training_goes_on_bit_identically_after_getters_and_setters(reliability, state):
-    # after both getters and a full setter loading the model's own
-    # checkpoint: backward() and step() (mid-training: the stored loss's)
-    # give the parameters and optimizer state of a run without them
-    for r in reliability:
-        assert r[f"d2_train[{state}]"]["dcp_optim"] == "ok", r[f"d2_train[{state}]"]
 
 
 @pytest.mark.parametrize("mode", ["sharded", "full", "broadcast"])
@@ -160,6 +162,25 @@ KNOWN_UNSAFE = {
 }
 
 
+# A check failing on some ranks: every rank raises the lowest failing
+# rank's exception, its type kept, with this appended.
+_ONE_FAILED = " [raised on rank 1; rank(s) [1] failed, the other ranks passed this check; nothing was loaded on any rank]"
+AGREED_FAILURE = {
+    "keys: rank 1's sharded model dict lacks a key": _ONE_FAILED,
+    "validation raises on rank 1 only (strict, missing optimizer state)": _ONE_FAILED,
+    "validation raises on rank 1 only (strict, missing optimizer state) [flat]": _ONE_FAILED,
+    "rank 0 broadcasts a model dict with an unexpected key (strict)": (
+        " [raised on rank 0; rank(s) [0] failed, the other ranks passed this check; nothing was loaded on any rank]"
+    ),
+    # both failed, differently: rank 0's error
+    "keys: each rank's sharded model dict lacks another key": " [raised on rank 0; nothing was loaded on any rank]",
+}
+
+
+def test_agreed_failure_names_fault_cases():
+    assert set(AGREED_FAILURE) <= {n for n, _ in cases._fault_cases(0, None)}
+
+
 @pytest.fixture(scope="module")
 def faults():
     return run_ranks(2, cases.fault_suite, timeout=240)
@@ -178,19 +199,6 @@ def test_fault_ends_with_the_same_error_everywhere(faults, name):
     assert not changed0 and not changed1, "something changed"
     if name in AGREED_FAILURE:
         assert err0.endswith(AGREED_FAILURE[name]), err0
-
-
-# A check failing on some ranks: every rank raises the lowest failing
-# rank's exception, its type kept, with this appended.
-_ONE_FAILED = " [raised on rank 1; rank(s) [1] failed, the other ranks passed this check; nothing was loaded on any rank]"
-AGREED_FAILURE = {
-    "keys: rank 1's sharded model dict lacks a key": _ONE_FAILED,
-    "validation raises on rank 1 only (strict, missing optimizer state)": _ONE_FAILED,
-    "validation raises on rank 1 only (strict, missing optimizer state) [flat]": _ONE_FAILED,
-    "rank 0 broadcasts a model dict with an unexpected key (strict)": _ONE_FAILED.replace("1", "0"),
-    # both failed, differently: rank 0's error
-    "keys: each rank's sharded model dict lacks another key": " [raised on rank 0; nothing was loaded on any rank]",
-}
 
 
 def _timed_out(text):
