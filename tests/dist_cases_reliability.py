@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import dcp_optim
 
-from .dist_cases import MLP, train
+from .dist_cases import MLP, CollectiveCounter, train
 from .oracle import assert_same_tree
 
 
@@ -158,6 +158,29 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
             after = dcp_optim.get_state_dict(model, optim)
             result = "ok" if _same(after, (msd, osd)) else "loaded something else"
         out[f"d2_set[{state}]"] = {"dcp_optim": result}
+        # training goes on after both getters and a full setter (the model's
+        # own checkpoint loaded back) bit-identically to a run that had
+        # none of them in between: mid-training, the stored loss's
+        # backward() and step(); after the no_grad forward, a training step
+        runs = []
+        for with_calls in (True, False):
+            model, optim = _states(mesh, state)
+
+            def calls(model=model, optim=optim):
+                dcp_optim.get_state_dict(model, optim)
+                full = dcp_optim.StateDictOptions(full_state_dict=True)
+                msd, osd = dcp_optim.get_state_dict(model, optim, options=full)
+                dcp_optim.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=full)
+
+            result = _outcome(calls) if with_calls else "ok"
+            if state == "mid_training":
+                model._dcp_test_loss.backward()
+            else:
+                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(9))).backward()
+            optim.step()
+            runs.append((result, _local_snapshot(model, optim)))
+        (result, after_calls), (_, plain) = runs
+        out[f"d2_train[{state}]"] = {"dcp_optim": result if result != "ok" or _same(after_calls, plain) else "differs"}
 
     # 3. set_state_dict is atomic: a bad model dict changes neither the
     #    model nor the optimizer (full, broadcast and sharded modes).
@@ -229,12 +252,60 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
     out["d4"] = {"dcp_optim": (result, _same(before, _local_snapshot(model, optim)))}
 
     # 6. ranks disagreeing on amsgrad: the error names the extra state
-    model, optim = build(mesh, amsgrad=rank == 1)
-    result = _outcome(lambda: dcp_optim.get_optimizer_state_dict(
-        model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True)))
-    out["d6"] = {"dcp_optim": result}
+    for flat in (False, True):
+        model, optim = build(mesh, amsgrad=rank == 1)
+        result = _outcome(lambda: dcp_optim.get_optimizer_state_dict(
+            model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flat)))
+        out[f"d6{'[flat]' if flat else ''}"] = {"dcp_optim": result}
+
+    # The collectives of a load (what the README's cost line states): per
+    # mode, every torch.distributed call and the bytes of its input.
+    src_model, src_optim = build(mesh, seed=4)
+    for mode in ("sharded", "full", "broadcast"):
+        opts = dcp_optim.StateDictOptions(full_state_dict=mode != "sharded", broadcast_from_rank0=mode == "broadcast")
+        msd, osd = dcp_optim.get_state_dict(src_model, src_optim, options=opts)
+        if mode == "broadcast" and rank != 0:
+            msd, osd = {}, {}
+        model, optim = build(mesh)
+        with CollectiveRecorder() as rec:
+            result = _outcome(lambda: dcp_optim.set_state_dict(
+                model, optim, model_state_dict=msd, optim_state_dict=osd, options=opts))
+        out[f"collectives[{mode}]"] = {"dcp_optim": (result, rec.calls)}
     dist.barrier()
     return out
+
+
+class CollectiveRecorder(CollectiveCounter):
+    """CollectiveCounter (tests/dist_cases.py) that also records, in call
+    order, each outermost call's name and the bytes of its input tensor
+    (None for object collectives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int | None]] = []
+
+    def _wrap(self, owner, name, label):
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+
+        def wrapper(*args, **kwargs):
+            if self._depth == 0:
+                inp = None
+                if name in ("all_gather_into_tensor", "all_gather_single"):
+                    inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+                elif name == "broadcast":
+                    inp = args[0] if args else kwargs.get("tensor")
+                size = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else None
+                self.calls.append((name, size))
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, wrapper)
 
 
 # --- no load writes a tensor of another global shape --------------------------------
@@ -282,102 +353,130 @@ def global_shape_suite(rank: int, ws: int) -> dict[str, str]:
 
 def _fault_cases(rank: int, mesh) -> list[tuple[str, Any]]:
     """(name, call) pairs: each call is made on every rank, with the fault
-    on one of them, against a fresh trained model and optimizer."""
-    F = dcp_optim.StateDictOptions
+    on one of them, against a fresh trained model and optimizer.  Cases
+    that pass an optimizer dict run in both optimizer formats (the
+    flattened one's name ends with " [flat]")."""
 
     def full_msd(model):
-        return dcp_optim.get_model_state_dict(model, options=F(full_state_dict=True))
-
-    def full_osd(model, optim):
-        return dcp_optim.get_optimizer_state_dict(model, optim, options=F(full_state_dict=True))
+        return dcp_optim.get_model_state_dict(model, options=dcp_optim.StateDictOptions(full_state_dict=True))
 
     cases = []
 
-    def case(name):
+    def case(name, formats=(False,)):
         def register(fn):
-            cases.append((name, fn))
+            for flat in formats:
+                def call(model, optim, src, src_optim, fn=fn, flat=flat):
+                    def F(**kw):
+                        return dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat, **kw)
+
+                    def full_osd(model, optim):
+                        return dcp_optim.get_optimizer_state_dict(model, optim, options=F(full_state_dict=True))
+
+                    return fn(model, optim, src, src_optim, F, full_osd, _OsdEdit(flat))
+
+                cases.append((name + (" [flat]" if flat else ""), call))
             return fn
         return register
 
+    both = (False, True)
+
     @case("options: full_state_dict differs (set_model_state_dict)")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         dcp_optim.set_model_state_dict(model, msd, options=F(full_state_dict=rank == 0))
 
+    @case("options: full_state_dict differs (set_optimizer_state_dict)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
+        full, sharded = full_osd(src, src_optim), dcp_optim.get_optimizer_state_dict(src, src_optim, options=F())
+        osd = full if rank == 0 else sharded
+        dcp_optim.set_optimizer_state_dict(model, optim, osd, options=F(full_state_dict=rank == 0))
+
     @case("options: broadcast_from_rank0 differs (set_model_state_dict)")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         dcp_optim.set_model_state_dict(
             model, msd if rank == 0 else {}, options=F(full_state_dict=True, broadcast_from_rank0=rank == 0))
 
-    @case("options: broadcast_from_rank0 differs (set_state_dict)")
-    def _(model, optim, src, src_optim):
+    @case("options: broadcast_from_rank0 differs (set_state_dict)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd, osd = full_msd(src), full_osd(src, src_optim)
         if rank != 0:
             msd, osd = {}, {}
         dcp_optim.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd,
                                  options=F(full_state_dict=True, broadcast_from_rank0=rank == 0))
 
-    @case("options: strict differs (set_optimizer_state_dict, broadcast)")
-    def _(model, optim, src, src_optim):
+    @case("options: strict differs (set_optimizer_state_dict, broadcast)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         osd = full_osd(src, src_optim)
         dcp_optim.set_optimizer_state_dict(
             model, optim, osd if rank == 0 else {},
             options=F(full_state_dict=True, broadcast_from_rank0=True, strict=rank == 0))
 
     @case("options: cpu_offload differs (set_model_state_dict, broadcast)")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         dcp_optim.set_model_state_dict(
             model, msd if rank == 0 else {},
             options=F(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=rank == 1))
 
     @case("options: broadcast_from_rank0 without full_state_dict on rank 1")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         dcp_optim.set_model_state_dict(
             model, msd, options=F(full_state_dict=rank == 0, broadcast_from_rank0=True))
 
+    @case("options: cpu_offload differs (get_model_state_dict, full)")
+    def _(model, optim, src, src_optim, F, full_osd, edit):
+        dcp_optim.get_model_state_dict(model, options=F(full_state_dict=True, cpu_offload=rank == 1))
+
+    @case("options: cpu_offload differs (get_state_dict, full)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
+        dcp_optim.get_state_dict(model, optim, options=F(full_state_dict=True, cpu_offload=rank == 1))
+
     @case("keys: rank 1's full model dict lacks a key")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         if rank == 1:
             del msd["layers.1.norm.bias"]
         dcp_optim.set_model_state_dict(model, msd, options=F(full_state_dict=True))
 
     @case("keys: rank 1's sharded model dict lacks a key")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = dcp_optim.get_model_state_dict(src)
         if rank == 1:
             del msd["layers.0.up.bias"]
         dcp_optim.set_model_state_dict(model, msd)
 
+    @case("keys: each rank's sharded model dict lacks another key")
+    def _(model, optim, src, src_optim, F, full_osd, edit):
+        msd = dcp_optim.get_model_state_dict(src)
+        del msd["layers.0.up.bias" if rank == 0 else "layers.1.up.bias"]
+        dcp_optim.set_model_state_dict(model, msd)
+
     @case("shapes: rank 1's full model dict has a wrong global shape")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         if rank == 1:
             msd["head.weight"] = torch.randn(6, 8)
         dcp_optim.set_model_state_dict(model, msd, options=F(full_state_dict=True))
 
-    @case("shapes: rank 1's full optimizer dict has a wrong global shape")
-    def _(model, optim, src, src_optim):
+    @case("shapes: rank 1's full optimizer dict has a wrong global shape", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd, osd = full_msd(src), full_osd(src, src_optim)
         if rank == 1:
-            st = dict(osd["state"]["layers.0.up.weight"])
-            st["exp_avg_sq"] = torch.randn(8, 7)
-            osd["state"]["layers.0.up.weight"] = st
+            osd = edit.set_state(osd, "layers.0.up.weight", "exp_avg_sq", torch.randn(8, 7))
         dcp_optim.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd,
                                  options=F(full_state_dict=True))
 
-    @case("hyperparameters: amsgrad on rank 1 only (get, full)")
-    def _(model, optim, src, src_optim):
+    @case("hyperparameters: amsgrad on rank 1 only (get, full)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         if rank == 1:
             for g in optim.param_groups:
                 g["amsgrad"] = True
             for st in optim.state.values():
                 st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
         try:
-            dcp_optim.get_optimizer_state_dict(model, optim, options=F(full_state_dict=True))
+            full_osd(model, optim)
         finally:
             if rank == 1:  # a getter changes nothing: undo the fault
                 for g in optim.param_groups:
@@ -385,30 +484,29 @@ def _fault_cases(rank: int, mesh) -> list[tuple[str, Any]]:
                 for st in optim.state.values():
                     del st["max_exp_avg_sq"]
 
-    @case("hyperparameters: rank 1's full optimizer dict has another lr")
-    def _(model, optim, src, src_optim):
+    @case("hyperparameters: rank 1's full optimizer dict has another lr", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         osd = full_osd(src, src_optim)
         if rank == 1:
-            osd["param_groups"][0] = {**osd["param_groups"][0], "lr": 0.5}
+            osd = edit.set_lr(osd, 0.5)
         dcp_optim.set_optimizer_state_dict(model, optim, osd, options=F(full_state_dict=True))
 
     @case("dtypes: rank 1's full model dict holds a float64 tensor")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         if rank == 1:
             msd["head.weight"] = msd["head.weight"].double()
         dcp_optim.set_model_state_dict(model, msd, options=F(full_state_dict=True))
 
-    @case("validation raises on rank 1 only (strict, missing optimizer state)")
-    def _(model, optim, src, src_optim):
-        osd = dcp_optim.get_optimizer_state_dict(src, src_optim)
+    @case("validation raises on rank 1 only (strict, missing optimizer state)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
+        osd = dcp_optim.get_optimizer_state_dict(src, src_optim, options=F())
         if rank == 1:
-            osd = {"state": {k: v for k, v in osd["state"].items() if k != "head.weight"},
-                   "param_groups": osd["param_groups"]}
-        dcp_optim.set_optimizer_state_dict(model, optim, osd)
+            osd = edit.drop_state(osd, "head.weight")
+        dcp_optim.set_optimizer_state_dict(model, optim, osd, options=F())
 
     @case("validation raises on rank 1 only (its own load hook)")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         def hook(*args, **kwargs):
             raise ValueError("rank 1's own check failed")
 
@@ -420,8 +518,8 @@ def _fault_cases(rank: int, mesh) -> list[tuple[str, Any]]:
             if handle is not None:
                 handle.remove()
 
-    @case("rank 0 broadcasts a wrong-shaped model tensor (set_state_dict)")
-    def _(model, optim, src, src_optim):
+    @case("rank 0 broadcasts a wrong-shaped model tensor (set_state_dict)", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd, osd = full_msd(src), full_osd(src, src_optim)
         msd["layers.1.down.weight"] = torch.randn(8, 8)
         if rank != 0:
@@ -429,17 +527,14 @@ def _fault_cases(rank: int, mesh) -> list[tuple[str, Any]]:
         dcp_optim.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd,
                                  options=F(full_state_dict=True, broadcast_from_rank0=True))
 
-    @case("rank 0 broadcasts a wrong-shaped optimizer tensor")
-    def _(model, optim, src, src_optim):
-        osd = full_osd(src, src_optim)
-        st = dict(osd["state"]["head.weight"])
-        st["exp_avg"] = torch.randn(5)
-        osd["state"]["head.weight"] = st
+    @case("rank 0 broadcasts a wrong-shaped optimizer tensor", both)
+    def _(model, optim, src, src_optim, F, full_osd, edit):
+        osd = edit.set_state(full_osd(src, src_optim), "head.weight", "exp_avg", torch.randn(5))
         dcp_optim.set_optimizer_state_dict(
             model, optim, osd if rank == 0 else {}, options=F(full_state_dict=True, broadcast_from_rank0=True))
 
     @case("calls: rank 0 gets a full dict, rank 1 loads one")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = dcp_optim.get_model_state_dict(src) if rank == 1 else None  # no collective
         if rank == 0:
             dcp_optim.get_model_state_dict(model, options=F(full_state_dict=True))
@@ -447,13 +542,37 @@ def _fault_cases(rank: int, mesh) -> list[tuple[str, Any]]:
             dcp_optim.set_model_state_dict(model, msd, options=F(full_state_dict=True))
 
     @case("rank 0 broadcasts a model dict with an unexpected key (strict)")
-    def _(model, optim, src, src_optim):
+    def _(model, optim, src, src_optim, F, full_osd, edit):
         msd = full_msd(src)
         msd["extra.weight"] = torch.randn(3)
         dcp_optim.set_model_state_dict(
             model, msd if rank == 0 else {}, options=F(full_state_dict=True, broadcast_from_rank0=True))
 
     return cases
+
+
+class _OsdEdit:
+    """Edits of an optimizer state dict in either format (new dicts; the
+    caller's are left alone)."""
+
+    def __init__(self, flat: bool):
+        self.flat = flat
+
+    def set_state(self, osd, fqn, key, value):
+        if self.flat:
+            assert f"state.{fqn}.{key}" in osd
+            return {**osd, f"state.{fqn}.{key}": value}
+        return {**osd, "state": {**osd["state"], fqn: {**osd["state"][fqn], key: value}}}
+
+    def drop_state(self, osd, fqn):
+        if self.flat:
+            return {k: v for k, v in osd.items() if not k.startswith(f"state.{fqn}.")}
+        return {**osd, "state": {k: v for k, v in osd["state"].items() if k != fqn}}
+
+    def set_lr(self, osd, lr):
+        if self.flat:
+            return {k: (lr if k.startswith("param_groups.") and k.endswith(".lr") else v) for k, v in osd.items()}
+        return {**osd, "param_groups": [{**osd["param_groups"][0], "lr": lr}, *osd["param_groups"][1:]]}
 
 
 def fault_suite(rank: int, ws: int) -> dict[str, Any]:
@@ -513,3 +632,52 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
         model, msd if rank == 0 else {},
         options=dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))
     return {"result": result, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def upstream_failure_case(rank: int, ws: int, which: str) -> dict[str, Any]:
+    """Upstream (torch 2.13) on the scenarios of defects 3 (broadcast
+    mode), 4 and 5, which end in a hang or a backend abort there: run
+    with a 2 s process-group timeout, this rank's result, that of the next
+    collective (a barrier, as a training loop's next step would make), and
+    how long they took (a rank the backend aborts returns nothing)."""
+    import time
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=2))
+    mesh = init_device_mesh("cpu", (ws,))
+    U = upstream.StateDictOptions
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    if which == "d3":  # set_state_dict, broadcast, a bad model dict; {} on rank 1
+        model, optim = build(mesh)
+        src, src_optim = build(mesh, seed=3)
+        msd, osd = dcp_optim.get_state_dict(src, src_optim, options=full)
+        msd["layers.0.up.bias"] = torch.zeros(3)
+        if rank != 0:
+            msd, osd = {}, {}
+
+        def call():
+            upstream.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd,
+                                    options=U(full_state_dict=True, broadcast_from_rank0=True))
+    elif which == "d4":  # rank 0 broadcasts, rank 1 passes {} without broadcast
+        model, optim = build(mesh)
+        msd = dcp_optim.get_model_state_dict(model, options=full)
+
+        def call():
+            upstream.set_model_state_dict(model, msd if rank == 0 else {},
+                                          options=U(full_state_dict=True, broadcast_from_rank0=rank == 0))
+    else:  # d5: rank 1 holds state, rank 0 none; the checkpoint lacks head.weight's
+        src, src_optim = build(mesh, seed=4)
+        osd = dcp_optim.get_optimizer_state_dict(src, src_optim, options=full)
+        osd = {"state": {k: v for k, v in osd["state"].items() if k != "head.weight"},
+               "param_groups": osd["param_groups"]}
+        model, optim = build(mesh, seed=1)
+        if rank == 0:
+            optim.state.clear()
+
+        def call():
+            upstream.set_optimizer_state_dict(model, optim, osd if rank == 0 else {},
+                                              options=U(full_state_dict=True, broadcast_from_rank0=True))
+    t0 = time.monotonic()
+    result = _outcome(call)
+    # the job goes on: the next collective (a training loop's barrier)
+    then = _outcome(dist.barrier)
+    return {"result": result, "then": then, "seconds": round(time.monotonic() - t0, 1)}

@@ -1,7 +1,8 @@
 """Distributed loads that never corrupt, never hang, and work in every
 model state: issue 15's regression tests (defects 1-6), the global-shape
-guarantee, and the fault-injection suite.  Two gloo ranks, FSDP2 with
-uneven shards; the scenarios are in tests/dist_cases_reliability.py."""
+guarantee, the fault-injection suite, and upstream where its ranks fall
+apart.  Two gloo ranks, FSDP2 with uneven shards; the scenarios are in
+tests/dist_cases_reliability.py."""
 
 from __future__ import annotations
 
@@ -16,13 +17,11 @@ pytestmark = pytest.mark.dist
 # load after a forward raises `size mismatch` on every rank (dcp_optim
 # raised nothing on some shapes, or on one rank only); set_state_dict
 # loads the optimizer and then fails on the model (dcp_optim: nothing
-# changed).  Not run on upstream, because it hangs or aborts there:
-# set_state_dict with broadcast_from_rank0 and {} on the receivers (it
-# skips the model load on them), ranks that disagree on
-# broadcast_from_rank0 (upstream takes different collective paths), and
-# the broadcast load of defect 5 (a checkpoint without state for a
-# trainable parameter: upstream's ranks run different numbers of
-# broadcasts and the next collective times out).
+# changed).  Where upstream's ranks fall apart (set_state_dict with
+# broadcast_from_rank0 and {} on the receivers, ranks that disagree on
+# broadcast_from_rank0, the broadcast load of defect 5), it runs in
+# launches of their own with a short process-group timeout:
+# test_upstream_falls_apart_where_dcp_optim_agrees.
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +55,15 @@ def test_2_getters_and_setters_in_every_fsdp2_state(reliability, state):
                 assert value["dcp_optim"] == "ok", (key, value)
 
 
+@pytest.mark.parametrize("state", ["eval", "mid_training"])
+def test_2_training_goes_on_bit_identically_after_getters_and_setters(reliability, state):
+    # after both getters and a full setter loading the model's own
+    # checkpoint: backward() and step() (mid-training: the stored loss's)
+    # give the parameters and optimizer state of a run without them
+    for r in reliability:
+        assert r[f"d2_train[{state}]"]["dcp_optim"] == "ok", r[f"d2_train[{state}]"]
+
+
 @pytest.mark.parametrize("fmt", ["", ",flat"])
 @pytest.mark.parametrize("mode", ["full", "broadcast", "sharded"])
 def test_3_set_state_dict_is_atomic(reliability, mode, fmt):
@@ -82,17 +90,38 @@ def test_5_a_check_failing_on_one_rank_is_agreed(reliability, fmt):
     # load fails on both ranks with the same error and changes nothing
     a, b = _both(reliability, f"d5[strict=True{fmt}]")
     assert a[0] == b[0] and a[0].startswith("MissingOptimizerStateError"), (a, b)
+    assert "[raised on rank" not in a[0]  # every rank raised it: unchanged
     assert not a[1] and not b[1]
     # strict=False: both ranks load what the checkpoint has
     a, b = _both(reliability, f"d5[strict=False{fmt}]")
     assert a == b == ("ok", True, True), (a, b)
 
 
-def test_6_disagreement_names_the_first_real_difference(reliability):
-    a, b = _both(reliability, "d6")
+@pytest.mark.parametrize("fmt", ["", "[flat]"])
+def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
+    a, b = _both(reliability, f"d6{fmt}")
     assert a == b
     assert "first difference at 'state.layers.0.up.weight.max_exp_avg_sq'" in a, a
     assert "rank(s) [0]: nothing (no such entry)" in a
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full", "broadcast"])
+def test_load_collectives_are_the_readmes(reliability, mode):
+    """The README's cost line: two all-gathers of one 64-byte record per
+    load (broadcast: three), plus, on broadcast loads, the metadata
+    broadcast and the data broadcasts; nothing else."""
+    calls = [r[f"collectives[{mode}]"]["dcp_optim"] for r in reliability]
+    assert calls[0] == calls[1], calls
+    result, calls = calls[0]
+    assert result == "ok", result
+    gathers = [c for c in calls if c[0] in ("all_gather_single", "all_gather_into_tensor")]
+    assert [size for _, size in gathers] == [64] * (3 if mode == "broadcast" else 2), calls
+    others = [c for c in calls if c not in gathers]
+    if mode != "broadcast":
+        assert others == [], calls
+    else:
+        assert others[0] == ("broadcast_object_list", None), calls  # the metadata
+        assert others[1:] and all(name == "broadcast" for name, _ in others[1:]), calls
 
 
 def test_no_load_writes_another_global_shape():
@@ -133,6 +162,25 @@ KNOWN_UNSAFE = {
 }
 
 
+# A check failing on some ranks: every rank raises the lowest failing
+# rank's exception, its type kept, with this appended.
+_ONE_FAILED = " [raised on rank 1; rank(s) [1] failed, the other ranks passed this check; nothing was loaded on any rank]"
+AGREED_FAILURE = {
+    "keys: rank 1's sharded model dict lacks a key": _ONE_FAILED,
+    "validation raises on rank 1 only (strict, missing optimizer state)": _ONE_FAILED,
+    "validation raises on rank 1 only (strict, missing optimizer state) [flat]": _ONE_FAILED,
+    "rank 0 broadcasts a model dict with an unexpected key (strict)": (
+        " [raised on rank 0; rank(s) [0] failed, the other ranks passed this check; nothing was loaded on any rank]"
+    ),
+    # both failed, differently: rank 0's error
+    "keys: each rank's sharded model dict lacks another key": " [raised on rank 0; nothing was loaded on any rank]",
+}
+
+
+def test_agreed_failure_names_fault_cases():
+    assert set(AGREED_FAILURE) <= {n for n, _ in cases._fault_cases(0, None)}
+
+
 @pytest.fixture(scope="module")
 def faults():
     return run_ranks(2, cases.fault_suite, timeout=240)
@@ -149,6 +197,33 @@ def test_fault_ends_with_the_same_error_everywhere(faults, name):
     assert err0 == err1, (err0, err1)
     assert err0 != "ok"
     assert not changed0 and not changed1, "something changed"
+    if name in AGREED_FAILURE:
+        assert err0.endswith(AGREED_FAILURE[name]), err0
+
+
+def _timed_out(text):
+    return "Timed out" in text or "timeout" in text.lower()
+
+
+@pytest.mark.parametrize("defect", ["d3", "d4", "d5"])
+def test_upstream_falls_apart_where_dcp_optim_agrees(defect):
+    """Upstream on the broadcast scenarios of defects 3, 4 and 5 (process-
+    group timeout 2 s; each rank then makes the next collective, as a
+    training loop would): one rank ends at once -- loaded or raising --
+    while the other blocks in upstream's broadcast until the timeout.
+    dcp_optim on the same inputs: the same error on both ranks at once
+    (test_3, test_4, test_5)."""
+    r0, r1 = run_ranks(2, cases.upstream_failure_case, defect, timeout=60)
+    if defect == "d3":  # set_state_dict: rank 1 ({}) skips the model load, rank 0 broadcasts it
+        assert _timed_out(r0["result"]), r0
+        assert r1["result"] == "ok" and _timed_out(r1["then"]), r1
+    elif defect == "d4":  # rank 1 (no broadcast, {}) raises; rank 0 waits in its broadcast
+        assert r1["result"].startswith("RuntimeError: The option indicates that model state_dict is required"), r1
+        assert _timed_out(r0["result"]), r0
+    else:  # rank 0's check fails (no state for head.weight); rank 1 waits in the broadcast
+        assert r0["result"].startswith("RuntimeError: Missing optimizer state for parameter 'head.weight'"), r0
+        assert _timed_out(r1["result"]), r1
+    assert max(r0["seconds"], r1["seconds"]) < 8
 
 
 @pytest.mark.parametrize("where", ["stream", "agreement", "hang", "getter"])
@@ -171,5 +246,5 @@ def test_a_rank_dying_inside_a_collective(where):
     assert survivor is not None, str(info.value)[-2000:]
     assert survivor["result"].startswith("RuntimeError"), survivor
     assert info.value.exitcodes[1] == 3
-    assert "Connection closed" in survivor["result"] or "Connection reset" in survivor["result"], survivor
+    assert "Connection closed by peer" in survivor["result"] or "Connection reset by peer" in survivor["result"], survivor
     assert survivor["seconds"] < 10
