@@ -226,23 +226,43 @@ def test_fallback_builds_a_first_steps_state_without_touching_anything(flat):
     assert_same_tree(after[0], before[0])
     assert all(torch.equal(a, b) for a, b in zip(after[1], before[1]))
     assert after[2] == before[2] and list(after[3][0]) == list(before[3][0])
-    nested = sd if not flat else {"state": {}, "param_groups": []}
-    if not flat:
-        for name, p in model.named_parameters():
-            st = nested["state"][name]
-            assert sorted(st) == ["ema", "m", "p0", "scalar", "step"]
-            assert st["step"] == 0 and st["scalar"].shape == ()
-            assert torch.equal(st["p0"], p.detach()), "p0 must start from the real parameter"
-            assert torch.equal(st["ema"], p.detach()), "the step hook's EMA must start from the parameter"
-            assert not st["m"].any()
-        group = nested["param_groups"][0]
-        assert group["step"] == 0 and "sum" in group  # group keys of a first step
-        ptrs = [t.untyped_storage().data_ptr() for st in nested["state"].values() for t in st.values()
-                if isinstance(t, torch.Tensor)]
-        assert len(ptrs) == len(set(ptrs)), "template tensors alias each other"
+    fqns = [name for name, _ in model.named_parameters()]
+    state_keys = ["ema", "m", "p0", "scalar", "step"]
+    group_keys = sorted(set(optim.param_groups[0]) - {"params"} | {"step", "sum"})
+    if flat:
+        # exactly the keys the nested template implies, nothing else
+        want = {f"state.{n}.{k}" for n in fqns for k in state_keys}
+        want |= {f"param_groups.{n}.{k}" for n in fqns for k in group_keys}
+        assert set(sd) == want, (sorted(set(sd) - want), sorted(want - set(sd)))
+        nested = {
+            "state": {n: {k: sd[f"state.{n}.{k}"] for k in state_keys} for n in fqns},
+            "param_groups": [{k: sd[f"param_groups.{fqns[0]}.{k}"] for k in group_keys}],
+        }
+        for n in fqns[1:]:  # one group: every parameter repeats its values
+            for k in group_keys:
+                assert sd[f"param_groups.{n}.{k}"] is nested["param_groups"][0][k]
+        # the flat format repeats a group's values under each of its
+        # parameters (upstream's layout): one object, checked above by
+        # identity, counted once; distinct tensors must not share storage
+        tensors = list({id(v): v for v in sd.values() if isinstance(v, torch.Tensor)}.values())
+        assert len(tensors) == len(fqns) * 4 + 1  # m, p0, scalar, ema per parameter; the group's sum
     else:
-        assert sd["param_groups.a.weight.step"] == 0 and "param_groups.a.weight.sum" in sd
-        assert torch.equal(sd["state.a.weight.p0"], model.a.weight.detach())
+        nested = sd
+        assert list(nested["state"]) == fqns
+        assert sorted(nested["param_groups"][0]) == sorted([*group_keys, "params"])
+        tensors = [t for st in nested["state"].values() for t in st.values() if isinstance(t, torch.Tensor)]
+        tensors += [v for v in nested["param_groups"][0].values() if isinstance(v, torch.Tensor)]
+    for name, p in model.named_parameters():
+        st = nested["state"][name]
+        assert sorted(st) == state_keys
+        assert st["step"] == 0 and st["scalar"].shape == ()
+        assert torch.equal(st["p0"], p.detach()), "p0 must start from the real parameter"
+        assert torch.equal(st["ema"], p.detach()), "the step hook's EMA must start from the parameter"
+        assert st["m"].shape == p.shape and not st["m"].any()
+    group = nested["param_groups"][0]
+    assert group["step"] == 0 and group["sum"].shape == ()  # group keys of a first step
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    assert len(ptrs) == len(set(ptrs)), "template tensors alias each other"
 
 
 @pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
@@ -470,7 +490,12 @@ def test_optimizer_dict_of_the_wrong_type(impl, bad, api):
     upstream_error = TypeError if isinstance(bad, int) else AttributeError
     with pytest.raises(upstream_error) as info:
         if api == "set_state_dict":
-            impl.set_state_dict(model, optim, model_state_dict=model.state_dict(), optim_state_dict=bad)
+            # another seed's values: a model loaded before the optimizer's
+            # check would show in the snapshot
+            other = copy.deepcopy(model)
+            torch.manual_seed(7)
+            other.load_state_dict(Net().state_dict())
+            impl.set_state_dict(model, optim, model_state_dict=other.state_dict(), optim_state_dict=bad)
         else:
             impl.set_optimizer_state_dict(model, optim, bad)
     if impl is dcp_optim:
