@@ -312,6 +312,73 @@ def test_wrapper_template_and_live_untouched(impl):
     assert torch.equal(sd["state"]["b.bias"]["slow"], model.b.bias.detach())
 
 
+def _own_layout_wrapper(kind, seed=0):
+    """pytorch-optimizer's wrappers whose state_dict() is not torch's
+    layout: the inner optimizer's under one key, their own per-parameter
+    state (keyed by (group, index)) and settings beside it."""
+    po = pytest.importorskip("pytorch_optimizer")
+    torch.manual_seed(seed)
+    model = Net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if kind == "Lookahead":
+        optim = po.Lookahead(inner, k=2)
+    elif kind == "ScheduleFreeWrapper":
+        optim = po.ScheduleFreeWrapper(torch.optim.SGD(model.parameters(), lr=0.01))
+        optim.train()
+    else:
+        optim = po.Magma(inner)
+    return model, optim
+
+
+def _train_seeded(model, optim, steps, start=0):
+    for i in range(start, start + steps):
+        torch.manual_seed(100 + i)  # Magma's random masks
+        model(_x(i)).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+WRAPPERS = pytest.mark.parametrize("kind", ["Lookahead", "ScheduleFreeWrapper", "Magma"])
+
+
+@impls("KeyError: 'state' (the wrapper's own state_dict() layout)")
+@WRAPPERS
+@FORMATS
+def test_own_layout_wrappers_resume_exactly(impl, kind, flat, tmp_path):
+    """The inner optimizer's state keyed by FQN, the wrapper's own entries
+    as extra top-level keys handed back to its load_state_dict: get, set
+    into a fresh copy, one step is the uninterrupted run bit for bit; the
+    same through dcp.save/dcp.load into a never-stepped template, whose
+    own entries come from a first step (schedule-free's z, Magma's
+    alignment) while the live wrapper stays as it was."""
+    options = _opts(impl, flat)
+    ref, ref_o = _own_layout_wrapper(kind)
+    _train_seeded(ref, ref_o, 3)
+    src, src_o = _own_layout_wrapper(kind)
+    _train_seeded(src, src_o, 2)
+    sd = impl.get_optimizer_state_dict(src, src_o, options=options)
+    own = {k: v for k, v in src_o.state_dict().items() if k not in ("base_optimizer", "base")}
+    assert all(k in sd for k in own)
+    dst, dst_o = _own_layout_wrapper(kind, seed=5)
+    dst.load_state_dict(src.state_dict())
+    impl.set_optimizer_state_dict(dst, dst_o, copy.deepcopy(sd), options=options)
+    _train_seeded(dst, dst_o, 1, start=2)
+    assert_same_tree(params_snapshot(dst), params_snapshot(ref))
+
+    dcp.save({"optim": sd}, checkpoint_id=str(tmp_path))
+    dst, dst_o = _own_layout_wrapper(kind, seed=5)
+    dst.load_state_dict(src.state_dict())
+    live_before = copy.deepcopy(dst_o.state_dict())
+    state = {"optim": impl.get_optimizer_state_dict(dst, dst_o, options=options)}
+    assert_same_tree(dst_o.state_dict(), live_before)  # the getter changed nothing
+    for k, v in own.items():  # the template holds what two steps made
+        assert type(state["optim"][k]) is type(v) and (not isinstance(v, dict) or list(state["optim"][k]) == list(v))
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    impl.set_optimizer_state_dict(dst, dst_o, state["optim"], options=options)
+    _train_seeded(dst, dst_o, 1, start=2)
+    assert_same_tree(params_snapshot(dst), params_snapshot(ref))
+
+
 class ExtraKeys(torch.optim.SGD):
     """An optimizer whose state_dict() carries a top-level key of its own."""
 

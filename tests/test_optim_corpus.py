@@ -333,9 +333,45 @@ def _strip_ids(tree):
     return tree
 
 
+def _wrapper_key(opt):
+    """The entry of a wrapper's own ``state_dict()`` that holds its inner
+    optimizer's (torch's layout), when the wrapper's is not torch's
+    layout itself (Lookahead's ``base_optimizer``, Magma's ``base``)."""
+    sd = opt.state_dict() if hasattr(opt, "state_dict") else {}
+    if "state" in sd:
+        return None
+    keys = [k for k, v in sd.items() if isinstance(v, dict) and "state" in v and "param_groups" in v]
+    return keys[0] if len(keys) == 1 else None
+
+
+def _param_state(opt):
+    """Where per-parameter state lives: a wrapper's inner optimizer."""
+    return opt.optimizer.state if _wrapper_key(opt) is not None else getattr(opt, "state", {})
+
+
+def _own_entries(opt):
+    """A wrapper's own ``state_dict()`` entries (its per-parameter state
+    keyed by (group, index), settings)."""
+    key = _wrapper_key(opt)
+    return {} if key is None else {k: v for k, v in opt.state_dict().items() if k != key}
+
+
+def _tree_keys(tree):
+    """Keys at every depth, tensors as (shape, dtype)."""
+    if isinstance(tree, dict):
+        return {k: _tree_keys(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return (tuple(tree.shape), tree.dtype)
+    return type(tree)
+
+
 def _torch_view(model, opt):
-    """torch's own ``opt.state_dict()``, integer IDs replaced by FQNs."""
+    """torch's own ``opt.state_dict()``, integer IDs replaced by FQNs (a
+    wrapper's: its inner optimizer's, its own entries beside it)."""
     sd = dict(opt.state_dict())
+    key = _wrapper_key(opt)
+    if key is not None:
+        sd = {**sd[key], **{k: v for k, v in sd.items() if k != key}}
     fqn = {id(p): n for n, p in model.named_parameters()}
     ids = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
     state = {ids[k] if isinstance(k, int) else k: v for k, v in sd["state"].items()}
@@ -366,7 +402,7 @@ def test_corpus(name, tmp_path):
     model, opt = _build(factory)
     real_model, real_opt = _build(factory)
     _step(real_model, real_opt, 0)
-    real_state = getattr(real_opt, "state", {})  # SafeFP16Optimizer has none
+    real_state = _param_state(real_opt)  # SafeFP16Optimizer has none
     real_keys = {n: sorted(real_state[p]) for n, p in real_model.named_parameters() if p in real_state}
     before = _snapshot(model, opt)
     calls, handles = _fire_counter()
@@ -419,7 +455,15 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
         # entry under the first parameter, created by that step)
         _UPSTREAM_FAILS[f"{name} (template)"] = "schema: no pristine state (upstream's dummy step fails)"
         return
-    held = {n: sorted(opt.state[p]) for n, p in model.named_parameters() if p in opt.state and opt.state[p]}
+    state = _param_state(opt)
+    held = {n: sorted(state[p]) for n, p in model.named_parameters() if p in state and state[p]}
+    own = _own_entries(real_opt)
+    if own:
+        # a wrapper's own entries: those of a first step, by key and shape
+        # (Lookahead's slow weights, schedule-free's z)
+        assert _tree_keys({k: template[k] for k in own}) == _tree_keys(own)
+        ptrs = _storages({k: template[k] for k in own}, _storages(template["state"], []))
+        assert len(ptrs) == len(set(ptrs)), "template tensors share storage"
     for fqn, keys in real_keys.items():
         got = sorted(template["state"].get(fqn, {}))
         if fqn in held:
@@ -431,7 +475,8 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
             continue
         assert set(keys) <= set(got), f"{fqn}: template {got}, a first step creates {keys}"
         for key in keys:
-            want, have = real_opt.state[real_model.get_parameter(fqn)][key], template["state"][fqn][key]
+            want = _param_state(real_opt)[real_model.get_parameter(fqn)][key]
+            have = template["state"][fqn][key]
             if isinstance(want, torch.Tensor):
                 assert isinstance(have, torch.Tensor) and have.shape == want.shape and have.dtype == want.dtype, (
                     f"{fqn}.{key}: template {tuple(have.shape)} {have.dtype}, step {tuple(want.shape)} {want.dtype}")
@@ -539,8 +584,9 @@ def _check_resumes(name, factory, tmp_path) -> bool:
     torch_model, torch_opt = _build(factory, dtype=torch.bfloat16, seed=1)
     torch_opt.load_state_dict(copy.deepcopy(src_opt.state_dict()))
     dtypes = lambda o, m: {  # noqa: E731
-        n: {k: v.dtype for k, v in o.state[p].items() if isinstance(v, torch.Tensor)}
-        for n, p in m.named_parameters() if p in o.state
+        n: {k: v.dtype for st in (getattr(o, "state", {}), _param_state(o)) if p in st
+            for k, v in st[p].items() if isinstance(v, torch.Tensor)}
+        for n, p in m.named_parameters()
     }
     assert dtypes(ours_opt, ours_model) == dtypes(torch_opt, torch_model)
     try:
