@@ -481,6 +481,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     # wrappers (see _wrapper_layout): checked and split as their inner
     # optimizer, installed through their own load_state_dict
     wrapped = [_live_wrapper_layout(optim) for optim in optimizers]
+    owners = optimizers
     optimizers = tuple(optim if w is None else w[1] for optim, w in zip(optimizers, wrapped))
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
@@ -501,7 +502,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         raise errors.MissingOptimizerStateError(message, list(missing))
     ctx = context()
     prepared = []
-    for optim, split, w in zip(optimizers, splits, wrapped):
+    for owner, optim, split, w in zip(owners, optimizers, splits, wrapped):
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
         _check_steps(split["state"])
@@ -509,6 +510,14 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
             prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
         elif w is not None:
             # the wrapper's own layout: its entries beside the inner dict
+            own = [k for k in w[2] if k in (extras or {})]
+            if w[2] and not own:
+                raise errors.StateDictKeyError(
+                    f"the optimizer state dict has none of {type(owner).__qualname__}'s "
+                    f"own state_dict() entries {w[2]} (its inner optimizer's state is "
+                    "there): a dict from get_optimizer_state_dict of this wrapper carries "
+                    "them as top-level keys; nothing was loaded"
+                )
             C.prepare_install(ctx, optim, split, expected)
             prepared.append((_WRAPPER, {**(extras or {}), w[0]: split}))
         else:
@@ -522,12 +531,15 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
 _WRAPPER = "wrapper"  # a prepared load for a wrapper's own load_state_dict
 
 
-def _live_wrapper_layout(optim: _Optimizer) -> tuple[Any, _Optimizer] | None:
-    """_wrapper_layout of a live optimizer (reads its own state_dict();
-    only for optimizers that override state_dict and hold an inner one)."""
+def _live_wrapper_layout(optim: _Optimizer) -> tuple[Any, _Optimizer, list[Any]] | None:
+    """_wrapper_layout of a live optimizer, with the keys of the wrapper's
+    own entries (reads its own state_dict(); only for optimizers that
+    override state_dict and hold an inner one)."""
     if _native_get(optim) or _inner_optimizer(optim) is None:
         return None
-    return _wrapper_layout(optim, state_dict_fn(optim, "state_dict")())
+    osd = state_dict_fn(optim, "state_dict")()
+    found = _wrapper_layout(optim, osd)
+    return None if found is None else (*found, [k for k in osd if k != found[0]])
 
 
 def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]:

@@ -379,6 +379,22 @@ def test_own_layout_wrappers_resume_exactly(impl, kind, flat, tmp_path):
     assert_same_tree(params_snapshot(dst), params_snapshot(ref))
 
 
+@FORMATS
+def test_own_layout_wrapper_without_its_entries_is_rejected_up_front(flat):
+    """The inner optimizer's dict alone (no Lookahead entries): a clear
+    error before anything is installed, not Lookahead's KeyError after."""
+    options = _opts(dcp_optim, flat)
+    src, src_o = _own_layout_wrapper("Lookahead")
+    _train_seeded(src, src_o, 2)
+    sd = dcp_optim.get_optimizer_state_dict(src, src_o, options=options)
+    del sd["lookahead_state"]
+    dst, dst_o = _own_layout_wrapper("Lookahead", seed=5)
+    before = (params_snapshot(dst), copy.deepcopy(dst_o.state_dict()))
+    with pytest.raises(KeyError, match=r"none of Lookahead's own state_dict\(\) entries \['lookahead_state'\]"):
+        dcp_optim.set_optimizer_state_dict(dst, dst_o, sd, options=options)
+    assert_same_tree((params_snapshot(dst), dst_o.state_dict()), before)
+
+
 class ExtraKeys(torch.optim.SGD):
     """An optimizer whose state_dict() carries a top-level key of its own."""
 
