@@ -29,7 +29,7 @@ from . import errors
 from ._core import C, context
 from ._model import _is_patched, state_dict_fn
 from ._tree import maybe_full_or_cpu_state_dict
-from .schema import PARAM, PARAM_DEVICE, fallback_pristine, schema_for
+from .schema import PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
 
 __all__ = ["get_optim", "load_optim", "init_optim_state"]
 
@@ -170,8 +170,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     counts: list[int] = []
     extras: dict[str, Any] = {}
     for optim in optimizers:
-        extra, group_keys = pristine(index, optim)
         if _native_get(optim):
+            extra, group_keys = pristine(index, optim)
             first = len(groups)
             C.optim_pack(index, (optim,), (extra,), state, groups)
             _add_group_keys(groups[first:], group_keys)
@@ -180,8 +180,15 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         osd = state_dict_fn(optim, "state_dict")()
         if not osd:
             continue
+        target, wrapper_keys = optim, None
+        wrapped = _wrapper_layout(optim, osd)
+        if wrapped is not None:
+            osd, target, wrapper_keys = _unwrap_state_dict(index, optim, osd, *wrapped)
+        extra, group_keys = pristine(index, target)
+        if wrapper_keys:
+            group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
-        C.optim_remap(index, optim, osd)
+        C.optim_remap(index, target, osd)
         _collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
@@ -197,11 +204,87 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
 _LAYOUT = ("state", "param_groups")
 
 
+def _has_layout(osd: Any) -> bool:
+    return isinstance(osd, dict) and all(k in osd for k in _LAYOUT)
+
+
+def _inner_optimizer(optim: Any) -> _Optimizer | None:
+    """The one optimizer ``optim`` holds as an attribute and whose
+    ``param_groups`` list it shares (a wrapper's inner optimizer)."""
+    found = {
+        id(v): v
+        for v in getattr(optim, "__dict__", {}).values()
+        if isinstance(v, _Optimizer) and v is not optim and v.param_groups is optim.param_groups
+    }
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _wrapper_layout(optim: _Optimizer, osd: Any) -> tuple[Any, _Optimizer] | None:
+    """(key, inner) when ``optim``'s own ``state_dict()`` is not torch's
+    layout but nests, under one ``key``, the torch-layout ``state_dict()``
+    of the inner optimizer whose param groups ``optim`` shares
+    (pytorch-optimizer's Lookahead: ``base_optimizer``, Magma: ``base``);
+    the wrapper's other entries sit beside it.  None otherwise."""
+    if not isinstance(osd, dict) or _has_layout(osd):
+        return None
+    keys = [k for k, v in osd.items() if _has_layout(v)]
+    if len(keys) != 1:
+        return None
+    inner = _inner_optimizer(optim)
+    if inner is None:
+        return None
+    groups = osd[keys[0]]["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(inner.param_groups):
+        return None
+    return keys[0], inner
+
+
+def _unwrap_state_dict(
+    index: Any, optim: _Optimizer, osd: dict[str, Any], key: Any, inner: _Optimizer
+) -> tuple[dict[str, Any], _Optimizer, list[dict[str, Any]] | None]:
+    """A wrapper's ``state_dict()`` (see _wrapper_layout) as the inner
+    optimizer's, keyed by FQN like any other, with the wrapper's own
+    entries as extra top-level keys (handed back to the wrapper's
+    ``load_state_dict`` beside the inner dict on load).  While some
+    parameter has no state in the inner optimizer (never stepped), the
+    wrapper's own entries are completed with what a first step creates
+    (a shadow step, schema.fallback_wrapper_entries); entries it already
+    holds are kept as they are; with them, the group keys that step adds
+    (None when nothing is missing)."""
+    own = {k: v for k, v in osd.items() if k != key}
+    group_keys = None
+    if C.optim_missing(index, inner):
+        try:
+            first, group_keys = fallback_wrapper_entries(optim, key)
+        except Exception as exc:  # noqa: BLE001 - reported; the held entries are kept
+            warnings.warn(
+                f"dcp_optim could not build the first-step state of {type(optim).__qualname__}'s "
+                f"own state_dict() entries (its step raised {type(exc).__name__}: {exc}); "
+                "they are returned as the wrapper holds them",
+                UserWarning,
+                stacklevel=6,
+            )
+            first = {}
+        own = {k: _fill(v, first.get(k)) for k, v in own.items()}
+    return {**osd[key], **own}, inner, group_keys
+
+
+def _fill(held: Any, first: Any) -> Any:
+    """``held`` with the entries of ``first`` it lacks added, at any depth
+    of dicts (held values win)."""
+    if not isinstance(held, dict) or not isinstance(first, dict):
+        return held
+    out = dict(held)
+    for k, v in first.items():
+        out[k] = _fill(out[k], v) if k in out else v
+    return out
+
+
 def _check_own_state_dict(optim: _Optimizer, osd: Any) -> None:
     """An optimizer's own ``state_dict()`` must have torch's layout to be
     keyed by FQN (wrappers such as Lookahead return another layout;
     upstream raises ``KeyError: 'state'`` on them)."""
-    if isinstance(osd, dict) and all(k in osd for k in _LAYOUT):
+    if _has_layout(osd):
         return
     got = sorted(map(repr, osd)) if isinstance(osd, dict) else type(osd).__name__
     raise errors.StateDictKeyError(
@@ -395,6 +478,11 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     commit installs: (prepared, missing, unexpected).  Raises on bad input;
     installs nothing.  ``extras``: top-level entries of the loaded dict
     for the optimizers' own ``load_state_dict`` (see _collect_extras)."""
+    # wrappers (see _wrapper_layout): checked and split as their inner
+    # optimizer, installed through their own load_state_dict
+    wrapped = [_live_wrapper_layout(optim) for optim in optimizers]
+    owners = optimizers
+    optimizers = tuple(optim if w is None else w[1] for optim, w in zip(optimizers, wrapped))
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
     # Which state is required follows the groups as loaded (the
@@ -414,12 +502,24 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         raise errors.MissingOptimizerStateError(message, list(missing))
     ctx = context()
     prepared = []
-    for optim, split in zip(optimizers, splits):
+    for owner, optim, split, w in zip(owners, optimizers, splits, wrapped):
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
         _check_steps(split["state"])
-        if _native_load(optim):
+        if w is None and _native_load(optim):
             prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
+        elif w is not None:
+            # the wrapper's own layout: its entries beside the inner dict
+            own = [k for k in w[2] if k in (extras or {})]
+            if w[2] and not own:
+                raise errors.StateDictKeyError(
+                    f"the optimizer state dict has none of {type(owner).__qualname__}'s "
+                    f"own state_dict() entries {w[2]} (its inner optimizer's state is "
+                    "there): a dict from get_optimizer_state_dict of this wrapper carries "
+                    "them as top-level keys; nothing was loaded"
+                )
+            C.prepare_install(ctx, optim, split, expected)
+            prepared.append((_WRAPPER, {**(extras or {}), w[0]: split}))
         else:
             # validate the same way, then let the optimizer's own
             # load_state_dict install it
@@ -428,9 +528,25 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     return prepared, missing, unexpected
 
 
+_WRAPPER = "wrapper"  # a prepared load for a wrapper's own load_state_dict
+
+
+def _live_wrapper_layout(optim: _Optimizer) -> tuple[Any, _Optimizer, list[Any]] | None:
+    """_wrapper_layout of a live optimizer, with the keys of the wrapper's
+    own entries (reads its own state_dict(); only for optimizers that
+    override state_dict and hold an inner one)."""
+    if _native_get(optim) or _inner_optimizer(optim) is None:
+        return None
+    osd = state_dict_fn(optim, "state_dict")()
+    found = _wrapper_layout(optim, osd)
+    return None if found is None else (*found, [k for k in osd if k != found[0]])
+
+
 def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]:
     """The optimizers' current state keyed by FQN (the live tensors, no
     pristine state added): where a load may write into it."""
+    optimizers = tuple(optim if w is None else w[1] for optim, w in
+                       ((o, _live_wrapper_layout(o)) for o in optimizers))
     state: dict[str, Any] = {}
     C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [])
     return state
@@ -593,7 +709,10 @@ def _optim_steps(model, optimizers, osd, info):
 
     def commit():
         for optim, (native, payload) in zip(optimizers, prepared):
-            if native:
+            if native is _WRAPPER:
+                # positional: Lookahead's parameter is named `state`
+                state_dict_fn(optim, "load_state_dict")(payload)
+            elif native:
                 state, groups = payload
                 optim.__setstate__({"state": state, "param_groups": groups})
             else:

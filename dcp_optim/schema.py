@@ -548,6 +548,23 @@ def fallback_pristine(
     return states, group_keys or []
 
 
+def fallback_wrapper_entries(
+    optimizer: torch.optim.Optimizer, inner_key: Any
+) -> tuple[dict[Any, Any], list[dict[str, Any]]]:
+    """For a wrapper whose own ``state_dict()`` nests its inner
+    optimizer's under ``inner_key`` (pytorch-optimizer's Lookahead,
+    ScheduleFreeWrapper, Magma): that ``state_dict()``'s other top-level
+    entries as a first step leaves them -- the wrapper's own per-parameter
+    state (schedule-free's ``z``) from the parameters' real values.  One
+    shadow step as in :func:`fallback_pristine` (zero gradients, ``lr`` 0,
+    no process-wide hooks, nothing live touched); counters named ``step``
+    at 0, tensors fresh copies.  With them, per live param group, the
+    group keys that step adds (ScheduleFreeWrapper's ``weight_sum``).
+    Raises what the step raises."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return _shadow_step(optimizer, {id(p) for p in params}, True, 0.0, False, own_key=inner_key)
+
+
 def _shadow_step(
     optimizer: torch.optim.Optimizer,
     wanted: set[int],
@@ -555,7 +572,8 @@ def _shadow_step(
     grad_value: float,
     closure: bool,
     graph: bool = False,
-) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    own_key: Any = None,
+) -> tuple[Any, list[dict[str, Any]]]:
     stand_ins: dict[int, torch.Tensor] = {}
     order: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
@@ -588,11 +606,14 @@ def _shadow_step(
             shadow.step(lambda: torch.zeros(()))
         else:
             shadow.step()
+    new_keys = []
+    for keys, group in zip(live_keys, shadow.param_groups):
+        new_keys.append(_zero_steps(_own({k: v for k, v in group.items() if k not in keys})))
+    if own_key is not None:
+        own = shadow.state_dict()
+        return {k: _zero_steps(_own(v)) for k, v in own.items() if k != own_key}, new_keys
     states = {}
     for p, clone in order:
         if id(p) in wanted and clone in shadow.state:
             states[id(p)] = _zero_steps(_own(dict(shadow.state[clone])))
-    new_keys = []
-    for keys, group in zip(live_keys, shadow.param_groups):
-        new_keys.append(_zero_steps(_own({k: v for k, v in group.items() if k not in keys})))
     return states, new_keys

@@ -226,23 +226,43 @@ def test_fallback_builds_a_first_steps_state_without_touching_anything(flat):
     assert_same_tree(after[0], before[0])
     assert all(torch.equal(a, b) for a, b in zip(after[1], before[1]))
     assert after[2] == before[2] and list(after[3][0]) == list(before[3][0])
-    nested = sd if not flat else {"state": {}, "param_groups": []}
-    if not flat:
-        for name, p in model.named_parameters():
-            st = nested["state"][name]
-            assert sorted(st) == ["ema", "m", "p0", "scalar", "step"]
-            assert st["step"] == 0 and st["scalar"].shape == ()
-            assert torch.equal(st["p0"], p.detach()), "p0 must start from the real parameter"
-            assert torch.equal(st["ema"], p.detach()), "the step hook's EMA must start from the parameter"
-            assert not st["m"].any()
-        group = nested["param_groups"][0]
-        assert group["step"] == 0 and "sum" in group  # group keys of a first step
-        ptrs = [t.untyped_storage().data_ptr() for st in nested["state"].values() for t in st.values()
-                if isinstance(t, torch.Tensor)]
-        assert len(ptrs) == len(set(ptrs)), "template tensors alias each other"
+    fqns = [name for name, _ in model.named_parameters()]
+    state_keys = ["ema", "m", "p0", "scalar", "step"]
+    group_keys = sorted(set(optim.param_groups[0]) - {"params"} | {"step", "sum"})
+    if flat:
+        # exactly the keys the nested template implies, nothing else
+        want = {f"state.{n}.{k}" for n in fqns for k in state_keys}
+        want |= {f"param_groups.{n}.{k}" for n in fqns for k in group_keys}
+        assert set(sd) == want, (sorted(set(sd) - want), sorted(want - set(sd)))
+        nested = {
+            "state": {n: {k: sd[f"state.{n}.{k}"] for k in state_keys} for n in fqns},
+            "param_groups": [{k: sd[f"param_groups.{fqns[0]}.{k}"] for k in group_keys}],
+        }
+        for n in fqns[1:]:  # one group: every parameter repeats its values
+            for k in group_keys:
+                assert sd[f"param_groups.{n}.{k}"] is nested["param_groups"][0][k]
+        # the flat format repeats a group's values under each of its
+        # parameters (upstream's layout): one object, checked above by
+        # identity, counted once; distinct tensors must not share storage
+        tensors = list({id(v): v for v in sd.values() if isinstance(v, torch.Tensor)}.values())
+        assert len(tensors) == len(fqns) * 4 + 1  # m, p0, scalar, ema per parameter; the group's sum
     else:
-        assert sd["param_groups.a.weight.step"] == 0 and "param_groups.a.weight.sum" in sd
-        assert torch.equal(sd["state.a.weight.p0"], model.a.weight.detach())
+        nested = sd
+        assert list(nested["state"]) == fqns
+        assert sorted(nested["param_groups"][0]) == sorted([*group_keys, "params"])
+        tensors = [t for st in nested["state"].values() for t in st.values() if isinstance(t, torch.Tensor)]
+        tensors += [v for v in nested["param_groups"][0].values() if isinstance(v, torch.Tensor)]
+    for name, p in model.named_parameters():
+        st = nested["state"][name]
+        assert sorted(st) == state_keys
+        assert st["step"] == 0 and st["scalar"].shape == ()
+        assert torch.equal(st["p0"], p.detach()), "p0 must start from the real parameter"
+        assert torch.equal(st["ema"], p.detach()), "the step hook's EMA must start from the parameter"
+        assert st["m"].shape == p.shape and not st["m"].any()
+    group = nested["param_groups"][0]
+    assert group["step"] == 0 and group["sum"].shape == ()  # group keys of a first step
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    assert len(ptrs) == len(set(ptrs)), "template tensors alias each other"
 
 
 @pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
@@ -290,6 +310,89 @@ def test_wrapper_template_and_live_untouched(impl):
     assert len(optim.state) == 0 and "step" not in optim.param_groups[0]
     assert sorted(sd["state"]["a.weight"]) == ["m", "p0", "scalar", "slow", "step"]
     assert torch.equal(sd["state"]["b.bias"]["slow"], model.b.bias.detach())
+
+
+def _own_layout_wrapper(kind, seed=0):
+    """pytorch-optimizer's wrappers whose state_dict() is not torch's
+    layout: the inner optimizer's under one key, their own per-parameter
+    state (keyed by (group, index)) and settings beside it."""
+    po = pytest.importorskip("pytorch_optimizer")
+    torch.manual_seed(seed)
+    model = Net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if kind == "Lookahead":
+        optim = po.Lookahead(inner, k=2)
+    elif kind == "ScheduleFreeWrapper":
+        optim = po.ScheduleFreeWrapper(torch.optim.SGD(model.parameters(), lr=0.01))
+        optim.train()
+    else:
+        optim = po.Magma(inner)
+    return model, optim
+
+
+def _train_seeded(model, optim, steps, start=0):
+    for i in range(start, start + steps):
+        torch.manual_seed(100 + i)  # Magma's random masks
+        model(_x(i)).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+WRAPPERS = pytest.mark.parametrize("kind", ["Lookahead", "ScheduleFreeWrapper", "Magma"])
+
+
+@impls("KeyError: 'state' (the wrapper's own state_dict() layout)")
+@WRAPPERS
+@FORMATS
+def test_own_layout_wrappers_resume_exactly(impl, kind, flat, tmp_path):
+    """The inner optimizer's state keyed by FQN, the wrapper's own entries
+    as extra top-level keys handed back to its load_state_dict: get, set
+    into a fresh copy, one step is the uninterrupted run bit for bit; the
+    same through dcp.save/dcp.load into a never-stepped template, whose
+    own entries come from a first step (schedule-free's z, Magma's
+    alignment) while the live wrapper stays as it was."""
+    options = _opts(impl, flat)
+    ref, ref_o = _own_layout_wrapper(kind)
+    _train_seeded(ref, ref_o, 3)
+    src, src_o = _own_layout_wrapper(kind)
+    _train_seeded(src, src_o, 2)
+    sd = impl.get_optimizer_state_dict(src, src_o, options=options)
+    own = {k: v for k, v in src_o.state_dict().items() if k not in ("base_optimizer", "base")}
+    assert all(k in sd for k in own)
+    dst, dst_o = _own_layout_wrapper(kind, seed=5)
+    dst.load_state_dict(src.state_dict())
+    impl.set_optimizer_state_dict(dst, dst_o, copy.deepcopy(sd), options=options)
+    _train_seeded(dst, dst_o, 1, start=2)
+    assert_same_tree(params_snapshot(dst), params_snapshot(ref))
+
+    dcp.save({"optim": sd}, checkpoint_id=str(tmp_path))
+    dst, dst_o = _own_layout_wrapper(kind, seed=5)
+    dst.load_state_dict(src.state_dict())
+    live_before = copy.deepcopy(dst_o.state_dict())
+    state = {"optim": impl.get_optimizer_state_dict(dst, dst_o, options=options)}
+    assert_same_tree(dst_o.state_dict(), live_before)  # the getter changed nothing
+    for k, v in own.items():  # the template holds what two steps made
+        assert type(state["optim"][k]) is type(v) and (not isinstance(v, dict) or list(state["optim"][k]) == list(v))
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    impl.set_optimizer_state_dict(dst, dst_o, state["optim"], options=options)
+    _train_seeded(dst, dst_o, 1, start=2)
+    assert_same_tree(params_snapshot(dst), params_snapshot(ref))
+
+
+@FORMATS
+def test_own_layout_wrapper_without_its_entries_is_rejected_up_front(flat):
+    """The inner optimizer's dict alone (no Lookahead entries): a clear
+    error before anything is installed, not Lookahead's KeyError after."""
+    options = _opts(dcp_optim, flat)
+    src, src_o = _own_layout_wrapper("Lookahead")
+    _train_seeded(src, src_o, 2)
+    sd = dcp_optim.get_optimizer_state_dict(src, src_o, options=options)
+    del sd["lookahead_state"]
+    dst, dst_o = _own_layout_wrapper("Lookahead", seed=5)
+    before = (params_snapshot(dst), copy.deepcopy(dst_o.state_dict()))
+    with pytest.raises(KeyError, match=r"none of Lookahead's own state_dict\(\) entries \['lookahead_state'\]"):
+        dcp_optim.set_optimizer_state_dict(dst, dst_o, sd, options=options)
+    assert_same_tree((params_snapshot(dst), dst_o.state_dict()), before)
 
 
 class ExtraKeys(torch.optim.SGD):
@@ -470,7 +573,12 @@ def test_optimizer_dict_of_the_wrong_type(impl, bad, api):
     upstream_error = TypeError if isinstance(bad, int) else AttributeError
     with pytest.raises(upstream_error) as info:
         if api == "set_state_dict":
-            impl.set_state_dict(model, optim, model_state_dict=model.state_dict(), optim_state_dict=bad)
+            # another seed's values: a model loaded before the optimizer's
+            # check would show in the snapshot
+            other = copy.deepcopy(model)
+            torch.manual_seed(7)
+            other.load_state_dict(Net().state_dict())
+            impl.set_state_dict(model, optim, model_state_dict=other.state_dict(), optim_state_dict=bad)
         else:
             impl.set_optimizer_state_dict(model, optim, bad)
     if impl is dcp_optim:

@@ -18,7 +18,8 @@ For each, on a tiny model, one process:
 
 Optimizers that cannot take a plain training step on CPU are skipped with
 the reason printed; the session's summary prints how many of the catalogue
-ran.
+ran and were checked, and apart from them those on which every getter
+raises in upstream too (only the exception class is compared there).
 """
 
 from __future__ import annotations
@@ -125,6 +126,16 @@ def catalogue():
         None, lambda m: po.ScheduleFreeWrapper(torch.optim.SGD(m.parameters(), lr=1e-2)))
     out["po.OrthoGrad(AdamW)"] = (None, lambda m: po.OrthoGrad(torch.optim.AdamW(m.parameters(), lr=1e-2)))
     out["po.LookSAM"] = ("LookSAM needs a two-pass closure (sharpness-aware)", None)
+    out["po.TRAC(AdamW)"] = (None, lambda m: po.TRAC(torch.optim.AdamW(m.parameters(), lr=1e-2)))
+    out["po.PCGrad(AdamW)"] = (None, lambda m: po.PCGrad(torch.optim.AdamW(m.parameters(), lr=1e-2)))
+    for sam in ("SAM", "WSAM", "FriendlySAM"):
+        out[f"po.{sam}"] = (f"{sam} needs a two-pass closure (sharpness-aware)", None)
+    out["po.GSAM"] = ("GSAM needs set_closure(loss_fn, inputs, targets) and an LR scheduler "
+                      "(sharpness-aware two-pass step)", None)
+    # steps fp32 master copies (not the model's parameters) and has no
+    # param_groups/state of its own: both getters raise
+    out["po.SafeFP16Optimizer(AdamW)"] = (
+        None, lambda m: po.SafeFP16Optimizer(torch.optim.AdamW(m.parameters(), lr=1e-2)))
     for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
                 torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam,
                 torch.optim.RMSprop, torch.optim.Rprop):
@@ -136,20 +147,24 @@ def catalogue():
 
 CATALOGUE = catalogue()
 name_of = {f: n.split(".", 1)[1] for n, (_, f) in CATALOGUE.items() if f is not None and n.startswith("po.")}
-_RAN: set[str] = set()
+_RAN: set[str] = set()  # ran, and dcp_optim's results were checked
+_BOTH_RAISE: dict[str, str] = {}  # ran, but every get raises in both: nothing to check beyond that
 _SKIPPED: dict[str, str] = {}
 _UPSTREAM_FAILS: dict[str, str] = {}
 
 
 def corpus_summary() -> list[str]:
     """Printed at the end of the session (conftest.py)."""
-    if not (_RAN or _SKIPPED):
+    if not (_RAN or _BOTH_RAISE or _SKIPPED):
         return []
     lines = [
-        f"optimizer corpus: {len(_RAN)} of {len(CATALOGUE)} ran, {len(_SKIPPED)} skipped; "
+        f"optimizer corpus: {len(_RAN)} of {len(CATALOGUE)} ran and were checked (template, "
+        f"formats, resumes); {len(_BOTH_RAISE)} ran but both dcp_optim and upstream raise on "
+        f"get (only the exception class checked); {len(_SKIPPED)} skipped; "
         f"upstream (or torch) fails on {len(_UPSTREAM_FAILS)} checks"
     ]
     lines += [f"  skipped {k}: {v}" for k, v in sorted(_SKIPPED.items())]
+    lines += [f"  both raise {k}: {v}" for k, v in sorted(_BOTH_RAISE.items())]
     lines += [f"  upstream: {k}: {v}" for k, v in sorted(_UPSTREAM_FAILS.items())]
     return lines
 
@@ -212,8 +227,8 @@ def _snapshot(model, opt):
 
     return (
         [(n, p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()],
-        tree({id(k) if isinstance(k, torch.Tensor) else k: v for k, v in opt.state.items()}),
-        tree([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]),
+        tree({id(k) if isinstance(k, torch.Tensor) else k: v for k, v in getattr(opt, "state", {}).items()}),
+        tree([{k: v for k, v in g.items() if k != "params"} for g in getattr(opt, "param_groups", [])]),
     )
 
 
@@ -318,9 +333,45 @@ def _strip_ids(tree):
     return tree
 
 
+def _wrapper_key(opt):
+    """The entry of a wrapper's own ``state_dict()`` that holds its inner
+    optimizer's (torch's layout), when the wrapper's is not torch's
+    layout itself (Lookahead's ``base_optimizer``, Magma's ``base``)."""
+    sd = opt.state_dict() if hasattr(opt, "state_dict") else {}
+    if "state" in sd:
+        return None
+    keys = [k for k, v in sd.items() if isinstance(v, dict) and "state" in v and "param_groups" in v]
+    return keys[0] if len(keys) == 1 else None
+
+
+def _param_state(opt):
+    """Where per-parameter state lives: a wrapper's inner optimizer."""
+    return opt.optimizer.state if _wrapper_key(opt) is not None else getattr(opt, "state", {})
+
+
+def _own_entries(opt):
+    """A wrapper's own ``state_dict()`` entries (its per-parameter state
+    keyed by (group, index), settings)."""
+    key = _wrapper_key(opt)
+    return {} if key is None else {k: v for k, v in opt.state_dict().items() if k != key}
+
+
+def _tree_keys(tree):
+    """Keys at every depth, tensors as (shape, dtype)."""
+    if isinstance(tree, dict):
+        return {k: _tree_keys(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return (tuple(tree.shape), tree.dtype)
+    return type(tree)
+
+
 def _torch_view(model, opt):
-    """torch's own ``opt.state_dict()``, integer IDs replaced by FQNs."""
+    """torch's own ``opt.state_dict()``, integer IDs replaced by FQNs (a
+    wrapper's: its inner optimizer's, its own entries beside it)."""
     sd = dict(opt.state_dict())
+    key = _wrapper_key(opt)
+    if key is not None:
+        sd = {**sd[key], **{k: v for k, v in sd.items() if k != key}}
     fqn = {id(p): n for n, p in model.named_parameters()}
     ids = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
     state = {ids[k] if isinstance(k, int) else k: v for k, v in sd["state"].items()}
@@ -351,8 +402,8 @@ def test_corpus(name, tmp_path):
     model, opt = _build(factory)
     real_model, real_opt = _build(factory)
     _step(real_model, real_opt, 0)
-    real_keys = {n: sorted(real_opt.state[p]) for n, p in real_model.named_parameters()
-                 if p in real_opt.state}
+    real_state = _param_state(real_opt)  # SafeFP16Optimizer has none
+    real_keys = {n: sorted(real_state[p]) for n, p in real_model.named_parameters() if p in real_state}
     before = _snapshot(model, opt)
     calls, handles = _fire_counter()
     template = None
@@ -371,15 +422,26 @@ def test_corpus(name, tmp_path):
         # (wrappers, optimizer-wide state entries), a step that needs a
         # graph (Hessian optimizers): upstream fails too
         theirs = _upstream_get(model, opt, "nested", factory, 0)
-        assert isinstance(theirs, BaseException) and isinstance(failure, type(theirs)), (failure, theirs)
-        if isinstance(failure, KeyError):
-            _UPSTREAM_FAILS[name] = f"both raise KeyError: {failure}"[:160]
-            _RAN.add(name)
+        assert isinstance(theirs, BaseException), (failure, theirs)
+        if isinstance(theirs, AttributeError) and isinstance(failure, dcp_optim.errors.StateDictTypeError):
+            # no param_groups/state (SafeFP16Optimizer): dcp_optim's
+            # TypeError for objects that are no torch optimizer, upstream's
+            # AttributeError reading .state
+            assert "has no 'param_groups'" in str(failure) or "has no 'state'" in str(failure), failure
+        else:
+            assert isinstance(failure, type(theirs)), (failure, theirs)
+        if isinstance(failure, (KeyError, dcp_optim.errors.StateDictTypeError)):
+            _BOTH_RAISE[name] = (f"dcp_optim {type(failure).__name__}: {failure} / "
+                                 f"upstream {type(theirs).__name__}: {theirs}")[:240]
             return
         _UPSTREAM_FAILS[f"{name} (template)"] = f"both raise {type(failure).__name__}: {failure}"[:160]
     if template is not None:
         _check_template(name, factory, model, opt, real_model, real_opt, real_keys, template)
-    _check_resumes(name, factory, tmp_path)
+    checked = _check_resumes(name, factory, tmp_path)
+    if template is None and not checked:
+        _BOTH_RAISE[name] = "both raise on every get (see the upstream lines)"
+    else:
+        _RAN.add(name)
 
 
 def _declared_stateless(opt):
@@ -393,7 +455,15 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
         # entry under the first parameter, created by that step)
         _UPSTREAM_FAILS[f"{name} (template)"] = "schema: no pristine state (upstream's dummy step fails)"
         return
-    held = {n: sorted(opt.state[p]) for n, p in model.named_parameters() if p in opt.state and opt.state[p]}
+    state = _param_state(opt)
+    held = {n: sorted(state[p]) for n, p in model.named_parameters() if p in state and state[p]}
+    own = _own_entries(real_opt)
+    if own:
+        # a wrapper's own entries: those of a first step, by key and shape
+        # (Lookahead's slow weights, schedule-free's z)
+        assert _tree_keys({k: template[k] for k in own}) == _tree_keys(own)
+        ptrs = _storages({k: template[k] for k in own}, _storages(template["state"], []))
+        assert len(ptrs) == len(set(ptrs)), "template tensors share storage"
     for fqn, keys in real_keys.items():
         got = sorted(template["state"].get(fqn, {}))
         if fqn in held:
@@ -405,7 +475,8 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
             continue
         assert set(keys) <= set(got), f"{fqn}: template {got}, a first step creates {keys}"
         for key in keys:
-            want, have = real_opt.state[real_model.get_parameter(fqn)][key], template["state"][fqn][key]
+            want = _param_state(real_opt)[real_model.get_parameter(fqn)][key]
+            have = template["state"][fqn][key]
             if isinstance(want, torch.Tensor):
                 assert isinstance(have, torch.Tensor) and have.shape == want.shape and have.dtype == want.dtype, (
                     f"{fqn}.{key}: template {tuple(have.shape)} {have.dtype}, step {tuple(want.shape)} {want.dtype}")
@@ -420,7 +491,8 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
     assert len(ptrs) == len(set(ptrs)), "template tensors share storage"
 
 
-def _check_resumes(name, factory, tmp_path):
+def _check_resumes(name, factory, tmp_path) -> bool:
+    """Steps 2-5; False when every get raised (in upstream too)."""
     # 2. after two steps: both formats equal upstream's (or torch's round trip).
     ref_model, ref_opt = _build(factory)
     for i in range(3):
@@ -503,8 +575,7 @@ def _check_resumes(name, factory, tmp_path):
             assert torch.equal(p.detach(), expected_params[n]), f"{fmt} via dcp: {n} differs"
 
     if not got_any:
-        _RAN.add(name)
-        return
+        return False
 
     # 5. bf16 resume of the fp32 checkpoint: steps, with torch's dtypes.
     sd = copy.deepcopy(dcp_optim.get_optimizer_state_dict(src_model, src_opt))
@@ -513,8 +584,9 @@ def _check_resumes(name, factory, tmp_path):
     torch_model, torch_opt = _build(factory, dtype=torch.bfloat16, seed=1)
     torch_opt.load_state_dict(copy.deepcopy(src_opt.state_dict()))
     dtypes = lambda o, m: {  # noqa: E731
-        n: {k: v.dtype for k, v in o.state[p].items() if isinstance(v, torch.Tensor)}
-        for n, p in m.named_parameters() if p in o.state
+        n: {k: v.dtype for st in (getattr(o, "state", {}), _param_state(o)) if p in st
+            for k, v in st[p].items() if isinstance(v, torch.Tensor)}
+        for n, p in m.named_parameters()
     }
     assert dtypes(ours_opt, ours_model) == dtypes(torch_opt, torch_model)
     try:
@@ -527,4 +599,4 @@ def _check_resumes(name, factory, tmp_path):
         _step(ours_model, ours_opt, 2, torch.bfloat16)
         for n, p in ours_model.named_parameters():
             assert torch.equal(p, torch_model.get_parameter(n)), f"bf16: {n} differs from torch's resume"
-    _RAN.add(name)
+    return True
