@@ -31,9 +31,8 @@ import dcp_optim.state_dict as ours
 from dcp_optim import patching
 
 from .dist_cases import Block
-from .dist_cases_adoption import _spy
+from .dist_cases_adoption import WIDTH, Net, _spy
 
-WIDTH, HIDDEN = 8, 7  # 7 rows over 2 ranks: uneven shards
 IMPLS = ("dcp_optim", "upstream")
 FORMS = ("sharded", "full")
 
@@ -42,18 +41,6 @@ PUBLIC = ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
           "_init_optim_state")
 UPSTREAM_INTERNALS = ("_get_model_state_dict", "_load_model_state_dict",
                       "_get_optim_state_dict", "_load_optim_state_dict")
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(WIDTH, HIDDEN) for _ in range(2))
-        self.head = nn.Linear(WIDTH, 3, bias=False)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).pow(2).mean()
 
 
 def _batch(step: int) -> torch.Tensor:
