@@ -72,7 +72,7 @@ def _check_optimizer(optim: Any, position: int) -> None:
     """B8: composite optimizers without ``state``/``param_groups``."""
     for attr in ("param_groups", "state"):
         if not hasattr(optim, attr):
-            raise errors.StateDictTypeError(
+            raise errors.NotAnOptimizerError(
                 f"optimizer {position} ({type(optim).__qualname__}) has no "
                 f"'{attr}' attribute; pass torch.optim.Optimizer instances "
                 "(for a composite optimizer, pass its sub-optimizers as the "

@@ -19,6 +19,7 @@ __all__ = [
     "StateDictValueError",
     "StateDictTypeError",
     "OptimizerDictTypeError",
+    "NotAnOptimizerError",
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
 ]
@@ -46,6 +47,11 @@ class StateDictTypeError(DcpOptimError, TypeError):
 class OptimizerDictTypeError(StateDictTypeError, AttributeError):
     """An optimizer state dict that is not a dict (upstream fails with
     ``TypeError`` or ``AttributeError``, depending on the type)."""
+
+
+class NotAnOptimizerError(StateDictTypeError, AttributeError):
+    """An object passed as an optimizer has no ``param_groups`` or
+    ``state`` (upstream fails with ``AttributeError`` reading them)."""
 
 
 class StateDictRuntimeError(DcpOptimError, RuntimeError):

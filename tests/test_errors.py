@@ -188,8 +188,12 @@ def test_composite_optimizer_without_state():
             pass
 
     model, _ = trained()
-    with pytest.raises(TypeError, match="Multi.*no 'param_groups'.*sub-optimizers"):
+    with pytest.raises(TypeError, match="Multi.*no 'param_groups'.*sub-optimizers") as info:
         dcp_optim.get_optimizer_state_dict(model, Multi())
+    # what upstream raises reading optimizer.param_groups
+    with pytest.raises(AttributeError):
+        upstream.get_optimizer_state_dict(model, Multi())
+    assert isinstance(info.value, AttributeError)
 
 
 def test_optimizers_none_is_a_type_error_like_upstream():
