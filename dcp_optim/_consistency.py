@@ -114,6 +114,9 @@ def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], l
 RECORD_BYTES = 64
 
 
+_DIGEST_BYTES = 20  # sha1
+
+
 def _digest(value: Any) -> bytes:
     return hashlib.sha1(repr(value).encode()).digest()
 
@@ -128,8 +131,9 @@ def check_agreement(
     mesh rank, in row-major mesh order, are returned."""
     record = (_digest(summary) + bytes((flag,))).ljust(RECORD_BYTES, b"\0")
     blobs, ranks = mesh_all_gather_bytes(mesh, record)
-    if len({b[:20] + b[21:] for b in blobs}) == 1:
-        return [b[20] for b in blobs]
+    flag_at = _DIGEST_BYTES  # record: digest, flag, padding
+    if len({b[:flag_at] + b[flag_at + 1 :] for b in blobs}) == 1:
+        return [b[flag_at] for b in blobs]
     details, _ = mesh_all_gather_object(mesh, ("gather", what, details_fn()))
     _check_same_call(details, ranks)
     message = _describe_difference(what, [d[2] for d in details], ranks)
@@ -243,10 +247,13 @@ class Agreement:
         record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
         record = (record + _AGREEMENT_TAG).ljust(RECORD_BYTES, b"\0")
         blobs, ranks = mesh_all_gather_bytes(self.mesh, record)
-        per_rank = [tuple(b[41 : 41 + len(flags)]) for b in blobs]
-        same_options = len({b[:20] for b in blobs}) == 1
-        same_structure = len({b[20:40] for b in blobs}) == 1
-        failed = any(b[40] for b in blobs)
+        # record: options digest, structure digest, failed byte, flags, tag
+        struct_at, failed_at = _DIGEST_BYTES, 2 * _DIGEST_BYTES
+        flags_at = failed_at + 1
+        per_rank = [tuple(b[flags_at : flags_at + len(flags)]) for b in blobs]
+        same_options = len({b[:struct_at] for b in blobs}) == 1
+        same_structure = len({b[struct_at:failed_at] for b in blobs}) == 1
+        failed = any(b[failed_at] for b in blobs)
         problem = None
         if same_options and flags_check is not None:
             problem = flags_check(per_rank, ranks)

@@ -420,27 +420,6 @@ def _state_device(index: Any) -> torch.device:
     return dist.distributed_c10d._get_pg_default_device()
 
 
-def only_fsdp2_load_hooks(model: nn.Module) -> bool:
-    """True when every load_state_dict pre-hook in ``model`` is FSDP2's
-    (``to_sharded_hook``: it reshards, renames no key) or the
-    activation-checkpoint wrapper's lone one (csrc/walk.c accepts that)."""
-    for module in model.modules():
-        hooks = getattr(module, "_load_state_dict_pre_hooks", None)
-        if not hooks:
-            continue
-        for hook in hooks.values():
-            fn = getattr(hook, "hook", hook)
-            if getattr(fn, "__qualname__", "") == _FSDP2_LOAD_HOOK:
-                continue
-            if len(hooks) == 1 and "_checkpoint_wrapped_module" in module._modules:
-                continue
-            return False
-    return True
-
-
-_FSDP2_LOAD_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
-
-
 def reshard_fsdp2(model: nn.Module) -> None:
     """Bring every FSDP2 parameter group of ``model`` that a forward left
     unsharded (a ``no_grad`` forward of the root, ``reshard_after_forward=

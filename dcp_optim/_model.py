@@ -184,10 +184,10 @@ def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
         device, assign = _load_device(info, local, rules.lazy)
         # Where the model load's checks can run before any data moves, the
         # shards are written straight into the parameters (see
-        # _distribute); FSDP1 and models whose load hooks rename keys keep
-        # the load-then-copy path.
+        # _distribute); FSDP1 and models whose modules decide their own
+        # load rules keep the load-then-copy path.
         precheck = None
-        if native_checks and not _custom_load(model, info):
+        if native_checks:
             def precheck(sd: dict[str, Any]) -> None:
                 check_load(model, sd, info, rules)
         else:
@@ -229,27 +229,15 @@ def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
     yield commit, None
 
 
-def _custom_load(model: nn.Module, info: Any) -> bool:
-    """``index.custom_load`` (load hooks that may rename keys), except
-    where the only hooks are FSDP2's: they reshard, rename nothing, and
-    the load reshards up front anyway."""
-    value = getattr(info, "custom_load_hooks", None)
-    if value is None:
-        from ._distribute import only_fsdp2_load_hooks
-
-        value = bool(info.index.custom_load) and not only_fsdp2_load_hooks(model)
-        info.custom_load_hooks = value
-    return value
-
-
 def check_load(
     model: nn.Module, load_sd: dict[str, Any], info: Any, plan: LoadPlan | None = None
 ) -> None:
     """Raise what model.load_state_dict would raise, before it copies a
     single tensor: torch copies parameter by parameter and reports errors
     at the end, which leaves a half-loaded model behind.  Same text as
-    torch's.  Models whose load hooks rename keys get the per-tensor checks
-    only (their keys cannot be known up front)."""
+    torch's.  Only for models whose load rules the native checks reproduce
+    (load_plan: a module's own key-editing rules send the model down
+    torch's path instead)."""
     index = info.index
     fills = norm_fills(plan, index, load_sd) if plan is not None else None
     if fills:
@@ -261,12 +249,10 @@ def check_load(
     # upstream's, keeps the first path, but load_state_dict recurses into
     # every one and wants the keys under each; those come from torch's own
     # state_dict() (rare: one extra Python walk).
-    custom = _custom_load(model, info)
-    keys_known = not custom and not index.shared_modules
     missing, unexpected, errs = C.check_model_load(
-        index, load_sd, info.strict, keys_known
+        index, load_sd, info.strict, not index.shared_modules
     )
-    if info.strict and index.shared_modules and not custom:
+    if info.strict and index.shared_modules:
         expected = model.state_dict(keep_vars=True).keys()
         missing = [k for k in expected if k not in load_sd]
         unexpected = [k for k in load_sd if k not in expected]

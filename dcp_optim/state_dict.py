@@ -426,7 +426,7 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     among the ranks of the model's mesh, made whenever the load
     communicates or the model holds sharded tensors; a plain model's
     sharded load runs alone on each rank, as upstream's does."""
-    from ._distribute import reshard_fsdp2, route_for
+    from ._distribute import route_for
 
     info = None
     steps: list[tuple[str, Any]] = []
@@ -440,8 +440,7 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
             torch.set_grad_enabled(False)
             if error is not None:
                 raise error
-            if isinstance(model, nn.Module):
-                reshard_fsdp2(model)
+            _reshard_fsdp2(model)
             if optimizers is not None:
                 optimizers = _normalize_optimizers(optimizers)
             if api == "set_model_state_dict":

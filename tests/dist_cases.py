@@ -443,7 +443,7 @@ class CollectiveCounter:
         def wrapper(*args, **kwargs):
             # only outermost calls: all_gather_object runs all_gather inside
             if self._depth == 0:
-                self.counts[label] = self.counts.get(label, 0) + 1
+                self._record(name, label, args, kwargs)
             self._depth += 1
             try:
                 return original(*args, **kwargs)
@@ -452,6 +452,9 @@ class CollectiveCounter:
 
         self._saved.append((owner, name, original))
         setattr(owner, name, wrapper)
+
+    def _record(self, name: str, label: str, args: tuple, kwargs: dict) -> None:
+        self.counts[label] = self.counts.get(label, 0) + 1
 
     def __enter__(self):
         import torch.distributed.distributed_c10d as c10d

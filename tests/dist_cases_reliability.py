@@ -284,28 +284,15 @@ class CollectiveRecorder(CollectiveCounter):
         super().__init__()
         self.calls: list[tuple[str, int | None]] = []
 
-    def _wrap(self, owner, name, label):
-        original = getattr(owner, name, None)
-        if original is None:
-            return
-
-        def wrapper(*args, **kwargs):
-            if self._depth == 0:
-                inp = None
-                if name in ("all_gather_into_tensor", "all_gather_single"):
-                    inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
-                elif name == "broadcast":
-                    inp = args[0] if args else kwargs.get("tensor")
-                size = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else None
-                self.calls.append((name, size))
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        self._saved.append((owner, name, original))
-        setattr(owner, name, wrapper)
+    def _record(self, name, label, args, kwargs):
+        super()._record(name, label, args, kwargs)
+        inp = None
+        if name in ("all_gather_into_tensor", "all_gather_single"):
+            inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+        elif name == "broadcast":
+            inp = args[0] if args else kwargs.get("tensor")
+        size = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else None
+        self.calls.append((name, size))
 
 
 # --- no load writes a tensor of another global shape --------------------------------
