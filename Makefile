@@ -33,6 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q transformers==5.24.0 "$(TORCH)"
 	# the optimizer corpus (tests/test_optim_corpus.py); torch pinned again.
 	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 "$(TORCH)"
+	# mypy (make lint-mypy) checks against torch's own hints: torch pinned.
+	$(PIP) install -q mypy==2.4.1 "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -118,7 +120,7 @@ clean:
 # targets themselves; `make ci` is what .ci/run runs.
 #
 #   make lint           clang-format check, clang-tidy, cppcheck, C lint
-#                       tests (tests/test_cpylint.py), ruff
+#                       tests (tests/test_cpylint.py), ruff, mypy
 #   make format         clang-format -i on csrc/ (rewrites files)
 #   make build-asan     ASan+UBSan build of the core into build/asan/
 #   make test-asan      the single-process suite on the ASan build
@@ -168,14 +170,14 @@ CORE_SO       = $(1)/dcp_optim/_dcp_optim$(shell $(2) -c "import sysconfig; prin
 NOTORCH_TESTS := tests/refleak
 NOTORCH_INI   := tests/refleak/pytest.ini
 
-.PHONY: tools lint lint-format lint-tidy lint-cppcheck lint-cpylint lint-ruff \
+.PHONY: tools lint lint-format lint-tidy lint-cppcheck lint-cpylint lint-ruff lint-mypy \
         format build-asan test-asan build-refleak test-refleak build-valgrind \
         test-valgrind ci
 
 tools: $(STAMP)
 	$(TOOLS)
 
-lint: lint-format lint-cppcheck lint-cpylint lint-ruff lint-tidy
+lint: lint-format lint-cppcheck lint-cpylint lint-ruff lint-mypy lint-tidy
 
 lint-format: $(STAMP)
 	@$(TOOLS) lint
@@ -206,6 +208,11 @@ lint-cpylint: $(STAMP)
 lint-ruff: $(STAMP)
 	@$(TOOLS) lint
 	$(PY) -m ruff check $(RUFF_PATHS)
+
+# The package and benchmarks/ against dcp_optim/_dcp_optim.pyi and torch's
+# own hints ([tool.mypy] in pyproject.toml; cache in .mypy_cache/).
+lint-mypy: $(STAMP)
+	$(PY) -m mypy
 
 build-asan: $(STAMP)
 	@$(TOOLS) asan

@@ -231,7 +231,8 @@ def _equivalence(inputs: dict, errors: dict) -> dict[str, list[str]]:
         b = inputs.get(("dcp_optim", *key))
         name = key[0] + (f"/{key[1]}" if key[1] else "")
         if a is None or b is None:
-            why = "; ".join(errors[(i, *key)][:200] for i in IMPL_MODULES if (i, *key) in errors)
+            tried = [(i, *key) for i in IMPL_MODULES]
+            why = "; ".join(errors[k][:200] for k in tried if k in errors)
             out[name] = ["not compared: " + why]
         else:
             out[name] = compare(a, b)
@@ -320,8 +321,9 @@ def run_bookkeeping(
             )
             if "floor" in results:
                 floors[floor] = results.pop("floor")
-                if floors[floor].median is not None:
-                    history.setdefault((floor, "floor"), {})[n] = floors[floor].median
+                floor_median = floors[floor].median
+                if floor_median is not None:
+                    history.setdefault((floor, "floor"), {})[n] = floor_median
             results["floor"] = floors[floor]
             for impl, t in results.items():
                 if impl != "floor" and t.median is not None:

@@ -160,10 +160,11 @@ def _on_alarm(signum, frame):
 def _timed_call(c: Candidate, timeout_s: float | None = None) -> float:
     args = c.prepare() if c.prepare is not None else ()
     gc.collect()
-    use_alarm = bool(timeout_s) and threading.current_thread() is threading.main_thread()
-    if use_alarm:
+    alarm_s = timeout_s if threading.current_thread() is threading.main_thread() else None
+    use_alarm = bool(alarm_s)
+    if alarm_s:
         old = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        signal.setitimer(signal.ITIMER_REAL, alarm_s)
     try:
         t0 = time.perf_counter()
         result = c.fn(*args)

@@ -87,6 +87,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 OPS: dict[str, tuple[str, dict[str, bool]]] = {
@@ -269,17 +270,18 @@ def _build(cfg: dict[str, Any]):
     for i in range(cfg["layers"]):
         a, b = (dim, dim + 1) if i % 2 == 0 else (dim + 1, dim)
         layers.append(nn.Linear(a, b))
-    model = nn.Sequential(*layers)
+    layered = nn.Sequential(*layers)
+    model: nn.Module = layered
     if cfg.get("framework") == "fsdp1":
         # FSDP1: one FlatParameter per Linear (and an empty root), CPU
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        model = FSDP(layered, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     else:
-        for layer in model:
+        for layer in layered:
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(layered, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     # One real optimizer step.  The gradients are set directly (sharded like
     # their parameters) instead of by a backward pass: FSDP2's backward on
@@ -292,12 +294,14 @@ def _build(cfg: dict[str, Any]):
     return model, optim
 
 
-def _impl(name: str):
+def _impl(name: str) -> Any:
     if name == "upstream":
-        import torch.distributed.checkpoint.state_dict as m
-    else:
-        import dcp_optim as m
-    return m
+        import torch.distributed.checkpoint.state_dict as upstream
+
+        return upstream
+    import dcp_optim
+
+    return dcp_optim
 
 
 class _Job:
@@ -313,6 +317,9 @@ class _Job:
         opts = mod.StateDictOptions(**kw)
         f = getattr(mod, func)
         self.input_error: str | None = None
+        # timed: self.call(*self.prepare())
+        self.prepare: Callable[[], tuple[Any, ...]]
+        self.call: Callable[..., Any]
         if func == "get_model_state_dict":
             self.prepare, self.call = (lambda: ()), (lambda: f(model, options=opts))
         elif func == "get_optimizer_state_dict":

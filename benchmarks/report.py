@@ -129,7 +129,7 @@ def table_ratios(s1: dict[str, Any]) -> str:
 
 
 def floor_legend(s1: dict[str, Any]) -> str:
-    seen = {}
+    seen: dict[str, Any] = {}
     for r in s1["results"]:
         if r["impl"] == "floor" and r.get("floor_op"):
             seen.setdefault(r["op"].split("/")[0], r["floor_op"])

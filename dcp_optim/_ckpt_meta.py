@@ -182,6 +182,12 @@ class Item:
     def torch_dtype(self) -> torch.dtype | None:
         return self.meta.properties.dtype if self.is_tensor else None
 
+    def tensor_layout(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of a tensor entry (callers check is_tensor)."""
+        if not self.is_tensor:
+            raise TypeError(f"'{self.key}' is not a tensor entry")
+        return tuple(self.meta.size), self.meta.properties.dtype
+
     @property
     def chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         if not self.is_tensor:
@@ -423,9 +429,9 @@ class Checkpoint:
         planner = self.metadata.planner_data or {}
         self.items: list[Item] = []
         for key, meta in self.metadata.state_dict_metadata.items():
-            path = planner.get(key)
-            path = tuple(path) if isinstance(path, tuple | list) and path else (key,)
-            self.items.append(Item(key, path, meta))
+            saved = planner.get(key)
+            item_path = tuple(saved) if isinstance(saved, tuple | list) and saved else (key,)
+            self.items.append(Item(key, item_path, meta))
         self.by_key = {it.key: it for it in self.items}
         self.models: list[ModelSection] = []
         self.optimizers: list[OptimizerSection] = []
@@ -727,7 +733,8 @@ class Checkpoint:
             if len(infos) != 1:
                 raise MalformedCheckpointError(f"{files}: cannot read '{key}': {len(infos)} storage items")
             return
-        itemsize = it.torch_dtype.itemsize
+        shape, dtype = it.tensor_layout()
+        itemsize = dtype.itemsize
         by_offset = {tuple(index.offset or ()): info for index, info in infos}
         covered = 0
         for chunk in it.meta.chunks:
@@ -738,9 +745,9 @@ class Checkpoint:
                     f"{files}: cannot read '{key}': chunk at {tuple(chunk.offsets)} declares "
                     f"{n * itemsize} bytes, its storage holds {info.length if info else 0}")
             covered += n
-        if covered < math.prod(it.shape):
+        if covered < math.prod(shape):
             raise MalformedCheckpointError(
-                f"{files}: cannot read '{key}': its chunks cover {covered} of {math.prod(it.shape)} elements")
+                f"{files}: cannot read '{key}': its chunks cover {covered} of {math.prod(shape)} elements")
 
     def iter_values(self, keys: list[str], *, batch_bytes: int = 256 << 20):
         """Yield (key, value) for ``keys``, reading about ``batch_bytes`` at
@@ -780,7 +787,8 @@ class Checkpoint:
         """A tensor, from its chunks, each unpickled by the restricted
         unpickler (after _check_backed)."""
         it = self.by_key[key]
-        value = torch.empty(it.shape, dtype=it.torch_dtype)
+        shape, dtype = it.tensor_layout()
+        value = torch.empty(shape, dtype=dtype)
         by_offset = {tuple(index.offset or ()): info for index, info in self._storage[key]}
         for chunk in it.meta.chunks:
             info = by_offset[tuple(chunk.offsets)]
@@ -821,7 +829,11 @@ class Checkpoint:
         target: dict[str, Any] = {}
         for key in batch:
             it = self.by_key[key]
-            target[key] = torch.empty(it.shape, dtype=it.torch_dtype) if it.is_tensor else None
+            if it.is_tensor:
+                shape, dtype = it.tensor_layout()
+                target[key] = torch.empty(shape, dtype=dtype)
+            else:
+                target[key] = None
         try:
             with quiet_dcp():
                 dcp.load(target, storage_reader=FileSystemReader(self.path), no_dist=True)

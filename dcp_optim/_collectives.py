@@ -159,7 +159,7 @@ def _schedule(mesh: Any, root: int | None):
     me = sum(c * s for c, s in zip(coord, strides))
     target = None if root is None else [(root // s) % n for s, n in zip(strides, shape)]
     first, count = me, 1
-    stages = []
+    stages: list[tuple[Any, int | None, tuple[int, int], tuple[int, int] | None]] = []
     for d in reversed(range(len(shape))):
         if shape[d] == 1:
             continue

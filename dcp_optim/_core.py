@@ -37,13 +37,14 @@ try:
     # they would with upstream (an omitted _extra_state reaches
     # set_extra_state as this marker on full loads, as upstream).
     from torch.distributed.checkpoint.state_dict import _EXTRA_STATE
+
+    EXTRA_STATE: type = _EXTRA_STATE
 except ImportError:  # pragma: no cover - torch without the private name
 
-    class _EXTRA_STATE:  # noqa: N801 - upstream's name
+    class _ExtraState:
         """Marker standing for a module's ``_extra_state``."""
 
-
-EXTRA_STATE = _EXTRA_STATE
+    EXTRA_STATE = _ExtraState
 
 
 def _build(compiled_types: tuple[type, ...]) -> C.Context:
@@ -58,7 +59,7 @@ def _build(compiled_types: tuple[type, ...]) -> C.Context:
         base_named_parameters=nn.Module.named_parameters,
         base_named_buffers=nn.Module.named_buffers,
         base_get_extra_state=nn.Module.get_extra_state,
-        extra_state_marker=_EXTRA_STATE,
+        extra_state_marker=EXTRA_STATE,
         defaultdict_type=collections.defaultdict,
         dict_type=dict,
         float32=torch.float32,

@@ -8,6 +8,9 @@ core is internal: arguments are torch objects reached through a
 
 from typing import Any
 
+#: "c": the compiled core (there is no other backend).
+BACKEND: str
+
 class Context:
     """The torch classes and base methods the native core compares against."""
 

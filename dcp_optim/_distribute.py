@@ -50,7 +50,7 @@ class Route:
     coordinate 0 (the source is the mesh's rank at coordinate (0, ..., 0)).
     """
 
-    def __init__(self, mesh: Any | None, device: torch.device):
+    def __init__(self, mesh: Any | None, device: torch.device | None):
         self.device = device
         self.mesh = mesh
         if mesh is None or mesh.size() == dist.get_world_size():
@@ -82,9 +82,10 @@ class Route:
         return obj
 
 
-def route_for(index: Any, device: torch.device) -> Route:
-    """The broadcast route of the model an index describes."""
-    meshes = []
+def route_for(index: Any, device: torch.device | None) -> Route:
+    """The broadcast route of the model an index describes (``device``:
+    where its buffers live, None for object broadcasts only)."""
+    meshes: list[Any] = []
     for i in C.indices_of(index.tensors, DTensor):
         mesh = index.tensors[i].device_mesh
         if not any(mesh is m for m in meshes):
@@ -115,7 +116,7 @@ def run_full_load(
     dests, layouts, buckets = C.plan_full_load(
         jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place
     )
-    if stream and buckets:
+    if route is not None and buckets:
         # One buffer for the whole stream: re-allocating per bucket lets
         # the allocator keep several freed buckets resident.
         storage = torch.empty(max(b[0] for b in buckets), dtype=torch.uint8, device=route.device)

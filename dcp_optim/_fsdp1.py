@@ -22,7 +22,7 @@ Hybrid sharding (HSDP) keeps going through FSDP's own APIs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,7 @@ def _handles(info: Any) -> list[_Handle]:
     return out
 
 
-_MESHES: dict[int, DeviceMesh] = {}
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
 
 
 def _mesh_for(group, device_type: str) -> DeviceMesh:
@@ -196,11 +196,11 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
         order: list[tuple[str, Any]] = []  # ("handle", h) / ("plain", fqn)
         for pid, p in enumerate(params):
             entry = osd["state"].get(pid)
-            h = by_flat.get(id(p))
-            if h is not None:
+            flat_of = by_flat.get(id(p))
+            if flat_of is not None:
                 if entry is not None:
-                    per_handle[id(h)] = {"flat": entry}
-                    order.append(("handle", h))
+                    per_handle[id(flat_of)] = {"flat": entry}
+                    order.append(("handle", flat_of))
                 continue
             hi = by_orig.get(id(p))
             if hi is not None:
@@ -689,13 +689,15 @@ def _load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any)
 
     ctx = context()
     for optim in optimizers:
+        # upstream's OptimizerStateType: {"state": {fqn: {...}}, "param_groups": [{...}]}
+        split: dict[str, Any] = {}
         if osd:
             if "state" in osd:
-                split = upstream._split_optim_state_dict(model, optim, osd, _compat_info(model, info))
+                split = cast(dict[str, Any], upstream._split_optim_state_dict(
+                    model, optim, osd, _compat_info(model, info)))
             else:
-                split = upstream._unflatten_optim_state_dict(optim, osd, _compat_info(model, info))
-        else:
-            split = {}
+                split = cast(dict[str, Any], upstream._unflatten_optim_state_dict(
+                    optim, osd, _compat_info(model, info)))
         for original_fqn, _ in model.named_parameters():
             fqns = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, True)
             with_compiler = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, False)

@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.nn.parameter import UninitializedTensorMixin, is_lazy
+
+# torch/nn/parameter.pyi leaves out the mixin parameter.py defines and exports.
+from torch.nn.parameter import UninitializedTensorMixin, is_lazy  # type: ignore[attr-defined]
 
 from . import errors
 from ._core import C, context

@@ -501,7 +501,8 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
             message += f" ({len(missing)} parameters lack state: {missing})"
         raise errors.MissingOptimizerStateError(message, list(missing))
     ctx = context()
-    prepared = []
+    # (True: native install | False: load_state_dict | _WRAPPER, payload)
+    prepared: list[tuple[bool | str, Any]] = []
     for owner, optim, split, w in zip(owners, optimizers, splits, wrapped):
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])

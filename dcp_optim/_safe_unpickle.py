@@ -46,7 +46,7 @@ import pickle
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -291,10 +291,19 @@ def _qualname(obj: Any) -> str:
     return type(obj).__name__
 
 
-class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+class _Unpickler(pickle._Unpickler):
+    # pickle._Unpickler's own instance attributes, which typeshed leaves out.
+    stack: list[Any]
+    metastack: list[Any]
+    fix_imports: bool
+    pop_mark: Callable[[], list[Any]]
+    # Its opcode table, holding this class's handlers too (typeshed types
+    # the base table's handlers as taking the C Unpickler: they take ours).
+    dispatch: ClassVar[dict[int, Callable[[_Unpickler], None]]] = dict(  # type: ignore[assignment]
+        pickle._Unpickler.dispatch  # type: ignore[arg-type]
+    )
 
-    def __init__(self, data: bytes, policy: _Policy,
+    def __init__(self, data: bytes | bytearray, policy: _Policy,
                  persistent: Callable[[Any], Any] | None = None):
         self._data = io.BytesIO(data)
         super().__init__(self._data)
@@ -354,7 +363,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 if not key:
                     raise EOFError
                 dispatch[key[0]](self)
-        except pickle._Stop as stop:  # type: ignore[attr-defined]
+        except pickle._Stop as stop:  # type: ignore[attr-defined]  # private, untyped
             return stop.value
 
     def load_frame(self) -> None:
@@ -473,7 +482,7 @@ def _hashable(obj: Any) -> bool:
     return True
 
 
-def _unpickle(data: bytes, policy: _Policy, persistent: Callable[[Any], Any] | None = None) -> Any:
+def _unpickle(data: bytes | bytearray, policy: _Policy, persistent: Callable[[Any], Any] | None = None) -> Any:
     try:
         return _Unpickler(data, policy, persistent).load()
     except (Forbidden, Malformed):
@@ -489,7 +498,7 @@ def _unpickle(data: bytes, policy: _Policy, persistent: Callable[[Any], Any] | N
 # --- public entry points ------------------------------------------------------------------------
 
 
-def load_metadata(data: bytes) -> Any:
+def load_metadata(data: bytes | bytearray) -> Any:
     """The ``Metadata`` pickled in ``data`` (a ``.metadata`` file)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -537,7 +546,7 @@ def _records(blob: bytes | bytearray) -> dict[str, memoryview]:
         raise Malformed("not a torch.save archive")
     view = memoryview(blob)
     try:
-        infos = zipfile.ZipFile(_MemFile(view)).infolist()  # type: ignore[arg-type]
+        infos = zipfile.ZipFile(_MemFile(view)).infolist()
     except Exception as exc:  # noqa: BLE001
         raise Malformed(f"not a valid zip archive ({type(exc).__name__}: {exc})") from None
     out: dict[str, memoryview] = {}

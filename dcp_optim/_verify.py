@@ -13,7 +13,7 @@ import functools
 import gc
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +23,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    StateDictConfig,
     StateDictType,
 )
 from torch.distributed.fsdp import (
@@ -92,7 +94,7 @@ def _normalize_optimizers(
 
 
 def _fsdp_context(
-    model: nn.Module, options: StateDictOptions, fsdp_modules: list[nn.Module] = ()
+    model: nn.Module, options: StateDictOptions, fsdp_modules: Sequence[nn.Module] = ()
 ) -> Callable:
     """FSDP.state_dict_type(...) for FSDP1 models, with its FutureWarning
     filtered as upstream does.
@@ -106,6 +108,8 @@ def _fsdp_context(
         for m in fsdp_modules
     )
     offload_model = options.cpu_offload and not on_cpu
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
     if options.full_state_dict:
         state_dict_config = FullStateDictConfig(
             offload_to_cpu=offload_model, rank0_only=options.cpu_offload

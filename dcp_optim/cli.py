@@ -35,7 +35,7 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 from . import errors
 from ._ckpt_meta import (
@@ -141,7 +141,7 @@ def _groups_of(sec: OptimizerSection, values: dict[str, Any]) -> list[dict[str, 
 
 
 def _group_index(groups: list[dict[str, Any]]) -> dict[str, int]:
-    out = {}
+    out: dict[str, int] = {}
     for i, g in enumerate(groups):
         for fqn in g.get("params", []):
             out.setdefault(fqn, i)
@@ -168,7 +168,8 @@ def _inspect_report(ck: Checkpoint, args) -> dict[str, Any]:
     def tensor_info(it: Item) -> dict[str, Any]:
         info: dict[str, Any] = {"key": it.key}
         if it.is_tensor:
-            info.update(shape=list(it.shape), dtype=it.dtype, chunks=len(it.chunks))
+            shape, _ = it.tensor_layout()
+            info.update(shape=list(shape), dtype=it.dtype, chunks=len(it.chunks))
             if it.key in stats:
                 info["stats"] = stats[it.key]
         else:
@@ -474,7 +475,8 @@ def cmd_diff(args) -> int:
         step = 128 << 20
         start = 0
         while start < len(tensor_pairs):  # batches of about 2 x 128 MiB
-            batch, size = [], 0
+            batch: list[Any] = []
+            size = 0
             while start < len(tensor_pairs) and (not batch or size < step):
                 batch.append(tensor_pairs[start])
                 size += tensor_pairs[start][1].nbytes
@@ -627,6 +629,9 @@ def _plan(ck: Checkpoint, model, optims, args) -> dict[str, Any]:
     if msec is None:
         wanted = [m for m in ck.models if not args.section or m.name != args.section]
         msec = wanted[0] if wanted else None
+    # the nested layouts: {fqn: value} and {"state": {fqn: {...}}, "param_groups": [...]}
+    msd: dict[str, Any]
+    osd: dict[str, Any]
     if optims:
         msd, osd = get_state_dict(model, optims)
     else:
@@ -651,7 +656,7 @@ def _plan(ck: Checkpoint, model, optims, args) -> dict[str, Any]:
     # optimizer state
     groups_out: list[dict[str, Any]] = []
     if osec is not None:
-        live_state = osd.get("state", {})
+        live_state = cast(dict[str, Any], osd.get("state", {}))
         for fqn, st in live_state.items():
             saved = osec.state.get(fqn, {})
             leaves = _leaves(st)
@@ -697,7 +702,7 @@ def _plan_groups(osec, optims, osd, values, add, same, empty_identity) -> list[d
     # where each FQN's saved values come from, in load order
     if osec.layout == NESTED:
         loaded = saved_groups[: len(live_groups)]  # a DCP template load is positional
-        source = {}
+        source: dict[str, Any] = {}
         for i, g in enumerate(loaded):
             for fqn in g["params"]:
                 source.setdefault(fqn, []).append(i)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch.nn as nn
 
@@ -123,7 +123,8 @@ def param_groups_of(model: nn.Module, optimizers: Any) -> list[list[list[str]]]:
 
     optims = _normalize_optimizers(optimizers)
     osd = get_optimizer_state_dict(model, optims)
-    groups = [list(g["params"]) for g in osd["param_groups"]]
+    # the nested layout (no flatten option): param_groups is a list of dicts
+    groups = [list(g["params"]) for g in cast(list[dict[str, Any]], osd["param_groups"])]
     out, start = [], 0
     for optim in optims:
         n = len(optim.param_groups)

@@ -185,8 +185,9 @@ def patch() -> _PatchHandle:
     global _originals
     with _lock:
         upstream = importlib.import_module(_UPSTREAM)
-        applied = _originals is None
-        if applied:
+        originals = _originals
+        applied = originals is None
+        if originals is None:
             originals = {}
             for name in PATCHED_NAMES:
                 fn = getattr(upstream, name)
@@ -203,7 +204,7 @@ def patch() -> _PatchHandle:
             _records.clear()
             _upstream.update(originals)
             _originals = originals
-        _replace_everywhere(_originals)
+        _replace_everywhere(originals)
         return _PatchHandle(applied)
 
 

@@ -46,10 +46,14 @@ class LoadPlanner(DefaultLoadPlanner):
     absent from the checkpoint (they then keep their current values)."""
 
     def create_local_plan(self) -> Any:
+        # set_up_planner ran first (DefaultLoadPlanner's own check).
+        if self.metadata is None:
+            raise AssertionError("self.metadata is not None")
+        saved = self.metadata.state_dict_metadata
         missing = [
             key
             for key in self.state_dict
-            if key not in self.metadata.state_dict_metadata and is_empty_group_key(key)
+            if key not in saved and is_empty_group_key(key)
         ]
         self.skipped_empty_group_keys = missing
         if not missing:

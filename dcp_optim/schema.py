@@ -349,6 +349,7 @@ class _Shadow:
         key = id(v)
         if key in self.memo:
             return self.memo[key]
+        out: Any
         if isinstance(v, torch.Tensor):
             out = self.params.get(key)
             if out is None:
@@ -603,7 +604,9 @@ def _shadow_step(
                 group["lr"] = 0.0
     with torch.no_grad(), _no_global_step_hooks():
         if closure:
-            shadow.step(lambda: torch.zeros(()))
+            # torch hints a closure as returning float; a loss tensor is
+            # what training closures return.
+            shadow.step(lambda: torch.zeros(()))  # type: ignore[arg-type,return-value]
         else:
             shadow.step()
     new_keys = []

@@ -464,8 +464,8 @@ def assert_state_dicts_equal(
                 why, index = found
                 holders = (_holds(a, index), _holds(b, index))
                 mismatch = (pos, key, why, holders)
-    found = gather_objects(mismatch, what=f"assert_state_dicts_equal({what}) values")
-    bad = {r: m for r, m in enumerate(found) if m is not None}
+    reports = gather_objects(mismatch, what=f"assert_state_dicts_equal({what}) values")
+    bad = {r: m for r, m in enumerate(reports) if m is not None}
     if bad:
         pos, key, why, _ = min(bad.values(), key=lambda m: m[0])
         ranks = sorted(r for r, m in bad.items() if m[1] == key)
@@ -509,7 +509,7 @@ def save_resume_round_trip(
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(checkpoint_dir))
     new_model, new_optimizers = build()
     t_model, t_optim = dcp_optim.get_state_dict(new_model, new_optimizers, options=options)
-    template = {"model": t_model, "optim": t_optim}
+    template: dict[str, Any] = {"model": t_model, "optim": t_optim}
     dcp.load(template, checkpoint_id=str(checkpoint_dir))
     dcp_optim.set_state_dict(
         new_model,

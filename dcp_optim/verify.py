@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -358,6 +358,9 @@ def _collect(
         dsd_fqn_modifiers=opts.dsd_fqn_modifiers,
     )
     optims = _optimizer_tuple(optimizers) if "optim" in sections else ()
+    # the nested layouts: {fqn: value} and {"state": {fqn: {...}}, "param_groups": [...]}
+    msd: dict[str, Any]
+    osd: dict[str, Any]
     if "model" not in sections:
         msd, osd = {}, (sd.get_optimizer_state_dict(model, optims, options=opts) if optims else {})
     elif optims:
@@ -369,7 +372,7 @@ def _collect(
         e = _entry("model", fqn, "", value)
         if e is not None:
             entries.append(e)
-    for fqn, st in (osd.get("state") or {}).items():
+    for fqn, st in cast(dict[str, Any], osd.get("state") or {}).items():
         for name, value in _state_leaves(fqn, st):
             e = _entry("optim", fqn, name, value)
             if e is not None:
