@@ -780,6 +780,210 @@ parse_empty_tail(PyObject *anchor,
     return 0;
 }
 
+/* 1 when `s` holds the ASCII `lit` at `at`, else 0. */
+static int
+ascii_at(PyObject *s, Py_ssize_t at, const char *lit)
+{
+    Py_ssize_t len = PyUnicode_GET_LENGTH(s);
+    for (Py_ssize_t i = 0; lit[i] != '\0'; i++) {
+        if (at + i >= len ||
+            PyUnicode_READ_CHAR(s, at + i) != (Py_UCS4)(unsigned char)lit[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The end of the run of decimal digits of `s` starting at `at`. */
+static Py_ssize_t
+digits_end(PyObject *s, Py_ssize_t at)
+{
+    Py_ssize_t len = PyUnicode_GET_LENGTH(s);
+    while (at < len && Py_UNICODE_ISDIGIT(PyUnicode_READ_CHAR(s, at))) {
+        at++;
+    }
+    return at;
+}
+
+/* Parses "__optimizer_<o>_empty_group_<g>__.<key>" into identity
+ * "__optimizer_<o>_empty_group_<g>__" and key.  1 / 0 (not that form) /
+ * -1. */
+static int
+parse_optim_empty(PyObject *rest, PyObject **identity, PyObject **key)
+{
+    *identity = *key = NULL;
+    Py_ssize_t i = (Py_ssize_t)strlen(EMPTY_OPTIM);
+    if (!ascii_at(rest, 0, EMPTY_OPTIM)) {
+        return 0;
+    }
+    Py_ssize_t o_end = digits_end(rest, i);
+    if (o_end == i || !ascii_at(rest, o_end, "_empty_group_")) {
+        return 0;
+    }
+    i = o_end + (Py_ssize_t)strlen("_empty_group_");
+    Py_ssize_t g_end = digits_end(rest, i);
+    if (g_end == i || !ascii_at(rest, g_end, "__.")) {
+        return 0;
+    }
+    *identity = PyUnicode_Substring(rest, 0, g_end + 2);
+    *key = *identity ? PyUnicode_Substring(
+                           rest, g_end + 3, PyUnicode_GET_LENGTH(rest))
+                     : NULL;
+    if (*key == NULL) {
+        Py_CLEAR(*identity);
+        return -1;
+    }
+    return 1;
+}
+
+/* The flat-key grammar (docs/architecture.md, "Flat keys"): `rest` is a
+ * key without its "state." / "param_groups." prefix.
+ *
+ * With `known` (a set of parameter FQNs) the FQN is the longest known
+ * one: `rest` splits at its right-most '.' whose left side is known.  A
+ * param_groups tail "__empty_group_after|before_<n>__.<key>" is a reserved
+ * empty-group key anchored on that FQN; a param_groups key with no known
+ * FQN may be "__optimizer_<o>_empty_group_<g>__.<key>".
+ *
+ * With `known` None (FQNs unknown, param_groups keys only): a reserved
+ * form wins (the right-most anchored one), else the key splits at its
+ * last '.' (group keys without dots, the common case).
+ *
+ * Returns 1 with *a = fqn, *b = state path / group key; 2 with *a = the
+ * empty group's identity ("<anchor>|after|<n>", "<anchor>|before|<n>" or
+ * "__optimizer_<o>_empty_group_<g>__"), *b = group key; 0 when `rest`
+ * parses as neither; -1 on error. */
+static int
+parse_flat_rest(
+    PyObject *rest, PyObject *known, int is_state, PyObject **a, PyObject **b)
+{
+    *a = *b = NULL;
+    if (known != Py_None) {
+        int rc = split_known_prefix(rest, known, a, b);
+        if (rc != 0 || is_state) {
+            if (rc == 1 && !is_state) {
+                PyObject *identity = NULL, *gkey = NULL;
+                int reserved = parse_empty_tail(*a, *b, &identity, &gkey);
+                if (reserved != 0) {
+                    Py_CLEAR(*a);
+                    Py_CLEAR(*b);
+                    *a = identity;
+                    *b = gkey;
+                    return reserved < 0 ? -1 : 2;
+                }
+            }
+            return rc;
+        }
+        int reserved = parse_optim_empty(rest, a, b);
+        return reserved == 1 ? 2 : reserved;
+    }
+    if (is_state) {
+        return 0;
+    }
+    int reserved = parse_optim_empty(rest, a, b);
+    if (reserved != 0) {
+        return reserved == 1 ? 2 : -1;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(rest);
+    Py_ssize_t last = PyUnicode_FindChar(rest, '.', 0, len, -1);
+    if (last == -2) {
+        return -1;
+    }
+    for (Py_ssize_t end = last; end > 0;) {
+        Py_ssize_t dot = PyUnicode_FindChar(rest, '.', 0, end, -1);
+        if (dot == -2) {
+            return -1;
+        }
+        if (dot <= 0) {
+            break;
+        }
+        PyObject *anchor = PyUnicode_Substring(rest, 0, dot);
+        PyObject *tail =
+            anchor ? PyUnicode_Substring(rest, dot + 1, len) : NULL;
+        reserved = tail ? parse_empty_tail(anchor, tail, a, b) : -1;
+        Py_XDECREF(anchor);
+        Py_XDECREF(tail);
+        if (reserved != 0) {
+            return reserved == 1 ? 2 : -1;
+        }
+        end = dot;
+    }
+    if (last <= 0) {
+        return 0;
+    }
+    *a = PyUnicode_Substring(rest, 0, last);
+    *b = *a ? PyUnicode_Substring(rest, last + 1, len) : NULL;
+    if (*b == NULL) {
+        Py_CLEAR(*a);
+        return -1;
+    }
+    return 1;
+}
+
+/* parse_flat_key(key, known, /) -> ("state", fqn, path) |
+ * ("param_groups", fqn, key) | ("empty_group", identity, key) | None:
+ * one key of the flattened format, by parse_flat_rest's grammar (the
+ * parser unflatten_optim uses), for the tools (convert, inspect, the
+ * load planner).  `known`: a set or frozenset of parameter FQNs, or
+ * None. */
+PyObject *
+dcp_parse_flat_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    PyObject *rest = NULL, *a = NULL, *b = NULL, *result = NULL;
+
+    if (dcp_check_nargs("parse_flat_key", nargs, 2) < 0) {
+        return NULL;
+    }
+    PyObject *key = args[0];
+    PyObject *known = args[1];
+    if (!PyUnicode_Check(key)) {
+        PyErr_Format(PyExc_TypeError,
+                     "parse_flat_key() key must be str, not %.200s",
+                     Py_TYPE(key)->tp_name);
+        return NULL;
+    }
+    if (known != Py_None && !PyAnySet_Check(known)) {
+        PyErr_Format(PyExc_TypeError,
+                     "parse_flat_key() known must be a set, frozenset or "
+                     "None, not %.200s",
+                     Py_TYPE(known)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(key);
+    Py_ssize_t is_state =
+        PyUnicode_Tailmatch(key, st->str_state_prefix, 0, len, -1);
+    Py_ssize_t is_pg =
+        is_state ? 0 : PyUnicode_Tailmatch(key, st->str_pg_prefix, 0, len, -1);
+    if (is_state < 0 || is_pg < 0) {
+        return NULL;
+    }
+    if (!is_state && !is_pg) {
+        Py_RETURN_NONE;
+    }
+    PyObject *prefix = is_state ? st->str_state_prefix : st->str_pg_prefix;
+    rest = PyUnicode_Substring(key, PyUnicode_GET_LENGTH(prefix), len);
+    if (rest == NULL) {
+        return NULL;
+    }
+    int rc = parse_flat_rest(rest, known, is_state != 0, &a, &b);
+    if (rc < 0) {
+        goto error;
+    }
+    result = rc == 0 ? Py_NewRef(Py_None)
+                     : Py_BuildValue(
+                           "(sOO)",
+                           rc == 2 ? "empty_group"
+                                   : (is_state ? "state" : "param_groups"),
+                           a,
+                           b);
+error:
+    Py_DECREF(rest);
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return result;
+}
+
 /* unflatten_optim(index, flat) -> view (see above). */
 PyObject *
 dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -869,37 +1073,8 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (rest == NULL) {
             goto done;
         }
-        rc = split_known_prefix(rest, known, &fqn, &tail);
-        if (rc == 0 && is_pg) {
-            /* "__optimizer_<o>_empty_group_<g>__.<key>" has no FQN. */
-            PyObject *marker = PyUnicode_FromString(EMPTY_OPTIM);
-            Py_ssize_t reserved =
-                marker ? PyUnicode_Tailmatch(
-                             rest, marker, 0, PyUnicode_GET_LENGTH(rest), -1)
-                       : -1;
-            Py_XDECREF(marker);
-            Py_ssize_t sep =
-                reserved > 0 ? PyUnicode_FindChar(
-                                   rest, '.', 0, PyUnicode_GET_LENGTH(rest), 1)
-                             : -1;
-            if (reserved < 0 || sep == -2) {
-                rc = -1;
-            }
-            else if (reserved > 0 && sep > 0) {
-                PyObject *ident = PyUnicode_Substring(rest, 0, sep);
-                PyObject *gkey =
-                    ident ? PyUnicode_Substring(
-                                rest, sep + 1, PyUnicode_GET_LENGTH(rest))
-                          : NULL;
-                PyObject *group =
-                    gkey ? view_group(groups, empty_ids, ident) : NULL;
-                rc = (group != NULL && PyDict_SetItem(group, gkey, value) == 0)
-                         ? 2
-                         : -1;
-                Py_XDECREF(ident);
-                Py_XDECREF(gkey);
-            }
-        }
+        /* fqn, tail: or an empty group's identity and key (rc 2) */
+        rc = parse_flat_rest(rest, known, is_state != 0, &fqn, &tail);
         if (rc < 0) {
             Py_DECREF(rest);
             goto done;
@@ -911,7 +1086,11 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             continue;
         }
-        if (rc == 1 && is_state) {
+        if (rc == 2) {
+            PyObject *group = view_group(groups, empty_ids, fqn);
+            rc = (group && PyDict_SetItem(group, tail, value) == 0) ? 2 : -1;
+        }
+        else if (is_state) {
             PyObject *entry = NULL;
             int found = dcp_dict_get_ref(state, fqn, &entry);
             if (found == 0) {
@@ -933,35 +1112,19 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 Py_DECREF(entry);
             }
         }
-        else if (rc == 1) {
-            PyObject *identity = NULL, *gkey = NULL;
-            int reserved = parse_empty_tail(fqn, tail, &identity, &gkey);
-            PyObject *group = NULL;
-            if (reserved < 0) {
+        else {
+            PyObject *group = view_group(groups, fqn_group, fqn);
+            rc = (group && PyDict_SetItem(group, tail, value) == 0) ? 1 : -1;
+            PyObject *prefix =
+                rc == 1 ? PyUnicode_Substring(
+                              key, 0, len - PyUnicode_GET_LENGTH(tail))
+                        : NULL;
+            if (prefix == NULL) {
                 rc = -1;
             }
-            else if (reserved) {
-                group = view_group(groups, empty_ids, identity);
-                rc = (group && PyDict_SetItem(group, gkey, value) == 0) ? 1
-                                                                        : -1;
-            }
             else {
-                group = view_group(groups, fqn_group, fqn);
-                rc = (group && PyDict_SetItem(group, tail, value) == 0) ? 1
-                                                                        : -1;
-                PyObject *prefix =
-                    rc == 1 ? PyUnicode_Substring(
-                                  key, 0, len - PyUnicode_GET_LENGTH(tail))
-                            : NULL;
-                if (prefix == NULL) {
-                    rc = -1;
-                }
-                else {
-                    last_split_set(&last, prefix, group, 0);
-                }
+                last_split_set(&last, prefix, group, 0);
             }
-            Py_XDECREF(identity);
-            Py_XDECREF(gkey);
         }
         Py_DECREF(rest);
         Py_XDECREF(fqn);

@@ -251,6 +251,12 @@ static PyMethodDef dcp_methods[] = {
      METH_FASTCALL,
      "unflatten_optim(index, flat, /)\n--\n\n"
      "Parse a flattened optimizer dict into a loaded-state view."},
+    {"parse_flat_key",
+     DCP_FASTCALL(dcp_parse_flat_key),
+     METH_FASTCALL,
+     "parse_flat_key(key, known, /)\n--\n\n"
+     "One key of the flattened optimizer format, parsed as unflatten_optim "
+     "does."},
     {"view_from_nested",
      DCP_FASTCALL(dcp_view_from_nested),
      METH_FASTCALL,

@@ -61,13 +61,10 @@ from . import errors
 
 __all__ = [
     "Checkpoint", "CheckpointError", "UnsafeCheckpointError", "MalformedCheckpointError",
-    "NotLoaded", "Item", "Progress", "split_fqn", "group_runs",
+    "NotLoaded", "Item", "Progress", "parse_flat_key", "group_runs",
 ]
 
 NESTED, FLAT = "nested", "flat"
-
-_EMPTY_ANCHORED = re.compile(r"^(?P<anchor>.+)\.__empty_group_(?P<kind>after|before)_(?P<n>\d+)__\.(?P<key>.+)$")
-_EMPTY_OPTIM = re.compile(r"^__optimizer_(?P<o>\d+)_empty_group_(?P<g>\d+)__\.(?P<key>.+)$")
 
 
 class CheckpointError(errors.DcpOptimError, ValueError):
@@ -209,17 +206,21 @@ class Item:
         return "object"
 
 
-def split_fqn(rest: str, known: set[str] | frozenset[str]) -> tuple[str, str] | None:
-    """Split ``rest`` = "<fqn>.<tail>" at the right-most dot whose left side
-    is in ``known`` (None if there is none)."""
-    end = len(rest)
-    while True:
-        dot = rest.rfind(".", 0, end)
-        if dot <= 0:
-            return None
-        if rest[:dot] in known:
-            return rest[:dot], rest[dot + 1:]
-        end = dot
+def parse_flat_key(key: str, known: set[str] | frozenset[str]) -> tuple[str, str, str] | None:
+    """A key of the flattened optimizer format, parsed by the C core's
+    parser (the one ``set_optimizer_state_dict`` uses; docs/architecture.md,
+    "Flat keys"): ("state", fqn, path), ("param_groups", fqn, key) or
+    ("empty_group", identity, key); None when it parses as neither.
+
+    ``known``: the parameter FQNs.  A param_groups key whose FQN is not
+    among them is parsed without FQNs (a reserved empty-group form, else
+    split at its last dot); a state key needs its FQN."""
+    from ._core import C
+
+    parsed = C.parse_flat_key(key, known)
+    if parsed is None and key.startswith("param_groups."):
+        parsed = C.parse_flat_key(key, None)
+    return parsed
 
 
 def _join(path: Iterable[Any]) -> str:
@@ -584,22 +585,23 @@ class Checkpoint:
             sec.fqn_source = "saved paths"
             return
         # flat: choose the model section whose FQNs explain most keys
-        rests = []
+        from ._core import C
+
+        flat_keys: list[tuple[str, Item]] = []
         for it in sec.items:
             el = it.path[n] if len(it.path) == n + 1 else None
-            if not isinstance(el, str):
-                sec.unparsed.append(it)
-                continue
-            if el.startswith("state."):
-                rests.append(("state", el[len("state."):], it))
-            elif el.startswith("param_groups."):
-                rests.append(("pg", el[len("param_groups."):], it))
+            if isinstance(el, str) and el.startswith(("state.", "param_groups.")):
+                flat_keys.append((el, it))
             else:
                 sec.unparsed.append(it)
 
+        def names_fqn(parsed: tuple[str, str, str] | None) -> bool:
+            # an FQN of `known`: a parameter's, or an empty group's anchor
+            return parsed is not None and (parsed[0] != "empty_group" or "|" in parsed[1])
+
         def score(root: tuple) -> int:
             known = set(candidates[root])
-            return sum(1 for _, rest, _ in rests if split_fqn(rest, known) is not None)
+            return sum(1 for el, _ in flat_keys if names_fqn(C.parse_flat_key(el, known)))
 
         best = max(candidates, key=lambda r: (score(r), -len(r)), default=None)
         model_fqns: set[str] = set()
@@ -611,36 +613,28 @@ class Checkpoint:
             sec.fqn_source = "param_groups keys"
         derived: set[str] = set()
         parsed_pg = []
-        for kind, rest, it in rests:
-            if kind != "pg":
+        for el, it in flat_keys:
+            if not el.startswith("param_groups."):
                 continue
-            m = _EMPTY_OPTIM.match(rest)
-            if m:
-                ident = f"__optimizer_{m.group('o')}_empty_group_{m.group('g')}__"
-                sec.empties.setdefault(ident, {})[m.group("key")] = it
-                continue
-            m = _EMPTY_ANCHORED.match(rest)
-            if m:
-                ident = f"{m.group('anchor')}|{m.group('kind')}|{m.group('n')}"
-                sec.empties.setdefault(ident, {})[m.group("key")] = it
-                continue
-            split = split_fqn(rest, model_fqns) or (tuple(rest.rsplit(".", 1)) if "." in rest else None)
-            if split is None:
+            parsed = parse_flat_key(el, model_fqns)
+            if parsed is None:
                 sec.unparsed.append(it)
-                continue
-            derived.add(split[0])
-            parsed_pg.append((split, it))
-        for (fqn, key), it in parsed_pg:
+            elif parsed[0] == "empty_group":
+                sec.empties.setdefault(parsed[1], {})[parsed[2]] = it
+            else:
+                derived.add(parsed[1])
+                parsed_pg.append((parsed[1], parsed[2], it))
+        for fqn, key, it in parsed_pg:
             sec.group_keys.setdefault(fqn, {})[key] = it
         known = model_fqns | derived
-        for kind, rest, it in rests:
-            if kind != "state":
+        for el, it in flat_keys:
+            if not el.startswith("state."):
                 continue
-            split = split_fqn(rest, known)
-            if split is None:
+            parsed = parse_flat_key(el, known)
+            if parsed is None:
                 sec.unparsed.append(it)
                 continue
-            sec.state.setdefault(split[0], {})[split[1]] = it
+            sec.state.setdefault(parsed[1], {})[parsed[2]] = it
 
     def fqns_for(self, sec: OptimizerSection) -> set[str]:
         """Every FQN the optimizer section mentions (for to_nested)."""

@@ -135,6 +135,9 @@ def pack_bytes(buffer: Any, items: Any, uint8: Any, /) -> Any:
 def pack_rows(buffer: Any, src_items: Any, values: Any, uint8: Any, /) -> Any:
     """Pack row chunks of full tensors into a stream bucket."""
 
+def parse_flat_key(key: str, known: set[str] | frozenset[str] | None, /) -> tuple[str, str, str] | None:
+    """One key of the flattened optimizer format, parsed as unflatten_optim does."""
+
 def plan_buckets(segment_bytes: Any, copies: Any, budget: Any, /) -> Any:
     """Pack segments into byte buckets within a budget."""
 

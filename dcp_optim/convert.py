@@ -55,16 +55,14 @@ import torch.nn as nn
 
 from . import errors
 from ._ckpt_meta import (
-    _EMPTY_ANCHORED,
-    _EMPTY_OPTIM,
     FLAT,
     NESTED,
     Checkpoint,
     CheckpointError,
     Progress,
     group_runs,
+    parse_flat_key,
     quiet_dcp,
-    split_fqn,
 )
 from ._core import C, context
 
@@ -178,7 +176,8 @@ def to_nested(
     ``fqns``: the parameter FQNs (FQNs contain dots, so keys are split at
     the right-most dot whose left side is one of them), or the model.
     ``param_groups.<fqn>.<key>`` keys of FQNs not in ``fqns`` are split at
-    their last dot.
+    their last dot.  Keys are parsed as ``set_optimizer_state_dict`` parses
+    them (docs/architecture.md, "Flat keys").
 
     ``groups``: the param-group structure of the optimizers that will load
     the result (:func:`param_groups_of`); each group gets its parameters'
@@ -198,42 +197,33 @@ def to_nested(
     known = _model_fqns(fqns) if isinstance(fqns, nn.Module) else {str(f) for f in fqns}
     per_fqn: dict[str, dict[str, Any]] = {}
     empties: dict[str, dict[str, Any]] = {}
-    states: list[tuple[str, str, Any]] = []
+    states: list[tuple[str, Any]] = []
     for key, value in flat.items():
         if not isinstance(key, str):
             raise errors.StateDictKeyError(f"flattened optimizer state dict keys must be str, got {key!r}")
         if key.startswith("state."):
-            states.append((key, key[len("state."):], value))
+            states.append((key, value))
             continue
         if not key.startswith("param_groups."):
             raise errors.StateDictKeyError(
                 f"'{key}' is not a key of a flattened optimizer state dict (expected "
                 "'state.<fqn>.<name>' or 'param_groups.<fqn>.<key>')"
             )
-        rest = key[len("param_groups."):]
-        m = _EMPTY_OPTIM.match(rest)
-        if m:
-            ident = f"__optimizer_{m.group('o')}_empty_group_{m.group('g')}__"
-            empties.setdefault(ident, {})[m.group("key")] = value
-            continue
-        m = _EMPTY_ANCHORED.match(rest)
-        if m:
-            ident = f"{m.group('anchor')}|{m.group('kind')}|{m.group('n')}"
-            empties.setdefault(ident, {})[m.group("key")] = value
-            continue
-        split = split_fqn(rest, known) or (tuple(rest.rsplit(".", 1)) if "." in rest else None)
-        if split is None:
+        parsed = parse_flat_key(key, known)
+        if parsed is None:
             raise errors.StateDictKeyError(f"'{key}' names no parameter FQN and group key")
-        per_fqn.setdefault(split[0], {})[split[1]] = value
+        kind, name, group_key = parsed
+        target = empties if kind == "empty_group" else per_fqn
+        target.setdefault(name, {})[group_key] = value
     names = known | set(per_fqn)
     state: dict[str, dict[str, Any]] = {}
-    for key, rest, value in states:
-        split = split_fqn(rest, names)
-        if split is None:
+    for key, value in states:
+        parsed = parse_flat_key(key, names)
+        if parsed is None:
             raise errors.StateDictKeyError(
                 f"'{key}': no known parameter FQN is a prefix of it (pass the model's FQNs)"
             )
-        _store(state.setdefault(split[0], {}), split[1], value, key)
+        _store(state.setdefault(parsed[1], {}), parsed[2], value, key)
     if groups is not None:
         return {"state": state, "param_groups": _groups_like(per_fqn, empties, groups)}
     return {"state": state, "param_groups": group_runs(per_fqn, empties)}

@@ -20,25 +20,33 @@ nothing else depends on them).  Every other missing key still fails.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-__all__ = ["LoadPlanner", "is_empty_group_key"]
+from ._core import C
 
-# "...param_groups.<anchor>.__empty_group_after_<n>__.<key>",
-# "...param_groups.<anchor>.__empty_group_before_<n>__.<key>",
-# "...param_groups.__optimizer_<o>_empty_group_<g>__.<key>", anywhere in a
-# DCP key (DCP prefixes the app-state name: "optim.param_groups...").
-_EMPTY_GROUP_KEY = re.compile(
-    r"(?:^|\.)param_groups\.(?:.+\.)?__(?:empty_group_(?:after|before)_\d+|optimizer_\d+_empty_group_\d+)__\."
-)
+__all__ = ["LoadPlanner", "is_empty_group_key"]
 
 
 def is_empty_group_key(key: str) -> bool:
-    """Whether ``key`` is one of dcp_optim's reserved empty-group keys."""
-    return isinstance(key, str) and _EMPTY_GROUP_KEY.search(key) is not None
+    """Whether ``key`` is one of dcp_optim's reserved empty-group keys:
+    "...param_groups.<anchor>.__empty_group_after_<n>__.<key>",
+    "...__empty_group_before_<n>__..." or
+    "...param_groups.__optimizer_<o>_empty_group_<g>__.<key>", where DCP
+    may prefix the app-state name ("optim.param_groups...").  Parsed by
+    the C core's flat-key parser without FQNs (a DCP planner has none;
+    docs/architecture.md, "Flat keys")."""
+    if not isinstance(key, str):
+        return False
+    at = 0
+    while (at := key.find("param_groups.", at)) != -1:
+        if at == 0 or key[at - 1] == ".":
+            parsed = C.parse_flat_key(key[at:], None)
+            if parsed is not None and parsed[0] == "empty_group":
+                return True
+        at += 1
+    return False
 
 
 class LoadPlanner(DefaultLoadPlanner):

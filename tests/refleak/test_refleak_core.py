@@ -387,6 +387,30 @@ def _():
     C.unflatten_optim(INDEX, {1: 2})
 
 
+@case("parse_flat_key", "ok")
+def _():
+    known = {"a.weight", "a.bias"}
+    for key in FLAT:  # state, param_groups and every empty-group form
+        C.parse_flat_key(key, known)
+        C.parse_flat_key(key, None)
+    for key in ("param_groups.a.weight.__empty_group_after_1__.lr",
+                "param_groups.a.__empty_group_before_2__.lr",
+                "param_groups.__optimizer_0_empty_group_1__.lr",
+                "param_groups.__optimizer_x_empty_group_1__.lr", "state..x", "other"):
+        C.parse_flat_key(key, frozenset(known))
+        C.parse_flat_key(key, None)
+
+
+@case("parse_flat_key", "known-not-a-set", TypeError, "must be a set")
+def _():
+    C.parse_flat_key("state.a.weight.step", ["a.weight"])
+
+
+@case("parse_flat_key", "non-str-key", TypeError, "must be str")
+def _():
+    C.parse_flat_key(1, None)
+
+
 @case("view_from_nested", "ok")
 def _():
     C.view_from_nested(NESTED)
