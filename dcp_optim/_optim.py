@@ -421,10 +421,45 @@ def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
                 state[fqn] = entry
 
 
-def _view(index: Any, osd: dict[str, Any]) -> tuple:
+def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = ()) -> tuple:
     if "state" in osd:
         return C.view_from_nested(osd)
-    return C.unflatten_optim(index, osd)
+    whole = _whole_state_names(index, osd, optimizers)
+    if not whole:
+        return C.unflatten_optim(index, osd)
+    view = C.unflatten_optim(index, {k: v for k, v in osd.items() if k not in whole})
+    for key, (fqn, name) in whole.items():
+        view[0].setdefault(fqn, {})[name] = osd[key]
+    return view
+
+
+def _whole_state_names(
+    index: Any, flat: dict[str, Any], optimizers: tuple[_Optimizer, ...]
+) -> dict[str, tuple[str, str]]:
+    """Flat state keys to read whole, not split at the dots of their state
+    path, as upstream's unflattening does: {key: (fqn, name)} for every
+    dotted state name the live optimizers hold whose whole key
+    "state.<fqn>.<name>" is in ``flat`` (docs/architecture.md, Flat keys)."""
+    out: dict[str, tuple[str, str]] = {}
+    for optim in optimizers:
+        for param, live in optim.state.items():
+            if not isinstance(live, dict):
+                continue
+            try:  # one join per parameter: this runs on every flat load
+                if "." not in "".join(live):
+                    continue
+            except TypeError:  # a key that is not a str
+                pass
+            dotted = [k for k in live if isinstance(k, str) and "." in k]
+            slot = index.slot_of(param) if dotted else None
+            if slot is None:
+                continue
+            for fqn in index.tensor_fqns[slot]:
+                for name in dotted:
+                    key = f"state.{fqn}.{name}"
+                    if key in flat:
+                        out[key] = (fqn, name)
+    return out
 
 
 @torch.no_grad()
@@ -672,7 +707,7 @@ def _optim_steps(model, optimizers, osd, info):
     # On broadcast loads only the source holds the extra keys: they travel
     # with its metadata (every rank has the same optimizers).
     source = {"extras": extras}
-    view = _view(info.index, osd or {})
+    view = _view(info.index, osd or {}, optimizers)
     localize = None
     if not fsdp1 and (
         # Full tensors of sharded parameters become local shards (full
