@@ -24,6 +24,9 @@
  * is byte-identical to upstream's.
  *
  * Parsing flat keys back needs the FQNs: they contain dots themselves.
+ * One parser, parse_flat_rest, serves unflatten_optim and (exported as
+ * parse_flat_key) the Python tools; its grammar is documented in
+ * docs/architecture.md ("Flat keys").
  * A key "state.a.b.c" is split at the right-most dot whose left side is a
  * parameter FQN of the model; no FQN can be a token prefix of another
  * (parameters, buffers and children share one namespace per module), so
