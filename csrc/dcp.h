@@ -12,7 +12,12 @@
  *              and installing it (set side)
  *   flat.c     the flattened optimizer format
  *   tree.c     copying state-dict trees and collecting tensor leaves
- *   reshard.c  shard geometry and bucket plans for DTensor gathers
+ *   reshard.c  bucket plans for DTensor gathers and their unpacking
+ *   shard_geometry.c  every rank's shard of a DTensor from mesh + placements
+ *   pack.c     block copies between shards and full tensors; byte packing
+ *   rows.c     row chunks of a full-load stream (pack / extract)
+ *   full_load.c  full -> local load plans and their results
+ *   load_jobs.c  the job lists of model and optimizer full loads
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
  *
  * Conventions (see docs/contributing.md): functions document their return
@@ -255,6 +260,66 @@ void dcp_note_format(const char *format, ...);
 void dcp_note_key(PyObject *key);
 /* Convert an optimizer's `params` entry or the like into a new list. */
 PyObject *dcp_as_list(PyObject *seq, const char *what);
+
+/* ----------------------------------------------------------------------
+ * Shard geometry (shard_geometry.c)
+ */
+#define DCP_MAX_DIMS 64
+/* Byte alignment of every bucket segment: the widest scalar (complex128)
+ * is 16 bytes, and Tensor.view(dtype) needs offsets divisible by it. */
+#define DCP_ALIGN 16
+
+enum { PL_REPLICATE = 0, PL_SHARD = 1, PL_STRIDED = 2, PL_PARTIAL = 3 };
+
+typedef struct {
+    int kind;
+    Py_ssize_t dim;
+    Py_ssize_t split_factor;
+} placement_t;
+
+/* n rounded up to DCP_ALIGN (n <= PY_SSIZE_T_MAX - DCP_ALIGN). */
+static inline Py_ssize_t
+dcp_align_up(Py_ssize_t n)
+{
+    return (n + DCP_ALIGN - 1) / DCP_ALIGN * DCP_ALIGN;
+}
+
+/* Bytes of a tensor of `shape` (a tuple of ints) with `itemsize`-byte
+ * elements; -1 with an exception on a bad or overflowing shape. */
+Py_ssize_t shape_nbytes(PyObject *shape, Py_ssize_t itemsize, const char *what);
+/* Parses a sequence of at most DCP_MAX_DIMS non-negative ints.  0 / -1. */
+int parse_shape(PyObject *obj, Py_ssize_t *out, Py_ssize_t *n, const char *what);
+/* A new tuple of the n ints of v. */
+PyObject *ssize_tuple(const Py_ssize_t *v, Py_ssize_t n);
+/* (local_shape, [(lstart, gstart, length), ...]) of the shard at mesh
+ * coordinate `coord`; new tuple or NULL. */
+PyObject *shard_layout(const Py_ssize_t *gshape,
+                       Py_ssize_t ndim,
+                       const Py_ssize_t *mesh,
+                       Py_ssize_t mdim,
+                       const Py_ssize_t *coord,
+                       const placement_t *pl);
+/* Encodes one Placement object; classes = (Shard, _StridedShard,
+ * Replicate), anything else is Partial.  0 / -1. */
+int encode_placement(PyObject *p, PyObject *classes, placement_t *out);
+
+/* ----------------------------------------------------------------------
+ * Block and byte copies (pack.c)
+ */
+
+/* A block (local_starts, global_starts, lengths): three tuples, borrowed.
+ * 0 / -1. */
+int parse_block(PyObject *block, PyObject **ls, PyObject **gs, PyObject **ln);
+/* A 1-D uint8 view of `buffer` bytes [offset, offset + nbytes). */
+PyObject *byte_window(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes);
+/* `window` (uint8) reinterpreted as `dtype` with `shape`. */
+PyObject *
+typed_view(dcp_state *st, PyObject *window, PyObject *dtype, PyObject *shape);
+/* The bytes of `tensor` as a flat uint8 tensor (a copy only when the
+ * tensor is not contiguous). */
+PyObject *tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8);
+/* dst.copy_(src).  0 / -1. */
+int copy_into(dcp_state *st, PyObject *dst, PyObject *src);
 
 /* Method-table entries implemented in the other files. */
 #define DCP_DECLARE_FASTCALL(name) \
