@@ -286,22 +286,27 @@ dcp_align_up(Py_ssize_t n)
 
 /* Bytes of a tensor of `shape` (a tuple of ints) with `itemsize`-byte
  * elements; -1 with an exception on a bad or overflowing shape. */
-Py_ssize_t shape_nbytes(PyObject *shape, Py_ssize_t itemsize, const char *what);
+Py_ssize_t dcp_shape_nbytes(PyObject *shape,
+                            Py_ssize_t itemsize,
+                            const char *what);
 /* Parses a sequence of at most DCP_MAX_DIMS non-negative ints.  0 / -1. */
-int parse_shape(PyObject *obj, Py_ssize_t *out, Py_ssize_t *n, const char *what);
+int dcp_parse_shape(PyObject *obj,
+                    Py_ssize_t *out,
+                    Py_ssize_t *n,
+                    const char *what);
 /* A new tuple of the n ints of v. */
-PyObject *ssize_tuple(const Py_ssize_t *v, Py_ssize_t n);
+PyObject *dcp_ssize_tuple(const Py_ssize_t *v, Py_ssize_t n);
 /* (local_shape, [(lstart, gstart, length), ...]) of the shard at mesh
  * coordinate `coord`; new tuple or NULL. */
-PyObject *shard_layout(const Py_ssize_t *gshape,
-                       Py_ssize_t ndim,
-                       const Py_ssize_t *mesh,
-                       Py_ssize_t mdim,
-                       const Py_ssize_t *coord,
-                       const placement_t *pl);
+PyObject *dcp_shard_layout(const Py_ssize_t *gshape,
+                           Py_ssize_t ndim,
+                           const Py_ssize_t *mesh,
+                           Py_ssize_t mdim,
+                           const Py_ssize_t *coord,
+                           const placement_t *pl);
 /* Encodes one Placement object; classes = (Shard, _StridedShard,
  * Replicate), anything else is Partial.  0 / -1. */
-int encode_placement(PyObject *p, PyObject *classes, placement_t *out);
+int dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out);
 
 /* ----------------------------------------------------------------------
  * Block and byte copies (pack.c)
@@ -309,17 +314,24 @@ int encode_placement(PyObject *p, PyObject *classes, placement_t *out);
 
 /* A block (local_starts, global_starts, lengths): three tuples, borrowed.
  * 0 / -1. */
-int parse_block(PyObject *block, PyObject **ls, PyObject **gs, PyObject **ln);
+int dcp_parse_block(PyObject *block,
+                    PyObject **ls,
+                    PyObject **gs,
+                    PyObject **ln);
 /* A 1-D uint8 view of `buffer` bytes [offset, offset + nbytes). */
-PyObject *byte_window(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes);
+PyObject *dcp_byte_window(PyObject *buffer,
+                          Py_ssize_t offset,
+                          Py_ssize_t nbytes);
 /* `window` (uint8) reinterpreted as `dtype` with `shape`. */
-PyObject *
-typed_view(dcp_state *st, PyObject *window, PyObject *dtype, PyObject *shape);
+PyObject *dcp_typed_view(dcp_state *st,
+                         PyObject *window,
+                         PyObject *dtype,
+                         PyObject *shape);
 /* The bytes of `tensor` as a flat uint8 tensor (a copy only when the
  * tensor is not contiguous). */
-PyObject *tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8);
+PyObject *dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8);
 /* dst.copy_(src).  0 / -1. */
-int copy_into(dcp_state *st, PyObject *dst, PyObject *src);
+int dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src);
 
 /* Method-table entries implemented in the other files. */
 #define DCP_DECLARE_FASTCALL(name) \

@@ -64,9 +64,9 @@ my_layout(dcp_state *st,
     Py_ssize_t gshape[DCP_MAX_DIMS], mshape[DCP_MAX_DIMS], c[DCP_MAX_DIMS];
     Py_ssize_t ndim, mdim, cdim;
     placement_t pl[DCP_MAX_DIMS];
-    if (parse_shape(gshape_obj, gshape, &ndim, "shape") < 0 ||
-        parse_shape(mshape_obj, mshape, &mdim, "mesh shape") < 0 ||
-        parse_shape(coord, c, &cdim, "coordinate") < 0) {
+    if (dcp_parse_shape(gshape_obj, gshape, &ndim, "shape") < 0 ||
+        dcp_parse_shape(mshape_obj, mshape, &mdim, "mesh shape") < 0 ||
+        dcp_parse_shape(coord, c, &cdim, "coordinate") < 0) {
         goto done;
     }
     PyObject *seq = dcp_sequence_fast(pls, "placements");
@@ -81,7 +81,7 @@ my_layout(dcp_state *st,
     }
     int ok = 1;
     for (Py_ssize_t m = 0; ok && m < mdim; m++) {
-        ok = encode_placement(
+        ok = dcp_encode_placement(
                  PySequence_Fast_GET_ITEM(seq, m), classes, &pl[m]) == 0;
     }
     Py_DECREF(seq);
@@ -91,7 +91,7 @@ my_layout(dcp_state *st,
                 pl[m].kind = PL_REPLICATE; /* loads hold full values */
             }
         }
-        result = shard_layout(gshape, ndim, mshape, mdim, c, pl);
+        result = dcp_shard_layout(gshape, ndim, mshape, mdim, c, pl);
     }
 done:
     Py_XDECREF(mesh);
@@ -288,8 +288,8 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 Py_XDECREF(dir);
             }
             else {
-                none = copy_into(st, dest, value) == 0 ? Py_NewRef(Py_None)
-                                                       : NULL;
+                none = dcp_copy_into(st, dest, value) == 0 ? Py_NewRef(Py_None)
+                                                           : NULL;
             }
             ok = none != NULL;
             Py_XDECREF(none);

@@ -60,7 +60,7 @@ copy_box(PyObject *dst,
 /* A block (local_starts, global_starts, lengths): three tuples, borrowed.
  * 0 or -1. */
 int
-parse_block(PyObject *block, PyObject **ls, PyObject **gs, PyObject **ln)
+dcp_parse_block(PyObject *block, PyObject **ls, PyObject **gs, PyObject **ln)
 {
     return dcp_parse_tuple(block,
                            "O!O!O!",
@@ -105,7 +105,7 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
         PyObject *ls, *gs, *ln;
-        if (parse_block(block, &ls, &gs, &ln) < 0) {
+        if (dcp_parse_block(block, &ls, &gs, &ln) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -202,7 +202,7 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* A 1-D uint8 view of `buffer` bytes [offset, offset + nbytes). */
 PyObject *
-byte_window(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes)
+dcp_byte_window(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes)
 {
     PyObject *a = PyLong_FromSsize_t(offset);
     PyObject *b = a ? PyLong_FromSsize_t(offset + nbytes) : NULL;
@@ -219,7 +219,10 @@ byte_window(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes)
 
 /* `window` (uint8) reinterpreted as `dtype` with `shape`. */
 PyObject *
-typed_view(dcp_state *st, PyObject *window, PyObject *dtype, PyObject *shape)
+dcp_typed_view(dcp_state *st,
+               PyObject *window,
+               PyObject *dtype,
+               PyObject *shape)
 {
     PyObject *args1[2] = {window, dtype};
     PyObject *typed = PyObject_VectorcallMethod(
@@ -237,7 +240,7 @@ typed_view(dcp_state *st, PyObject *window, PyObject *dtype, PyObject *shape)
 /* The bytes of `tensor` as a flat uint8 tensor (a copy only when the
  * tensor is not contiguous). */
 PyObject *
-tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8)
+dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8)
 {
     PyObject *minus_one = PyLong_FromLong(-1);
     if (minus_one == NULL) {
@@ -258,7 +261,7 @@ tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8)
 }
 
 int
-copy_into(dcp_state *st, PyObject *dst, PyObject *src)
+dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src)
 {
     PyObject *args[2] = {dst, src};
     PyObject *r = PyObject_VectorcallMethod(
@@ -289,7 +292,7 @@ dcp_pack_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 PySequence_Fast_GET_ITEM(seq, i), "On", &tensor, &offset)) {
             goto error;
         }
-        PyObject *bytes = tensor_bytes(st, tensor, args[2]);
+        PyObject *bytes = dcp_tensor_bytes(st, tensor, args[2]);
         if (bytes == NULL) {
             goto error;
         }
@@ -299,8 +302,8 @@ dcp_pack_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             rc = 0;
         }
         else if (n > 0) {
-            PyObject *win = byte_window(args[0], offset, n);
-            rc = win ? copy_into(st, win, bytes) : -1;
+            PyObject *win = dcp_byte_window(args[0], offset, n);
+            rc = win ? dcp_copy_into(st, win, bytes) : -1;
             Py_XDECREF(win);
         }
         Py_DECREF(bytes);

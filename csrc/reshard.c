@@ -15,11 +15,20 @@
  */
 #include "dcp.h"
 
+/* The shared geometry and copy helpers under their dcp.h names. */
+#define align_up dcp_align_up
+#define shape_nbytes dcp_shape_nbytes
+#define parse_shape dcp_parse_shape
+#define ssize_tuple dcp_ssize_tuple
+#define shard_layout dcp_shard_layout
+#define encode_placement dcp_encode_placement
+#define parse_block dcp_parse_block
+#define byte_window dcp_byte_window
+#define typed_view dcp_typed_view
+
 /* ----------------------------------------------------------------------
  * Bucket planning
  */
-
-#define align_up dcp_align_up
 
 /* plan_buckets(segment_bytes, copies, budget)
  *   -> [(bucket_segment_size, [(item, offset), ...]), ...]

@@ -61,8 +61,8 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(dest);
             continue;
         }
-        PyObject *win = byte_window(args[0], offset, nbytes);
-        PyObject *chunk = win ? typed_view(st, win, dtype, cshape) : NULL;
+        PyObject *win = dcp_byte_window(args[0], offset, nbytes);
+        PyObject *chunk = win ? dcp_typed_view(st, win, dtype, cshape) : NULL;
         Py_XDECREF(win);
         if (chunk == NULL) {
             Py_DECREF(dest);
@@ -76,7 +76,7 @@ dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     : -1;
             if (rows < 0) {
                 /* 0-dim tensors travel whole */
-                rc = PyErr_Occurred() ? -1 : copy_into(st, dest, chunk);
+                rc = PyErr_Occurred() ? -1 : dcp_copy_into(st, dest, chunk);
             }
             else {
                 PyObject *a = PyLong_FromSsize_t(row_start);
@@ -163,7 +163,7 @@ dcp_pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             rows = sl ? PyObject_GetItem(value, sl) : NULL;
             Py_XDECREF(sl);
         }
-        PyObject *bytes = rows ? tensor_bytes(st, rows, args[3]) : NULL;
+        PyObject *bytes = rows ? dcp_tensor_bytes(st, rows, args[3]) : NULL;
         Py_XDECREF(rows);
         if (bytes == NULL) {
             goto error;
@@ -171,8 +171,8 @@ dcp_pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t nbytes = PyObject_Length(bytes);
         int rc = nbytes < 0 ? -1 : 0;
         if (nbytes > 0) {
-            PyObject *win = byte_window(args[0], offset, nbytes);
-            rc = win ? copy_into(st, win, bytes) : -1;
+            PyObject *win = dcp_byte_window(args[0], offset, nbytes);
+            rc = win ? dcp_copy_into(st, win, bytes) : -1;
             Py_XDECREF(win);
         }
         Py_DECREF(bytes);

@@ -113,7 +113,7 @@ size_product(Py_ssize_t a, Py_ssize_t b, const char *what)
  * `itemsize`-byte elements; -1 with an exception on a bad or
  * overflowing shape. */
 Py_ssize_t
-shape_nbytes(PyObject *shape, Py_ssize_t itemsize, const char *what)
+dcp_shape_nbytes(PyObject *shape, Py_ssize_t itemsize, const char *what)
 {
     Py_ssize_t n = itemsize;
     for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++) {
@@ -187,7 +187,10 @@ parse_placements(PyObject *obj,
 }
 
 int
-parse_shape(PyObject *obj, Py_ssize_t *out, Py_ssize_t *n, const char *what)
+dcp_parse_shape(PyObject *obj,
+                Py_ssize_t *out,
+                Py_ssize_t *n,
+                const char *what)
 {
     PyObject *seq = dcp_sequence_fast(obj, what);
     if (seq == NULL) {
@@ -218,7 +221,7 @@ parse_shape(PyObject *obj, Py_ssize_t *out, Py_ssize_t *n, const char *what)
 }
 
 PyObject *
-ssize_tuple(const Py_ssize_t *v, Py_ssize_t n)
+dcp_ssize_tuple(const Py_ssize_t *v, Py_ssize_t n)
 {
     PyObject *t = PyTuple_New(n);
     for (Py_ssize_t i = 0; t != NULL && i < n; i++) {
@@ -235,12 +238,12 @@ ssize_tuple(const Py_ssize_t *v, Py_ssize_t n)
 /* The layout of the shard at mesh coordinate `coord`:
  * (local_shape, [(lstart, gstart, length), ...]).  New tuple or NULL. */
 PyObject *
-shard_layout(const Py_ssize_t *gshape,
-             Py_ssize_t ndim,
-             const Py_ssize_t *mesh,
-             Py_ssize_t mdim,
-             const Py_ssize_t *coord,
-             const placement_t *pl)
+dcp_shard_layout(const Py_ssize_t *gshape,
+                 Py_ssize_t ndim,
+                 const Py_ssize_t *mesh,
+                 Py_ssize_t mdim,
+                 const Py_ssize_t *coord,
+                 const placement_t *pl)
 {
     runlist_t runs[DCP_MAX_DIMS];
     PyObject *result = NULL, *blocks = NULL;
@@ -331,9 +334,9 @@ shard_layout(const Py_ssize_t *gshape,
                 gs[d] = runs[d].runs[idx[d]].start;
                 ln[d] = runs[d].runs[idx[d]].len;
             }
-            PyObject *lt = ssize_tuple(ls, ndim);
-            PyObject *gt = lt ? ssize_tuple(gs, ndim) : NULL;
-            PyObject *nt = gt ? ssize_tuple(ln, ndim) : NULL;
+            PyObject *lt = dcp_ssize_tuple(ls, ndim);
+            PyObject *gt = lt ? dcp_ssize_tuple(gs, ndim) : NULL;
+            PyObject *nt = gt ? dcp_ssize_tuple(ln, ndim) : NULL;
             PyObject *block = nt ? PyTuple_Pack(3, lt, gt, nt) : NULL;
             Py_XDECREF(lt);
             Py_XDECREF(gt);
@@ -353,7 +356,7 @@ shard_layout(const Py_ssize_t *gshape,
             }
         }
     }
-    PyObject *lshape = ssize_tuple(local, ndim);
+    PyObject *lshape = dcp_ssize_tuple(local, ndim);
     if (lshape != NULL) {
         result = PyTuple_Pack(2, lshape, blocks);
         Py_DECREF(lshape);
@@ -375,8 +378,8 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t ndim, mdim, npl;
     placement_t pl[DCP_MAX_DIMS];
     if (dcp_check_nargs("shard_layouts", nargs, 4) < 0 ||
-        parse_shape(args[0], gshape, &ndim, "global_shape") < 0 ||
-        parse_shape(args[1], mesh, &mdim, "mesh_shape") < 0 ||
+        dcp_parse_shape(args[0], gshape, &ndim, "global_shape") < 0 ||
+        dcp_parse_shape(args[1], mesh, &mdim, "mesh_shape") < 0 ||
         parse_placements(args[2], pl, DCP_MAX_DIMS, &npl) < 0) {
         return NULL;
     }
@@ -393,10 +396,10 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         Py_ssize_t coord[DCP_MAX_DIMS], cdim;
-        if (parse_shape(PySequence_Fast_GET_ITEM(coords, i),
-                        coord,
-                        &cdim,
-                        "coordinate") < 0) {
+        if (dcp_parse_shape(PySequence_Fast_GET_ITEM(coords, i),
+                            coord,
+                            &cdim,
+                            "coordinate") < 0) {
             Py_CLEAR(out);
             break;
         }
@@ -417,7 +420,8 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (out == NULL) {
             break;
         }
-        PyObject *layout = shard_layout(gshape, ndim, mesh, mdim, coord, pl);
+        PyObject *layout =
+            dcp_shard_layout(gshape, ndim, mesh, mdim, coord, pl);
         if (layout == NULL) {
             Py_CLEAR(out);
             break;
@@ -430,7 +434,7 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* Encodes one Placement object as (kind, dim, split_factor). */
 int
-encode_placement(PyObject *p, PyObject *classes, placement_t *out)
+dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
 {
     /* classes: (Shard, _StridedShard, Replicate) */
     PyObject *shard = PyTuple_GET_ITEM(classes, 0);
