@@ -333,52 +333,32 @@ PyObject *dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8);
 /* dst.copy_(src).  0 / -1. */
 int dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src);
 
-/* Method-table entries implemented in the other files. */
+/* Method tables: each file defines the table of the functions it owns,
+ * next to them, and the module's exec slot adds every table. */
+#define DCP_FASTCALL(fn) ((PyCFunction)(void (*)(void))(fn))
+extern PyMethodDef dcp_fqn_methods[];            /* fqn.c */
+extern PyMethodDef dcp_optim_methods[];          /* optim.c */
+extern PyMethodDef dcp_split_methods[];          /* split.c */
+extern PyMethodDef dcp_flat_methods[];           /* flat.c */
+extern PyMethodDef dcp_tree_methods[];           /* tree.c */
+extern PyMethodDef dcp_model_load_methods[];     /* model_load.c */
+extern PyMethodDef dcp_schema_methods[];         /* schema.c */
+extern PyMethodDef dcp_fsdp1_methods[];          /* fsdp1.c */
+extern PyMethodDef dcp_shard_geometry_methods[]; /* shard_geometry.c */
+extern PyMethodDef dcp_pack_methods[];           /* pack.c */
+extern PyMethodDef dcp_rows_methods[];           /* rows.c */
+extern PyMethodDef dcp_full_load_methods[];      /* full_load.c */
+extern PyMethodDef dcp_load_jobs_methods[];      /* load_jobs.c */
+
+/* Entries still in module.c's own table. */
 #define DCP_DECLARE_FASTCALL(name) \
     PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 DCP_DECLARE_FASTCALL(dcp_walk_model)
-DCP_DECLARE_FASTCALL(dcp_get_fqns)
-DCP_DECLARE_FASTCALL(dcp_canonicalize_model_keys)
-DCP_DECLARE_FASTCALL(dcp_frozen_fqns)
-DCP_DECLARE_FASTCALL(dcp_optim_pack)
-DCP_DECLARE_FASTCALL(dcp_optim_remap)
-DCP_DECLARE_FASTCALL(dcp_optim_missing)
-DCP_DECLARE_FASTCALL(dcp_flatten_optim)
-DCP_DECLARE_FASTCALL(dcp_unflatten_optim)
-DCP_DECLARE_FASTCALL(dcp_view_from_nested)
-DCP_DECLARE_FASTCALL(dcp_split_optim)
-DCP_DECLARE_FASTCALL(dcp_install_optim)
-DCP_DECLARE_FASTCALL(dcp_tree_copy)
-DCP_DECLARE_FASTCALL(dcp_tree_fill)
-DCP_DECLARE_FASTCALL(dcp_tensors_to)
-DCP_DECLARE_FASTCALL(dcp_rename_for_load)
-DCP_DECLARE_FASTCALL(dcp_full_load_merge)
-DCP_DECLARE_FASTCALL(dcp_materialize_state)
-DCP_DECLARE_FASTCALL(dcp_first_key_containing)
-DCP_DECLARE_FASTCALL(dcp_filter_prefixes)
-DCP_DECLARE_FASTCALL(dcp_tensor_devices)
-DCP_DECLARE_FASTCALL(dcp_shard_layouts)
 DCP_DECLARE_FASTCALL(dcp_plan_buckets)
-DCP_DECLARE_FASTCALL(dcp_copy_blocks)
-DCP_DECLARE_FASTCALL(dcp_pack_bytes)
 DCP_DECLARE_FASTCALL(dcp_unpack_gathered)
-DCP_DECLARE_FASTCALL(dcp_extract_rows)
 DCP_DECLARE_FASTCALL(dcp_plan_gather)
-DCP_DECLARE_FASTCALL(dcp_indices_of)
-DCP_DECLARE_FASTCALL(dcp_plan_full_load)
-DCP_DECLARE_FASTCALL(dcp_pack_rows)
-DCP_DECLARE_FASTCALL(dcp_finish_full_load)
-DCP_DECLARE_FASTCALL(dcp_to_metadata)
-DCP_DECLARE_FASTCALL(dcp_optim_state_jobs)
-DCP_DECLARE_FASTCALL(dcp_write_slots)
-DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
-DCP_DECLARE_FASTCALL(dcp_tree_paths)
-DCP_DECLARE_FASTCALL(dcp_shape_mismatches)
-DCP_DECLARE_FASTCALL(dcp_check_model_load)
-DCP_DECLARE_FASTCALL(dcp_flat_unflatten)
-DCP_DECLARE_FASTCALL(dcp_flat_pieces)
-DCP_DECLARE_FASTCALL(dcp_flat_assemble)
-DCP_DECLARE_FASTCALL(dcp_map_call)
+/* pack.c's copy_blocks entry, which the gather code calls. */
+DCP_DECLARE_FASTCALL(dcp_copy_blocks)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

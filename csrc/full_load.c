@@ -147,6 +147,13 @@ done:
     return NULL; /* with an error set when ok < 0 */
 }
 
+PyDoc_STRVAR(
+    dcp_plan_full_load__doc__,
+    "plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream,"
+    " in_place=False, /)"
+    "\n--\n\n"
+    "Destinations, layouts and stream buckets for a full -> local load.");
+
 /* plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream
  *                [, in_place]) -> (dests, layouts, buckets)
  *
@@ -171,7 +178,7 @@ done:
  *   src_items [(job, row_start, rows, offset)] to pack on the source and
  *   dst_items (offset, nbytes, dtype, chunk_shape, row_start, job,
  *   blocks|None) for extract_rows once `job` is replaced by dests[job]. */
-PyObject *
+static PyObject *
 dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -398,12 +405,17 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_finish_full_load__doc__,
+             "finish_full_load(jobs, dests, layouts, from_local, offload, /)"
+             "\n--\n\n"
+             "Wrap loaded shards as DTensors like their templates.");
+
 /* finish_full_load(jobs, dests, layouts, from_local, offload) -> values
  *
  * The loaded value of each job: DTensor.from_local(dest, mesh,
  * placements, shape=, stride=) for DTensor templates, else dest; moved to
  * `offload` when it is not None (plain results only). */
-PyObject *
+static PyObject *
 dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -502,3 +514,15 @@ done:
     Py_XDECREF(layouts);
     return out;
 }
+
+PyMethodDef dcp_full_load_methods[] = {
+    {"plan_full_load",
+     DCP_FASTCALL(dcp_plan_full_load),
+     METH_FASTCALL,
+     dcp_plan_full_load__doc__},
+    {"finish_full_load",
+     DCP_FASTCALL(dcp_finish_full_load),
+     METH_FASTCALL,
+     dcp_finish_full_load__doc__},
+    {NULL, NULL, 0, NULL},
+};

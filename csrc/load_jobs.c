@@ -6,10 +6,14 @@
  */
 #include "dcp.h"
 
+PyDoc_STRVAR(dcp_to_metadata__doc__,
+             "to_metadata(leaves, meta_cls, tensor_cls, /)\n--\n\n"
+             "What a stream sends ahead of tensor data.");
+
 /* to_metadata(leaves, meta_cls, tensor_cls) -> what a stream sends ahead
  * of the data: 0-dim tensors as CPU values, other tensors as
  * meta_cls(shape tuple, dtype). */
-PyObject *
+static PyObject *
 dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -140,6 +144,12 @@ done:
     return NULL; /* error set when ok < 0 */
 }
 
+PyDoc_STRVAR(dcp_optim_state_jobs__doc__,
+             "optim_state_jobs(index, state, dtensor_cls, mode, from_local,"
+             " existing=None, /)"
+             "\n--\n\n"
+             "Copy loaded optimizer state and list the tensors to localise.");
+
 /* optim_state_jobs(index, state, dtensor_cls, mode, from_local
  *                  [, existing]) -> (new_state, jobs, slots, n_held)
  *
@@ -160,7 +170,7 @@ done:
  * top-level key, it is the job's template instead of the parameter (same
  * mesh and placements: the result is the same), so that an in-place load
  * can write the shard into it; n_held counts those jobs. */
-PyObject *
+static PyObject *
 dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -392,8 +402,12 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_write_slots__doc__,
+             "write_slots(slots, values, /)\n--\n\n"
+             "container[key] = value for each slot.");
+
 /* write_slots(slots, values): container[key] = value for each pair. */
-PyObject *
+static PyObject *
 dcp_write_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("write_slots", nargs, 2) < 0) {
@@ -433,6 +447,12 @@ dcp_write_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(
+    dcp_broadcast_jobs__doc__,
+    "broadcast_jobs(meta, full, local, device, dtensor_cls, tensor_cls, /)"
+    "\n--\n\n"
+    "The work list of a model broadcast.");
+
 /* broadcast_jobs(meta, full, local, device, dtensor_cls, tensor_cls)
  *   -> (keys, jobs, non_tensor)
  *
@@ -443,7 +463,7 @@ dcp_write_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * tensor) or False (this rank has no such key: receive, do not keep).
  * Other values (and 0-dim tensors, which travel in the metadata) are
  * returned in non_tensor as (key, value). */
-PyObject *
+static PyObject *
 dcp_broadcast_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -546,9 +566,13 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_shape_mismatches__doc__,
+             "shape_mismatches(jobs, tensor_cls, /)\n--\n\n"
+             "Jobs whose template tensor has another shape than the value.");
+
 /* shape_mismatches(jobs, tensor_cls) -> [(i, job shape, template shape)]
  * for jobs whose template (a tensor) has another shape than the value. */
-PyObject *
+static PyObject *
 dcp_shape_mismatches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -596,3 +620,27 @@ dcp_shape_mismatches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(jobs);
     return out;
 }
+
+PyMethodDef dcp_load_jobs_methods[] = {
+    {"to_metadata",
+     DCP_FASTCALL(dcp_to_metadata),
+     METH_FASTCALL,
+     dcp_to_metadata__doc__},
+    {"optim_state_jobs",
+     DCP_FASTCALL(dcp_optim_state_jobs),
+     METH_FASTCALL,
+     dcp_optim_state_jobs__doc__},
+    {"write_slots",
+     DCP_FASTCALL(dcp_write_slots),
+     METH_FASTCALL,
+     dcp_write_slots__doc__},
+    {"broadcast_jobs",
+     DCP_FASTCALL(dcp_broadcast_jobs),
+     METH_FASTCALL,
+     dcp_broadcast_jobs__doc__},
+    {"shape_mismatches",
+     DCP_FASTCALL(dcp_shape_mismatches),
+     METH_FASTCALL,
+     dcp_shape_mismatches__doc__},
+    {NULL, NULL, 0, NULL},
+};

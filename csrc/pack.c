@@ -74,6 +74,11 @@ dcp_parse_block(PyObject *block, PyObject **ls, PyObject **gs, PyObject **ln)
                : -1;
 }
 
+PyDoc_STRVAR(
+    dcp_copy_blocks__doc__,
+    "copy_blocks(dst, src, blocks, direction, row_window, /)\n--\n\n"
+    "Copy the sub-boxes of a shard layout between shard and full tensor.");
+
 /* copy_blocks(dst, src, blocks, direction, row_window)
  *
  * direction 0: assemble -- dst is the full tensor, src a local shard:
@@ -270,11 +275,15 @@ dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src)
     return r == NULL ? -1 : 0;
 }
 
+PyDoc_STRVAR(dcp_pack_bytes__doc__,
+             "pack_bytes(buffer, items, uint8, /)\n--\n\n"
+             "Copy tensors' bytes into a bucket buffer at given offsets.");
+
 /* pack_bytes(buffer, items, uint8)
  *
  * items: [(tensor, byte_offset), ...] -- each tensor's bytes are copied
  * into buffer[offset : offset + nbytes].  Empty tensors are skipped. */
-PyObject *
+static PyObject *
 dcp_pack_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -317,3 +326,15 @@ error:
     Py_DECREF(seq);
     return NULL;
 }
+
+PyMethodDef dcp_pack_methods[] = {
+    {"copy_blocks",
+     DCP_FASTCALL(dcp_copy_blocks),
+     METH_FASTCALL,
+     dcp_copy_blocks__doc__},
+    {"pack_bytes",
+     DCP_FASTCALL(dcp_pack_bytes),
+     METH_FASTCALL,
+     dcp_pack_bytes__doc__},
+    {NULL, NULL, 0, NULL},
+};

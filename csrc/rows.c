@@ -5,6 +5,10 @@
  */
 #include "dcp.h"
 
+PyDoc_STRVAR(dcp_extract_rows__doc__,
+             "extract_rows(buffer, items, dests, /)\n--\n\n"
+             "Keep this rank's part of broadcast row chunks.");
+
 /* extract_rows(buffer, items, dests)
  *
  * Stream receive side.  items: [(offset, nbytes, dtype, chunk_shape,
@@ -14,7 +18,7 @@
  * None means dest is the full tensor (the rows are copied to the same
  * rows), else dest is a local shard and the blocks (local <- global) are
  * clipped to the rows. */
-PyObject *
+static PyObject *
 dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -117,9 +121,13 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(dcp_pack_rows__doc__,
+             "pack_rows(buffer, src_items, values, uint8, /)\n--\n\n"
+             "Pack row chunks of full tensors into a stream bucket.");
+
 /* pack_rows(buffer, src_items, values, uint8): the source side of a
  * stream bucket; src_items as plan_full_load returns them. */
-PyObject *
+static PyObject *
 dcp_pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -188,3 +196,15 @@ error:
     Py_DECREF(values);
     return NULL;
 }
+
+PyMethodDef dcp_rows_methods[] = {
+    {"extract_rows",
+     DCP_FASTCALL(dcp_extract_rows),
+     METH_FASTCALL,
+     dcp_extract_rows__doc__},
+    {"pack_rows",
+     DCP_FASTCALL(dcp_pack_rows),
+     METH_FASTCALL,
+     dcp_pack_rows__doc__},
+    {NULL, NULL, 0, NULL},
+};

@@ -369,9 +369,14 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(
+    dcp_shard_layouts__doc__,
+    "shard_layouts(global_shape, mesh_shape, placements, coords, /)\n--\n\n"
+    "(local_shape, blocks) of the shard at each mesh coordinate.");
+
 /* shard_layouts(global_shape, mesh_shape, placements, coords)
  *   -> [(local_shape, blocks) per coordinate] */
-PyObject *
+static PyObject *
 dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t gshape[DCP_MAX_DIMS], mesh[DCP_MAX_DIMS];
@@ -488,3 +493,11 @@ dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
     }
     return 0;
 }
+
+PyMethodDef dcp_shard_geometry_methods[] = {
+    {"shard_layouts",
+     DCP_FASTCALL(dcp_shard_layouts),
+     METH_FASTCALL,
+     dcp_shard_layouts__doc__},
+    {NULL, NULL, 0, NULL},
+};
