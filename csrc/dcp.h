@@ -90,6 +90,7 @@ typedef struct {
     PyTypeObject *Context_Type;
     PyTypeObject *ModelIndex_Type;
     PyTypeObject *WalkTrace_Type; /* internal: not added to the module */
+    PyTypeObject *LoadPlan_Type;  /* full_load.c */
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD
@@ -332,6 +333,63 @@ PyObject *dcp_typed_view(dcp_state *st,
 PyObject *dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8);
 /* dst.copy_(src).  0 / -1. */
 int dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src);
+/* Copies the blocks (a sequence of parse_block triples) of a shard layout:
+ * direction 0 dst[global box] = src[local box] (assemble), 1
+ * dst[local box] = src[global box] (extract); wn >= 0 clips the blocks to
+ * the dim-0 rows [w0, w0 + wn) that the full side holds.  0 / -1. */
+int dcp_copy_block_list(PyObject *dst,
+                        PyObject *src,
+                        PyObject *blocks,
+                        int direction,
+                        Py_ssize_t w0,
+                        Py_ssize_t wn);
+
+/* ----------------------------------------------------------------------
+ * Full -> local load plans (full_load.c; executed by rows.c)
+ */
+
+/* One job: its full value (or metadata on a stream's receivers), template,
+ * dtype, where its data lands (NULL: not needed here) and the blocks
+ * (local <- global) of that dest, or None when dest is the full tensor. */
+typedef struct {
+    PyObject *value;
+    PyObject *tmpl;
+    PyObject *dtype;
+    PyObject *dest;
+    PyObject *blocks;
+    int sharded; /* wrap dest as a DTensor like tmpl when finishing */
+} dcp_load_job;
+
+/* One dim-0 row chunk of a job's value in a stream bucket. */
+typedef struct {
+    Py_ssize_t job;
+    Py_ssize_t row_start; /* -1: a 0-dim value, travelling whole */
+    Py_ssize_t rows;
+    Py_ssize_t offset; /* in the bucket */
+    Py_ssize_t nbytes;
+    PyObject *cshape; /* tuple: the chunk's shape */
+} dcp_load_chunk;
+
+typedef struct {
+    Py_ssize_t nbytes;
+    Py_ssize_t first; /* chunks[first : first + count] */
+    Py_ssize_t count;
+} dcp_load_bucket;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t njobs;
+    dcp_load_job *jobs;
+    Py_ssize_t nchunks, chunk_cap;
+    dcp_load_chunk *chunks;
+    Py_ssize_t nbuckets, bucket_cap;
+    dcp_load_bucket *buckets;
+    Py_ssize_t max_bucket;
+} dcp_LoadPlan;
+
+int dcp_full_load_init_type(PyObject *module, dcp_state *st);
+/* 1 if `obj` is a LoadPlan, 0 with TypeError set otherwise. */
+int dcp_load_plan_check(dcp_state *st, PyObject *obj);
 
 /* Method tables: each file defines the table of the functions it owns,
  * next to them, and the module's exec slot adds every table. */

@@ -147,15 +147,278 @@ done:
     return NULL; /* with an error set when ok < 0 */
 }
 
+/* ----------------------------------------------------------------------
+ * LoadPlan: what plan_full_load decided, as C arrays the executors index
+ * (pack_rows, extract_rows, finish_full_load), never re-parsed.
+ */
+
+static void
+load_plan_free_arrays(dcp_LoadPlan *plan)
+{
+    for (Py_ssize_t i = 0; i < plan->njobs; i++) {
+        dcp_load_job *J = &plan->jobs[i];
+        Py_CLEAR(J->value);
+        Py_CLEAR(J->tmpl);
+        Py_CLEAR(J->dtype);
+        Py_CLEAR(J->dest);
+        Py_CLEAR(J->blocks);
+    }
+    for (Py_ssize_t c = 0; c < plan->nchunks; c++) {
+        Py_CLEAR(plan->chunks[c].cshape);
+    }
+    PyMem_Free(plan->jobs);
+    PyMem_Free(plan->chunks);
+    PyMem_Free(plan->buckets);
+    plan->jobs = NULL;
+    plan->chunks = NULL;
+    plan->buckets = NULL;
+    plan->njobs = plan->nchunks = plan->nbuckets = 0;
+    plan->chunk_cap = plan->bucket_cap = 0;
+}
+
+static int
+LoadPlan_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)self;
+    Py_VISIT(Py_TYPE(self));
+    for (Py_ssize_t i = 0; i < plan->njobs; i++) {
+        dcp_load_job *J = &plan->jobs[i];
+        Py_VISIT(J->value);
+        Py_VISIT(J->tmpl);
+        Py_VISIT(J->dtype);
+        Py_VISIT(J->dest);
+        Py_VISIT(J->blocks);
+    }
+    for (Py_ssize_t c = 0; c < plan->nchunks; c++) {
+        Py_VISIT(plan->chunks[c].cshape);
+    }
+    return 0;
+}
+
+/* A cleared plan (a reference cycle through a job's value) has no jobs
+ * and no buckets left: the executors see an empty plan. */
+static int
+LoadPlan_clear(PyObject *self)
+{
+    load_plan_free_arrays((dcp_LoadPlan *)self);
+    return 0;
+}
+
+static void
+LoadPlan_dealloc(PyObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)LoadPlan_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+LoadPlan_repr(PyObject *self)
+{
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)self;
+    return PyUnicode_FromFormat(
+        "<LoadPlan jobs=%zd chunks=%zd buckets=%zd "
+        "max_bucket_bytes=%zd>",
+        plan->njobs,
+        plan->nchunks,
+        plan->nbuckets,
+        plan->max_bucket);
+}
+
+static PyObject *
+LoadPlan_get_njobs(PyObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(((dcp_LoadPlan *)self)->njobs);
+}
+
+static PyObject *
+LoadPlan_get_nbuckets(PyObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(((dcp_LoadPlan *)self)->nbuckets);
+}
+
+static PyObject *
+LoadPlan_get_max_bucket(PyObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(((dcp_LoadPlan *)self)->max_bucket);
+}
+
+static PyObject *
+LoadPlan_get_bucket_bytes(PyObject *self, void *closure)
+{
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)self;
+    PyObject *t = PyTuple_New(plan->nbuckets);
+    for (Py_ssize_t b = 0; t != NULL && b < plan->nbuckets; b++) {
+        PyObject *v = PyLong_FromSsize_t(plan->buckets[b].nbytes);
+        if (v == NULL) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, b, v);
+    }
+    return t;
+}
+
+static PyObject *
+LoadPlan_get_dests(PyObject *self, void *closure)
+{
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)self;
+    PyObject *t = PyTuple_New(plan->njobs);
+    for (Py_ssize_t i = 0; t != NULL && i < plan->njobs; i++) {
+        PyObject *d = plan->jobs[i].dest;
+        PyTuple_SET_ITEM(t, i, Py_NewRef(d != NULL ? d : Py_None));
+    }
+    return t;
+}
+
+static PyGetSetDef LoadPlan_getset[] = {
+    {"njobs", LoadPlan_get_njobs, NULL, "Number of jobs.", NULL},
+    {"nbuckets",
+     LoadPlan_get_nbuckets,
+     NULL,
+     "Number of stream buckets.",
+     NULL},
+    {"max_bucket_bytes",
+     LoadPlan_get_max_bucket,
+     NULL,
+     "Bytes of the largest stream bucket (0 without buckets).",
+     NULL},
+    {"bucket_bytes",
+     LoadPlan_get_bucket_bytes,
+     NULL,
+     "Bytes of each stream bucket, as a tuple.",
+     NULL},
+    {"dests",
+     LoadPlan_get_dests,
+     NULL,
+     "Where each job's data lands (None: not needed here), as a tuple.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot LoadPlan_slots[] = {
+    {Py_tp_dealloc, LoadPlan_dealloc},
+    {Py_tp_traverse, LoadPlan_traverse},
+    {Py_tp_clear, LoadPlan_clear},
+    {Py_tp_repr, LoadPlan_repr},
+    {Py_tp_getset, LoadPlan_getset},
+    {Py_tp_doc,
+     "The plan of a full -> local load (made by plan_full_load; read-only)."},
+    {0, NULL},
+};
+
+static PyType_Spec LoadPlan_spec = {
+    .name = "dcp_optim._dcp_optim.LoadPlan",
+    .basicsize = sizeof(dcp_LoadPlan),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = LoadPlan_slots,
+};
+
+int
+dcp_full_load_init_type(PyObject *module, dcp_state *st)
+{
+    st->LoadPlan_Type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &LoadPlan_spec, NULL);
+    if (st->LoadPlan_Type == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(module, st->LoadPlan_Type);
+}
+
+int
+dcp_load_plan_check(dcp_state *st, PyObject *obj)
+{
+    if (Py_IS_TYPE(obj, st->LoadPlan_Type)) {
+        return 1;
+    }
+    PyErr_Format(PyExc_TypeError,
+                 "expected a LoadPlan, got %.200s",
+                 Py_TYPE(obj)->tp_name);
+    return 0;
+}
+
+/* A plan of n jobs, every field NULL (dests None until set). */
+static dcp_LoadPlan *
+load_plan_new(dcp_state *st, Py_ssize_t n)
+{
+    dcp_LoadPlan *plan = PyObject_GC_New(dcp_LoadPlan, st->LoadPlan_Type);
+    if (plan == NULL) {
+        return NULL;
+    }
+    plan->njobs = plan->nchunks = plan->nbuckets = 0;
+    plan->chunk_cap = plan->bucket_cap = plan->max_bucket = 0;
+    plan->chunks = NULL;
+    plan->buckets = NULL;
+    plan->jobs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(dcp_load_job));
+    if (plan->jobs == NULL) {
+        PyObject_GC_Track(plan);
+        Py_DECREF(plan);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    plan->njobs = n;
+    PyObject_GC_Track(plan);
+    return plan;
+}
+
+/* Appends a chunk, stealing c->cshape (released on failure too).  0 / -1. */
+static int
+load_plan_add_chunk(dcp_LoadPlan *plan, const dcp_load_chunk *c)
+{
+    if (plan->nchunks == plan->chunk_cap) {
+        Py_ssize_t cap = plan->chunk_cap ? plan->chunk_cap * 2 : 16;
+        dcp_load_chunk *chunks =
+            PyMem_Realloc(plan->chunks, (size_t)cap * sizeof(dcp_load_chunk));
+        if (chunks == NULL) {
+            Py_DECREF(c->cshape);
+            PyErr_NoMemory();
+            return -1;
+        }
+        plan->chunks = chunks;
+        plan->chunk_cap = cap;
+    }
+    plan->chunks[plan->nchunks++] = *c;
+    return 0;
+}
+
+/* Closes the bucket of chunks [first, nchunks) holding `nbytes`.  0 / -1. */
+static int
+load_plan_close_bucket(dcp_LoadPlan *plan, Py_ssize_t first, Py_ssize_t nbytes)
+{
+    if (plan->nbuckets == plan->bucket_cap) {
+        Py_ssize_t cap = plan->bucket_cap ? plan->bucket_cap * 2 : 4;
+        dcp_load_bucket *buckets = PyMem_Realloc(
+            plan->buckets, (size_t)cap * sizeof(dcp_load_bucket));
+        if (buckets == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        plan->buckets = buckets;
+        plan->bucket_cap = cap;
+    }
+    dcp_load_bucket *b = &plan->buckets[plan->nbuckets++];
+    b->nbytes = nbytes;
+    b->first = first;
+    b->count = plan->nchunks - first;
+    if (nbytes > plan->max_bucket) {
+        plan->max_bucket = nbytes;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(
     dcp_plan_full_load__doc__,
     "plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream,"
     " in_place=False, /)"
     "\n--\n\n"
-    "Destinations, layouts and stream buckets for a full -> local load.");
+    "The LoadPlan of a full -> local load: destinations and stream "
+    "buckets.");
 
 /* plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream
- *                [, in_place]) -> (dests, layouts, buckets)
+ *                [, in_place]) -> LoadPlan
  *
  * in_place (default False): a DTensor template's shard is written straight
  * into the template's own local tensor where in_place_dest allows (the
@@ -169,15 +432,15 @@ PyDoc_STRVAR(
  * full value), False (not needed here) or (dest, blocks): copy the blocks
  * (local <- global) of the value into the given dest tensor (several jobs
  * may share one dest: FSDP1 flat shards); device is where results live.
- * dests[i]: the tensor job i's data lands in (a fresh local shard or full
- * tensor), or None for jobs a receiver does not need (template None and
- * stream=False never happens: those are the value itself).
- * stream=False: every rank holds the full values; dests are filled here
- * by local slicing and buckets is empty.
- * stream=True: buckets = [(nbytes, src_items, dst_items)] with
- *   src_items [(job, row_start, rows, offset)] to pack on the source and
- *   dst_items (offset, nbytes, dtype, chunk_shape, row_start, job,
- *   blocks|None) for extract_rows once `job` is replaced by dests[job]. */
+ * The plan's dest of job i is the tensor its data lands in (a fresh local
+ * shard or full tensor), or None for jobs a receiver does not need
+ * (template None and stream=False never happens: those are the value
+ * itself).
+ * stream=False: every rank holds the full values; the dests are filled
+ * here by local slicing and the plan has no buckets.
+ * stream=True: the plan's buckets hold dim-0 row chunks of the values,
+ *   which pack_rows(plan, b, ...) packs on the source and
+ *   extract_rows(plan, b, ...) copies into the dests on every rank. */
 static PyObject *
 dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -207,16 +470,11 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(jobs);
-    PyObject *dests = PyList_New(n), *layouts = PyList_New(n);
-    PyObject *buckets = PyList_New(0), *cache = PyDict_New();
-    PyObject *src_items = NULL, *dst_items = NULL, *result = NULL;
-    Py_ssize_t used = 0;
-    if (!dests || !layouts || !buckets || !cache) {
+    PyObject *cache = PyDict_New(), *result = NULL;
+    dcp_LoadPlan *plan = cache ? load_plan_new(st, n) : NULL;
+    Py_ssize_t used = 0, bucket_first = 0;
+    if (plan == NULL) {
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyList_SET_ITEM(dests, i, Py_NewRef(Py_None));
-        PyList_SET_ITEM(layouts, i, Py_NewRef(Py_None));
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *value, *tmpl, *device;
@@ -227,6 +485,9 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                              &device)) {
             goto done;
         }
+        dcp_load_job *J = &plan->jobs[i];
+        J->value = Py_NewRef(value);
+        J->tmpl = Py_NewRef(tmpl);
         PyObject *shape = PyObject_GetAttr(value, st->str_shape);
         PyObject *dtype =
             shape ? PyObject_GetAttr(value, st->str_dtype) : NULL;
@@ -261,7 +522,7 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (ok) {
                 dest_shape = PyTuple_GET_ITEM(layout, 0);
                 blocks = PyTuple_GET_ITEM(layout, 1);
-                ok = PyList_SetItem(layouts, i, Py_NewRef(layout)) == 0;
+                J->sharded = 1;
             }
         }
         else if (ok) {
@@ -287,25 +548,19 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (ok && needed && !stream) {
             /* local slicing from the full value this rank holds */
-            PyObject *none = NULL;
-            if (is_dt || explicit) {
-                PyObject *dir = PyLong_FromLong(1);
-                PyObject *cb[5] = {dest, value, blocks, dir, Py_None};
-                none = dir ? dcp_copy_blocks(module, cb, 5) : NULL;
-                Py_XDECREF(dir);
-            }
-            else {
-                none = dcp_copy_into(st, dest, value) == 0 ? Py_NewRef(Py_None)
-                                                           : NULL;
-            }
-            ok = none != NULL;
-            Py_XDECREF(none);
+            ok = (is_dt || explicit)
+                     ? dcp_copy_block_list(dest, value, blocks, 1, 0, -1) == 0
+                     : dcp_copy_into(st, dest, value) == 0;
         }
         if (ok && needed) {
-            ok = PyList_SetItem(dests, i, dest) == 0; /* steals dest */
+            J->dest = dest; /* steals dest */
             dest = NULL;
         }
         Py_XDECREF(dest);
+        if (ok) {
+            J->dtype = Py_NewRef(dtype);
+            J->blocks = Py_NewRef(blocks);
+        }
         /* stream plan: row chunks in buckets */
         Py_ssize_t nd = ok ? PyTuple_GET_SIZE(shape_t) : 0;
         Py_ssize_t rows =
@@ -335,20 +590,10 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t nr = rows - r0 < per_chunk ? rows - r0 : per_chunk;
             Py_ssize_t nbytes = nr * row_bytes;
             Py_ssize_t need = dcp_align_up(nbytes);
-            if (src_items != NULL && used + need > budget &&
-                PyList_GET_SIZE(src_items) > 0) {
-                PyObject *b =
-                    Py_BuildValue("(nOO)", used, src_items, dst_items);
-                ok = b != NULL && PyList_Append(buckets, b) == 0;
-                Py_XDECREF(b);
-                Py_CLEAR(src_items);
-                Py_CLEAR(dst_items);
+            if (used + need > budget && plan->nchunks > bucket_first) {
+                ok = load_plan_close_bucket(plan, bucket_first, used) == 0;
+                bucket_first = plan->nchunks;
                 used = 0;
-            }
-            if (ok && src_items == NULL) {
-                src_items = PyList_New(0);
-                dst_items = PyList_New(0);
-                ok = src_items && dst_items;
             }
             PyObject *cshape = NULL;
             if (ok) {
@@ -365,16 +610,10 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 ok = cshape != NULL;
             }
             if (ok) {
-                PyObject *si = Py_BuildValue(
-                    "(nnnn)", i, nd ? r0 : (Py_ssize_t)-1, nr, used);
-                PyObject *di = Py_BuildValue(
-                    "(nnOOnnO)", used, nbytes, dtype, cshape, r0, i, blocks);
-                ok = si && di && PyList_Append(src_items, si) == 0 &&
-                     PyList_Append(dst_items, di) == 0;
-                Py_XDECREF(si);
-                Py_XDECREF(di);
+                dcp_load_chunk c = {
+                    i, nd ? r0 : (Py_ssize_t)-1, nr, used, nbytes, cshape};
+                ok = load_plan_add_chunk(plan, &c) == 0; /* steals cshape */
             }
-            Py_XDECREF(cshape);
             used += need;
         }
         Py_XDECREF(layout);
@@ -385,78 +624,53 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    if (src_items != NULL && PyList_GET_SIZE(src_items) > 0) {
-        PyObject *b = Py_BuildValue("(nOO)", used, src_items, dst_items);
-        if (b == NULL || PyList_Append(buckets, b) < 0) {
-            Py_XDECREF(b);
-            goto done;
-        }
-        Py_DECREF(b);
+    if (plan->nchunks > bucket_first &&
+        load_plan_close_bucket(plan, bucket_first, used) < 0) {
+        goto done;
     }
-    result = PyTuple_Pack(3, dests, layouts, buckets);
+    result = Py_NewRef((PyObject *)plan);
 done:
     Py_DECREF(jobs);
-    Py_XDECREF(dests);
-    Py_XDECREF(layouts);
-    Py_XDECREF(buckets);
     Py_XDECREF(cache);
-    Py_XDECREF(src_items);
-    Py_XDECREF(dst_items);
+    Py_XDECREF(plan);
     return result;
 }
 
 PyDoc_STRVAR(dcp_finish_full_load__doc__,
-             "finish_full_load(jobs, dests, layouts, from_local, offload, /)"
-             "\n--\n\n"
-             "Wrap loaded shards as DTensors like their templates.");
+             "finish_full_load(plan, from_local, offload, /)\n--\n\n"
+             "The loaded value of each job of a LoadPlan: shards wrapped as "
+             "DTensors like their templates.");
 
-/* finish_full_load(jobs, dests, layouts, from_local, offload) -> values
+/* finish_full_load(plan, from_local, offload) -> values
  *
  * The loaded value of each job: DTensor.from_local(dest, mesh,
- * placements, shape=, stride=) for DTensor templates, else dest; moved to
- * `offload` when it is not None (plain results only). */
+ * placements, shape=, stride=) for DTensor templates, else dest (None
+ * where the job is not needed here); moved to `offload` when it is not
+ * None (plain results only). */
 static PyObject *
 dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("finish_full_load", nargs, 5) < 0) {
+    if (dcp_check_nargs("finish_full_load", nargs, 3) < 0 ||
+        !dcp_load_plan_check(st, args[0])) {
         return NULL;
     }
-    PyObject *jobs = dcp_sequence_fast(args[0], "jobs");
-    PyObject *dests = jobs ? dcp_sequence_fast(args[1], "dests") : NULL;
-    PyObject *layouts = dests ? dcp_sequence_fast(args[2], "layouts") : NULL;
-    PyObject *from_local = args[3], *offload = args[4];
-    PyObject *out = NULL;
-    if (layouts == NULL) {
-        goto done;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(jobs);
-    if (PySequence_Fast_GET_SIZE(dests) != n ||
-        PySequence_Fast_GET_SIZE(layouts) != n) {
-        PyErr_Format(PyExc_ValueError,
-                     "finish_full_load: %zd jobs but %zd dests and %zd "
-                     "layouts",
-                     n,
-                     PySequence_Fast_GET_SIZE(dests),
-                     PySequence_Fast_GET_SIZE(layouts));
-        goto done;
-    }
-    out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *job = PySequence_Fast_GET_ITEM(jobs, i);
-        PyObject *tmpl = PyTuple_Check(job) && PyTuple_GET_SIZE(job) == 3
-                             ? PyTuple_GET_ITEM(job, 1)
-                             : NULL;
-        PyObject *dest = PySequence_Fast_GET_ITEM(dests, i);
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)args[0];
+    PyObject *from_local = args[1], *offload = args[2];
+    /* The calls below run Python code: hold the plan. */
+    Py_INCREF(plan);
+    PyObject *out = PyList_New(plan->njobs);
+    for (Py_ssize_t i = 0; out != NULL && i < PyList_GET_SIZE(out); i++) {
         PyObject *value = NULL;
-        if (tmpl == NULL) {
-            PyErr_SetString(PyExc_TypeError,
-                            "jobs are (value, template, device)");
+        if (i >= plan->njobs) {
+            PyErr_SetString(PyExc_RuntimeError, "the plan was cleared");
         }
-        else if (dest == Py_None) {
+        else if (plan->jobs[i].dest == NULL) {
             value = Py_NewRef(Py_None);
         }
-        else if (PySequence_Fast_GET_ITEM(layouts, i) != Py_None) {
+        else if (plan->jobs[i].sharded) {
+            PyObject *tmpl = Py_NewRef(plan->jobs[i].tmpl);
+            PyObject *dest = Py_NewRef(plan->jobs[i].dest);
             PyObject *mesh = PyObject_GetAttr(tmpl, st->str_device_mesh);
             PyObject *pls =
                 mesh ? PyObject_GetAttr(tmpl, st->str_placements) : NULL;
@@ -487,6 +701,8 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                               2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                               NULL));
             }
+            Py_DECREF(tmpl);
+            Py_DECREF(dest);
             Py_XDECREF(mesh);
             Py_XDECREF(pls);
             Py_XDECREF(shape);
@@ -495,12 +711,12 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(a);
         }
         else if (offload != Py_None) {
-            PyObject *call[2] = {dest, offload};
+            PyObject *call[2] = {plan->jobs[i].dest, offload};
             value = PyObject_VectorcallMethod(
                 st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         }
         else {
-            value = Py_NewRef(dest);
+            value = Py_NewRef(plan->jobs[i].dest);
         }
         if (value == NULL) {
             Py_CLEAR(out);
@@ -508,10 +724,7 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyList_SET_ITEM(out, i, value);
     }
-done:
-    Py_XDECREF(jobs);
-    Py_XDECREF(dests);
-    Py_XDECREF(layouts);
+    Py_DECREF(plan);
     return out;
 }
 

@@ -236,6 +236,7 @@ dcp_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->Context_Type);
     Py_VISIT(st->ModelIndex_Type);
     Py_VISIT(st->WalkTrace_Type);
+    Py_VISIT(st->LoadPlan_Type);
 #define DCP_VISIT_STR(name, text) Py_VISIT(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_VISIT_STR)
 #undef DCP_VISIT_STR
@@ -249,6 +250,7 @@ dcp_module_clear(PyObject *module)
     Py_CLEAR(st->Context_Type);
     Py_CLEAR(st->ModelIndex_Type);
     Py_CLEAR(st->WalkTrace_Type);
+    Py_CLEAR(st->LoadPlan_Type);
 #define DCP_CLEAR_STR(name, text) Py_CLEAR(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_CLEAR_STR)
 #undef DCP_CLEAR_STR
@@ -277,6 +279,9 @@ dcp_module_exec(PyObject *module)
         return -1;
     }
     if (dcp_walk_init_type(module, st) < 0) {
+        return -1;
+    }
+    if (dcp_full_load_init_type(module, st) < 0) {
         return -1;
     }
     PyMethodDef *tables[] = {

@@ -94,7 +94,6 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("copy_blocks", nargs, 5) < 0) {
         return NULL;
     }
-    PyObject *dst = args[0], *src = args[1], *blocks = args[2];
     long direction = PyLong_AsLong(args[3]);
     if (direction == -1 && PyErr_Occurred()) {
         return NULL;
@@ -103,16 +102,31 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (args[4] != Py_None && !dcp_parse_tuple(args[4], "nn", &w0, &wn)) {
         return NULL;
     }
+    if (dcp_copy_block_list(
+            args[0], args[1], args[2], direction == 0 ? 0 : 1, w0, wn) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+int
+dcp_copy_block_list(PyObject *dst,
+                    PyObject *src,
+                    PyObject *blocks,
+                    int direction,
+                    Py_ssize_t w0,
+                    Py_ssize_t wn)
+{
     PyObject *seq = dcp_sequence_fast(blocks, "blocks must be a sequence");
     if (seq == NULL) {
-        return NULL;
+        return -1;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
         PyObject *ls, *gs, *ln;
         if (dcp_parse_block(block, &ls, &gs, &ln) < 0) {
             Py_DECREF(seq);
-            return NULL;
+            return -1;
         }
         PyObject *l_starts = Py_NewRef(ls), *g_starts = Py_NewRef(gs);
         PyObject *lens = Py_NewRef(ln);
@@ -135,7 +149,7 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 Py_DECREF(g_starts);
                 Py_DECREF(lens);
                 Py_DECREF(seq);
-                return NULL;
+                return -1;
             }
             Py_ssize_t lo = g0 > w0 ? g0 : w0;
             Py_ssize_t hi = (g0 + n0) < (w0 + wn) ? (g0 + n0) : (w0 + wn);
@@ -176,7 +190,7 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 Py_XDECREF(g_starts);
                 Py_XDECREF(lens);
                 Py_DECREF(seq);
-                return NULL;
+                return -1;
             }
             shift = w0;
         }
@@ -194,11 +208,11 @@ dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(lens);
         if (rc < 0) {
             Py_DECREF(seq);
-            return NULL;
+            return -1;
         }
     }
     Py_DECREF(seq);
-    Py_RETURN_NONE;
+    return 0;
 }
 
 /* ----------------------------------------------------------------------

@@ -1,200 +1,176 @@
 /* Row chunks of a full-load stream: the source packs dim-0 row ranges of
  * full tensors into a bucket (pack_rows), every receiver keeps its part of
  * them (extract_rows), row windows clipping the blocks of a shard layout.
- * The plan (which rows of which job sit where) comes from full_load.c.
+ * Both take a LoadPlan (full_load.c) and the index of a bucket of it.
  */
 #include "dcp.h"
 
-PyDoc_STRVAR(dcp_extract_rows__doc__,
-             "extract_rows(buffer, items, dests, /)\n--\n\n"
-             "Keep this rank's part of broadcast row chunks.");
+/* The bucket `index` of `plan`, or NULL with IndexError set. */
+static const dcp_load_bucket *
+plan_bucket(dcp_LoadPlan *plan, PyObject *index)
+{
+    Py_ssize_t b = PyLong_AsSsize_t(index);
+    if (b == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (b < 0 || b >= plan->nbuckets) {
+        PyErr_Format(PyExc_IndexError,
+                     "bucket %zd out of range (the plan has %zd)",
+                     b,
+                     plan->nbuckets);
+        return NULL;
+    }
+    return &plan->buckets[b];
+}
 
-/* extract_rows(buffer, items, dests)
+/* The rows [c->row_start, +c->rows) of `value` (all of it for a 0-dim
+ * chunk); new reference. */
+static PyObject *
+chunk_rows(PyObject *value, const dcp_load_chunk *c)
+{
+    if (c->row_start < 0) {
+        return Py_NewRef(value);
+    }
+    PyObject *a = PyLong_FromSsize_t(c->row_start);
+    PyObject *b = a ? PyLong_FromSsize_t(c->row_start + c->rows) : NULL;
+    PyObject *sl = b ? PySlice_New(a, b, NULL) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    PyObject *rows = sl ? PyObject_GetItem(value, sl) : NULL;
+    Py_XDECREF(sl);
+    return rows;
+}
+
+/* One chunk of the receiving side: its rows, viewed in `buffer`, copied
+ * into the job's dest (the same rows of a full tensor, or the blocks of a
+ * shard clipped to them).  0 / -1. */
+static int
+extract_chunk(dcp_state *st,
+              PyObject *buffer,
+              const dcp_load_chunk *c,
+              PyObject *dest,
+              PyObject *dtype,
+              PyObject *blocks)
+{
+    PyObject *win = dcp_byte_window(buffer, c->offset, c->nbytes);
+    PyObject *chunk = win ? dcp_typed_view(st, win, dtype, c->cshape) : NULL;
+    Py_XDECREF(win);
+    if (chunk == NULL) {
+        return -1;
+    }
+    int rc;
+    if (blocks != Py_None) {
+        rc = c->row_start < 0
+                 ? dcp_copy_block_list(dest, chunk, blocks, 1, 0, -1)
+                 : dcp_copy_block_list(
+                       dest, chunk, blocks, 1, c->row_start, c->rows);
+    }
+    else if (c->row_start < 0) {
+        rc = dcp_copy_into(st, dest, chunk); /* 0-dim tensors travel whole */
+    }
+    else {
+        PyObject *a = PyLong_FromSsize_t(c->row_start);
+        PyObject *b = a ? PyLong_FromSsize_t(c->row_start + c->rows) : NULL;
+        PyObject *sl = b ? PySlice_New(a, b, NULL) : NULL;
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        rc = sl ? PyObject_SetItem(dest, sl, chunk) : -1;
+        Py_XDECREF(sl);
+    }
+    Py_DECREF(chunk);
+    return rc;
+}
+
+PyDoc_STRVAR(dcp_extract_rows__doc__,
+             "extract_rows(plan, bucket, buffer, /)\n--\n\n"
+             "Keep this rank's part of the row chunks of a broadcast "
+             "bucket.");
+
+/* extract_rows(plan, bucket, buffer)
  *
- * Stream receive side.  items: [(offset, nbytes, dtype, chunk_shape,
- * row_start, job, blocks), ...]: the chunk of rows [row_start,
- * row_start + chunk_shape[0]) of a full tensor sits at buffer[offset:];
- * dests[job] is where it goes (None: not needed on this rank); blocks
- * None means dest is the full tensor (the rows are copied to the same
- * rows), else dest is a local shard and the blocks (local <- global) are
- * clipped to the rows. */
+ * Stream receive side: every row chunk of bucket `bucket` of the
+ * LoadPlan sits at its offset in `buffer`; it goes to its job's dest
+ * (skipped where the job is not needed on this rank): the same rows of a
+ * full tensor, or, for a shard, the blocks (local <- global) clipped to
+ * the rows. */
 static PyObject *
 dcp_extract_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("extract_rows", nargs, 3) < 0) {
+    if (dcp_check_nargs("extract_rows", nargs, 3) < 0 ||
+        !dcp_load_plan_check(st, args[0])) {
         return NULL;
     }
-    if (!PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "dests must be a list");
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)args[0];
+    const dcp_load_bucket *bk = plan_bucket(plan, args[1]);
+    if (bk == NULL) {
         return NULL;
     }
-    PyObject *seq = dcp_sequence_fast(args[1], "items must be a sequence");
-    if (seq == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        Py_ssize_t offset, nbytes, row_start, job;
-        PyObject *dtype, *cshape, *blocks;
-        if (!dcp_parse_tuple(PySequence_Fast_GET_ITEM(seq, i),
-                             "nnOOnnO",
-                             &offset,
-                             &nbytes,
-                             &dtype,
-                             &cshape,
-                             &row_start,
-                             &job,
-                             &blocks)) {
-            goto error;
-        }
-        if (!PyTuple_Check(cshape)) {
-            PyErr_Format(
-                PyExc_TypeError,
-                "extract_rows: chunk_shape must be a tuple, not %.200s",
-                Py_TYPE(cshape)->tp_name);
-            goto error;
-        }
-        if (job < 0 || job >= PyList_GET_SIZE(args[2])) {
-            PyErr_SetString(PyExc_IndexError, "job out of range");
-            goto error;
-        }
-        /* Strong reference: the torch calls below may run code that
-         * changes the caller's dests list. */
-        PyObject *dest = Py_NewRef(PyList_GET_ITEM(args[2], job));
-        if (nbytes == 0 || dest == Py_None) {
-            Py_DECREF(dest);
+    /* The plan owns every object used below and exposes none mutably;
+     * hold it while torch runs. */
+    Py_INCREF(plan);
+    int rc = 0;
+    for (Py_ssize_t k = bk->first; rc == 0 && k < bk->first + bk->count; k++) {
+        const dcp_load_chunk *c = &plan->chunks[k];
+        const dcp_load_job *J = &plan->jobs[c->job];
+        if (c->nbytes == 0 || J->dest == NULL) {
             continue;
         }
-        PyObject *win = dcp_byte_window(args[0], offset, nbytes);
-        PyObject *chunk = win ? dcp_typed_view(st, win, dtype, cshape) : NULL;
-        Py_XDECREF(win);
-        if (chunk == NULL) {
-            Py_DECREF(dest);
-            goto error;
-        }
-        int rc;
-        if (blocks == Py_None) {
-            Py_ssize_t rows =
-                PyTuple_Check(cshape) && PyTuple_GET_SIZE(cshape)
-                    ? PyLong_AsSsize_t(PyTuple_GET_ITEM(cshape, 0))
-                    : -1;
-            if (rows < 0) {
-                /* 0-dim tensors travel whole */
-                rc = PyErr_Occurred() ? -1 : dcp_copy_into(st, dest, chunk);
-            }
-            else {
-                PyObject *a = PyLong_FromSsize_t(row_start);
-                PyObject *b = a ? PyLong_FromSsize_t(row_start + rows) : NULL;
-                PyObject *sl = b ? PySlice_New(a, b, NULL) : NULL;
-                Py_XDECREF(a);
-                Py_XDECREF(b);
-                rc = sl ? PyObject_SetItem(dest, sl, chunk) : -1;
-                Py_XDECREF(sl);
-            }
-        }
-        else {
-            PyObject *rows =
-                PyTuple_GET_SIZE(cshape) ? PyTuple_GET_ITEM(cshape, 0) : NULL;
-            PyObject *window = rows ? Py_BuildValue("(nO)", row_start, rows)
-                                    : Py_NewRef(Py_None);
-            PyObject *dir = PyLong_FromLong(1);
-            PyObject *none = NULL;
-            if (window != NULL && dir != NULL) {
-                PyObject *cb[5] = {dest, chunk, blocks, dir, window};
-                none = dcp_copy_blocks(module, cb, 5);
-            }
-            Py_XDECREF(window);
-            Py_XDECREF(dir);
-            rc = none ? 0 : -1;
-            Py_XDECREF(none);
-        }
-        Py_DECREF(chunk);
-        Py_DECREF(dest);
-        if (rc < 0) {
-            goto error;
-        }
+        rc = extract_chunk(st, args[2], c, J->dest, J->dtype, J->blocks);
     }
-    Py_DECREF(seq);
+    Py_DECREF(plan);
+    if (rc < 0) {
+        return NULL;
+    }
     Py_RETURN_NONE;
-error:
-    Py_DECREF(seq);
-    return NULL;
 }
 
 PyDoc_STRVAR(dcp_pack_rows__doc__,
-             "pack_rows(buffer, src_items, values, uint8, /)\n--\n\n"
-             "Pack row chunks of full tensors into a stream bucket.");
+             "pack_rows(plan, bucket, buffer, uint8, /)\n--\n\n"
+             "Pack the row chunks of a stream bucket from the full "
+             "tensors.");
 
-/* pack_rows(buffer, src_items, values, uint8): the source side of a
- * stream bucket; src_items as plan_full_load returns them. */
+/* pack_rows(plan, bucket, buffer, uint8): the source side of a stream
+ * bucket: the bytes of each row chunk of the jobs' full values, at its
+ * offset in `buffer`. */
 static PyObject *
 dcp_pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("pack_rows", nargs, 4) < 0) {
+    if (dcp_check_nargs("pack_rows", nargs, 4) < 0 ||
+        !dcp_load_plan_check(st, args[0])) {
         return NULL;
     }
-    PyObject *seq = dcp_sequence_fast(args[1], "items");
-    PyObject *values = seq ? dcp_sequence_fast(args[2], "values") : NULL;
-    if (values == NULL) {
-        Py_XDECREF(seq);
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)args[0];
+    const dcp_load_bucket *bk = plan_bucket(plan, args[1]);
+    if (bk == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        Py_ssize_t job, r0, nr, offset;
-        if (!dcp_parse_tuple(PySequence_Fast_GET_ITEM(seq, i),
-                             "nnnn",
-                             &job,
-                             &r0,
-                             &nr,
-                             &offset)) {
-            goto error;
-        }
-        if (job < 0 || job >= PySequence_Fast_GET_SIZE(values)) {
-            PyErr_SetString(PyExc_IndexError, "job out of range");
-            goto error;
-        }
-        PyObject *value = PySequence_Fast_GET_ITEM(values, job);
-        if (PyTuple_Check(value) && PyTuple_GET_SIZE(value) == 3) {
-            value = PyTuple_GET_ITEM(value, 0); /* a job: (value, ...) */
-        }
-        PyObject *rows;
-        if (r0 < 0) {
-            rows = Py_NewRef(value);
-        }
-        else {
-            PyObject *a = PyLong_FromSsize_t(r0);
-            PyObject *b = a ? PyLong_FromSsize_t(r0 + nr) : NULL;
-            PyObject *sl = b ? PySlice_New(a, b, NULL) : NULL;
-            Py_XDECREF(a);
-            Py_XDECREF(b);
-            rows = sl ? PyObject_GetItem(value, sl) : NULL;
-            Py_XDECREF(sl);
-        }
+    Py_INCREF(plan);
+    int rc = 0;
+    for (Py_ssize_t k = bk->first; rc == 0 && k < bk->first + bk->count; k++) {
+        const dcp_load_chunk *c = &plan->chunks[k];
+        PyObject *rows = chunk_rows(plan->jobs[c->job].value, c);
         PyObject *bytes = rows ? dcp_tensor_bytes(st, rows, args[3]) : NULL;
         Py_XDECREF(rows);
         if (bytes == NULL) {
-            goto error;
+            rc = -1;
+            break;
         }
         Py_ssize_t nbytes = PyObject_Length(bytes);
-        int rc = nbytes < 0 ? -1 : 0;
+        rc = nbytes < 0 ? -1 : 0;
         if (nbytes > 0) {
-            PyObject *win = dcp_byte_window(args[0], offset, nbytes);
+            PyObject *win = dcp_byte_window(args[2], c->offset, nbytes);
             rc = win ? dcp_copy_into(st, win, bytes) : -1;
             Py_XDECREF(win);
         }
         Py_DECREF(bytes);
-        if (rc < 0) {
-            goto error;
-        }
     }
-    Py_DECREF(seq);
-    Py_DECREF(values);
+    Py_DECREF(plan);
+    if (rc < 0) {
+        return NULL;
+    }
     Py_RETURN_NONE;
-error:
-    Py_DECREF(seq);
-    Py_DECREF(values);
-    return NULL;
 }
 
 PyMethodDef dcp_rows_methods[] = {

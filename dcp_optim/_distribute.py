@@ -112,21 +112,19 @@ def run_full_load(
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
-    dests, layouts, buckets = C.plan_full_load(
-        jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place
-    )
-    if stream and buckets:
+    plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
+    if stream and plan.nbuckets:
         # One buffer for the whole stream: re-allocating per bucket lets
         # the allocator keep several freed buckets resident.
-        storage = torch.empty(max(b[0] for b in buckets), dtype=torch.uint8, device=route.device)
-        for nbytes, src_items, dst_items in buckets:
+        storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
+        for b, nbytes in enumerate(plan.bucket_bytes):
             buf = storage[:nbytes]
             if route.is_source:
-                C.pack_rows(buf, src_items, jobs, torch.uint8)
+                C.pack_rows(plan, b, buf, torch.uint8)
             route.broadcast(buf)
-            C.extract_rows(buf, dst_items, dests)
+            C.extract_rows(plan, b, buf)
         del storage, buf
-    return C.finish_full_load(jobs, dests, layouts, DTensor.from_local, offload)
+    return C.finish_full_load(plan, DTensor.from_local, offload)
 
 
 def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:

@@ -45,6 +45,7 @@ SWEPT = [
     "plan_full_load",
     "finish_full_load",
     "pack_rows",
+    "LoadPlan",
     "indices_of",
 ]
 
