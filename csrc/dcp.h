@@ -15,7 +15,6 @@
  *   reshard.c  bucket plans for DTensor gathers and their unpacking
  *   shard_geometry.c  every rank's shard of a DTensor from mesh + placements
  *   pack.c     block copies between shards and full tensors; byte packing
- *   rows.c     row chunks of a full-load stream (pack / extract)
  *   full_load.c  full -> local load plans and their results
  *   load_jobs.c  the job lists of model and optimizer full loads
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
@@ -345,51 +344,9 @@ int dcp_copy_block_list(PyObject *dst,
                         Py_ssize_t wn);
 
 /* ----------------------------------------------------------------------
- * Full -> local load plans (full_load.c; executed by rows.c)
+ * Full -> local load plans (full_load.c)
  */
-
-/* One job: its full value (or metadata on a stream's receivers), template,
- * dtype, where its data lands (NULL: not needed here) and the blocks
- * (local <- global) of that dest, or None when dest is the full tensor. */
-typedef struct {
-    PyObject *value;
-    PyObject *tmpl;
-    PyObject *dtype;
-    PyObject *dest;
-    PyObject *blocks;
-    int sharded; /* wrap dest as a DTensor like tmpl when finishing */
-} dcp_load_job;
-
-/* One dim-0 row chunk of a job's value in a stream bucket. */
-typedef struct {
-    Py_ssize_t job;
-    Py_ssize_t row_start; /* -1: a 0-dim value, travelling whole */
-    Py_ssize_t rows;
-    Py_ssize_t offset; /* in the bucket */
-    Py_ssize_t nbytes;
-    PyObject *cshape; /* tuple: the chunk's shape */
-} dcp_load_chunk;
-
-typedef struct {
-    Py_ssize_t nbytes;
-    Py_ssize_t first; /* chunks[first : first + count] */
-    Py_ssize_t count;
-} dcp_load_bucket;
-
-typedef struct {
-    PyObject_HEAD
-    Py_ssize_t njobs;
-    dcp_load_job *jobs;
-    Py_ssize_t nchunks, chunk_cap;
-    dcp_load_chunk *chunks;
-    Py_ssize_t nbuckets, bucket_cap;
-    dcp_load_bucket *buckets;
-    Py_ssize_t max_bucket;
-} dcp_LoadPlan;
-
 int dcp_full_load_init_type(PyObject *module, dcp_state *st);
-/* 1 if `obj` is a LoadPlan, 0 with TypeError set otherwise. */
-int dcp_load_plan_check(dcp_state *st, PyObject *obj);
 
 /* Method tables: each file defines the table of the functions it owns,
  * next to them, and the module's exec slot adds every table. */
@@ -404,7 +361,6 @@ extern PyMethodDef dcp_schema_methods[];         /* schema.c */
 extern PyMethodDef dcp_fsdp1_methods[];          /* fsdp1.c */
 extern PyMethodDef dcp_shard_geometry_methods[]; /* shard_geometry.c */
 extern PyMethodDef dcp_pack_methods[];           /* pack.c */
-extern PyMethodDef dcp_rows_methods[];           /* rows.c */
 extern PyMethodDef dcp_full_load_methods[];      /* full_load.c */
 extern PyMethodDef dcp_load_jobs_methods[];      /* load_jobs.c */
 

@@ -148,9 +148,48 @@ done:
 }
 
 /* ----------------------------------------------------------------------
- * LoadPlan: what plan_full_load decided, as C arrays the executors index
- * (pack_rows, extract_rows, finish_full_load), never re-parsed.
+ * LoadPlan: what plan_full_load decided, as C arrays that finish_full_load
+ * and the stream's executors (chunks(bucket)) read, never re-parsed.
  */
+
+/* One job: its full value (or metadata on a stream's receivers), template,
+ * dtype, where its data lands (NULL: not needed here) and the blocks
+ * (local <- global) of that dest, or None when dest is the full tensor. */
+typedef struct {
+    PyObject *value;
+    PyObject *tmpl;
+    PyObject *dtype;
+    PyObject *dest;
+    PyObject *blocks;
+    int sharded; /* wrap dest as a DTensor like tmpl when finishing */
+} dcp_load_job;
+
+/* One dim-0 row chunk of a job's value in a stream bucket. */
+typedef struct {
+    Py_ssize_t job;
+    Py_ssize_t row_start; /* -1: a 0-dim value, travelling whole */
+    Py_ssize_t rows;
+    Py_ssize_t offset; /* in the bucket */
+    Py_ssize_t nbytes;
+    PyObject *cshape; /* tuple: the chunk's shape */
+} dcp_load_chunk;
+
+typedef struct {
+    Py_ssize_t nbytes;
+    Py_ssize_t first; /* chunks[first : first + count] */
+    Py_ssize_t count;
+} dcp_load_bucket;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t njobs;
+    dcp_load_job *jobs;
+    Py_ssize_t nchunks, chunk_cap;
+    dcp_load_chunk *chunks;
+    Py_ssize_t nbuckets, bucket_cap;
+    dcp_load_bucket *buckets;
+    Py_ssize_t max_bucket;
+} dcp_LoadPlan;
 
 static void
 load_plan_free_arrays(dcp_LoadPlan *plan)
@@ -273,6 +312,61 @@ LoadPlan_get_dests(PyObject *self, void *closure)
     return t;
 }
 
+/* plan.chunks(bucket) -> [(value, row_start, rows, offset, nbytes, dtype,
+ * chunk_shape, dest, blocks)] for the row chunks of a stream bucket, in
+ * bucket order: what the stream's executors (_distribute.py) pack on the
+ * source and copy into the dests on every rank.  row_start is -1 for a
+ * 0-dim value (it travels whole); dest None where the job is not needed
+ * here; blocks None where dest is the full tensor. */
+static PyObject *
+LoadPlan_chunks(PyObject *self, PyObject *arg)
+{
+    dcp_LoadPlan *plan = (dcp_LoadPlan *)self;
+    Py_ssize_t b = PyLong_AsSsize_t(arg);
+    if (b == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (b < 0 || b >= plan->nbuckets) {
+        PyErr_Format(PyExc_IndexError,
+                     "bucket %zd out of range (the plan has %zd)",
+                     b,
+                     plan->nbuckets);
+        return NULL;
+    }
+    const dcp_load_bucket *bk = &plan->buckets[b];
+    PyObject *out = PyList_New(bk->count);
+    for (Py_ssize_t k = 0; out != NULL && k < bk->count; k++) {
+        const dcp_load_chunk *c = &plan->chunks[bk->first + k];
+        const dcp_load_job *J = &plan->jobs[c->job];
+        PyObject *item = Py_BuildValue("(OnnnnOOOO)",
+                                       J->value,
+                                       c->row_start,
+                                       c->rows,
+                                       c->offset,
+                                       c->nbytes,
+                                       J->dtype,
+                                       c->cshape,
+                                       J->dest != NULL ? J->dest : Py_None,
+                                       J->blocks);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, k, item);
+    }
+    return out;
+}
+
+static PyMethodDef LoadPlan_methods[] = {
+    {"chunks",
+     LoadPlan_chunks,
+     METH_O,
+     "chunks(bucket, /)\n--\n\n"
+     "The row chunks of a stream bucket: (value, row_start, rows, offset, "
+     "nbytes, dtype, chunk_shape, dest, blocks)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef LoadPlan_getset[] = {
     {"njobs", LoadPlan_get_njobs, NULL, "Number of jobs.", NULL},
     {"nbuckets",
@@ -304,6 +398,7 @@ static PyType_Slot LoadPlan_slots[] = {
     {Py_tp_clear, LoadPlan_clear},
     {Py_tp_repr, LoadPlan_repr},
     {Py_tp_getset, LoadPlan_getset},
+    {Py_tp_methods, LoadPlan_methods},
     {Py_tp_doc,
      "The plan of a full -> local load (made by plan_full_load; read-only)."},
     {0, NULL},
@@ -328,8 +423,9 @@ dcp_full_load_init_type(PyObject *module, dcp_state *st)
     return PyModule_AddType(module, st->LoadPlan_Type);
 }
 
-int
-dcp_load_plan_check(dcp_state *st, PyObject *obj)
+/* 1 if `obj` is a LoadPlan, 0 with TypeError set otherwise. */
+static int
+load_plan_check(dcp_state *st, PyObject *obj)
 {
     if (Py_IS_TYPE(obj, st->LoadPlan_Type)) {
         return 1;
@@ -439,8 +535,8 @@ PyDoc_STRVAR(
  * stream=False: every rank holds the full values; the dests are filled
  * here by local slicing and the plan has no buckets.
  * stream=True: the plan's buckets hold dim-0 row chunks of the values,
- *   which pack_rows(plan, b, ...) packs on the source and
- *   extract_rows(plan, b, ...) copies into the dests on every rank. */
+ *   which the source packs and every rank copies into its dests
+ *   (plan.chunks(b), _distribute.py). */
 static PyObject *
 dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -652,7 +748,7 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("finish_full_load", nargs, 3) < 0 ||
-        !dcp_load_plan_check(st, args[0])) {
+        !load_plan_check(st, args[0])) {
         return NULL;
     }
     dcp_LoadPlan *plan = (dcp_LoadPlan *)args[0];

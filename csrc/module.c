@@ -295,7 +295,6 @@ dcp_module_exec(PyObject *module)
         dcp_fsdp1_methods,
         dcp_shard_geometry_methods,
         dcp_pack_methods,
-        dcp_rows_methods,
         dcp_full_load_methods,
         dcp_load_jobs_methods,
     };

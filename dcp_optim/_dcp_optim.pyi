@@ -73,6 +73,7 @@ class LoadPlan:
     def bucket_bytes(self) -> tuple[int, ...]: ...
     @property
     def dests(self) -> tuple[Any, ...]: ...
+    def chunks(self, bucket: int, /) -> list[tuple[Any, ...]]: ...
 
 
 def broadcast_jobs(meta: Any, full: Any, local: Any, device: Any, dtensor_cls: Any, tensor_cls: Any, /) -> Any:
@@ -89,9 +90,6 @@ def copy_blocks(dst: Any, src: Any, blocks: Any, direction: Any, row_window: Any
 
 def drop_frozen(index: Any, state_dict: Any, /) -> Any:
     """Pop the FQNs of parameters with requires_grad=False."""
-
-def extract_rows(plan: LoadPlan, bucket: int, buffer: Any, /) -> None:
-    """Keep this rank's part of the row chunks of a broadcast bucket."""
 
 def filter_prefixes(state_dict: Any, prefixes: Any, keep: Any, /) -> Any:
     """Keep keys under the given prefixes, optionally stripping them."""
@@ -143,9 +141,6 @@ def optim_state_jobs(index: Any, state: Any, dtensor_cls: Any, mode: Any, from_l
 
 def pack_bytes(buffer: Any, items: Any, uint8: Any, /) -> Any:
     """Copy tensors' bytes into a bucket buffer at given offsets."""
-
-def pack_rows(plan: LoadPlan, bucket: int, buffer: Any, uint8: Any, /) -> None:
-    """Pack the row chunks of a stream bucket from the full tensors."""
 
 def plan_buckets(segment_bytes: Any, copies: Any, budget: Any, /) -> Any:
     """Pack segments into byte buckets within a budget."""

@@ -119,12 +119,44 @@ def run_full_load(
         storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
         for b, nbytes in enumerate(plan.bucket_bytes):
             buf = storage[:nbytes]
+            chunks = plan.chunks(b)
             if route.is_source:
-                C.pack_rows(plan, b, buf, torch.uint8)
+                _pack_rows(buf, chunks)
             route.broadcast(buf)
-            C.extract_rows(plan, b, buf)
-        del storage, buf
+            _extract_rows(buf, chunks)
+        del storage, buf, chunks
     return C.finish_full_load(plan, DTensor.from_local, offload)
+
+
+# The stream's executors only call torch methods: a C version measured no
+# faster (docs/architecture.md, "What stays in C").
+
+
+def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+    """Source side of a stream bucket: the bytes of each row chunk of a
+    job's full value at its offset in ``buf``."""
+    for value, row_start, rows, offset, _, _, _, _, _ in chunks:
+        part = value if row_start < 0 else value[row_start : row_start + rows]
+        data = part.reshape(-1).view(torch.uint8)
+        n = data.numel()
+        if n:
+            buf[offset : offset + n].copy_(data)
+
+
+def _extract_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+    """Every rank's side of a stream bucket: each row chunk into its job's
+    destination -- the same rows of a full tensor, or the blocks of this
+    rank's shard clipped to the rows (jobs not needed here are skipped)."""
+    for _, row_start, rows, offset, nbytes, dtype, shape, dest, blocks in chunks:
+        if nbytes == 0 or dest is None:
+            continue
+        chunk = buf[offset : offset + nbytes].view(dtype).view(shape)
+        if blocks is not None:
+            C.copy_blocks(dest, chunk, blocks, 1, None if row_start < 0 else (row_start, rows))
+        elif row_start < 0:
+            dest.copy_(chunk)  # 0-dim values travel whole
+        else:
+            dest[row_start : row_start + rows] = chunk
 
 
 def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:

@@ -834,62 +834,21 @@ def _():
     STREAM_PLAN.dests = ()
 
 
-@case("pack_rows", "ok")
+@case("LoadPlan", "chunks")
 def _():
     for b in range(STREAM_PLAN.nbuckets):
-        C.pack_rows(STREAM_PLAN, b, FakeTensor((64,), UINT8), UINT8)
+        STREAM_PLAN.chunks(b)
+    C.plan_full_load(EXPLICIT_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True).chunks(0)
 
 
-@case("pack_rows", "bucket", IndexError, "bucket 9 out of range")
+@case("LoadPlan", "chunks-range", IndexError, "bucket 9 out of range")
 def _():
-    C.pack_rows(STREAM_PLAN, 9, FakeTensor((64,), UINT8), UINT8)
+    STREAM_PLAN.chunks(9)
 
 
-@case("pack_rows", "not-a-plan", TypeError, "expected a LoadPlan")
+@case("LoadPlan", "chunks-index", TypeError)
 def _():
-    C.pack_rows([(9, 0, 1, 0)], 0, FakeTensor((64,), UINT8), UINT8)
-
-
-@case("extract_rows", "ok")
-def _():
-    for b in range(STREAM_PLAN.nbuckets):
-        C.extract_rows(STREAM_PLAN, b, FakeTensor((64,), UINT8))
-    plan = C.plan_full_load(EXPLICIT_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True)
-    for b in range(plan.nbuckets):
-        C.extract_rows(plan, b, FakeTensor((64,), UINT8))
-
-
-@case("extract_rows", "bucket", IndexError, "out of range")
-def _():
-    C.extract_rows(STREAM_PLAN, -1, FakeTensor((64,), UINT8))
-
-
-@case("extract_rows", "not-a-plan", TypeError, "expected a LoadPlan")
-def _():
-    # the items of a plan once travelled as tuples, parsed on every call (a
-    # list chunk_shape among them crashed the interpreter): only a LoadPlan
-    # is taken now
-    C.extract_rows([(0, 16, FLOAT32, [2, 2], 2, 0, BLOCKS)], 0, FakeTensor((64,), UINT8))
-
-
-class _DroppingBuffer(FakeTensor):
-    """A buffer whose slicing drops the caller's reference to the plan
-    being executed: the plan (and the dests it owns) must stay alive while
-    torch runs."""
-
-    def __init__(self, holder):
-        super().__init__((64,), UINT8)
-        self.holder = holder
-
-    def __getitem__(self, key):
-        self.holder.clear()
-        return FakeTensor((16,), UINT8)
-
-
-@case("extract_rows", "plan-dropped")
-def _():
-    holder = [C.plan_full_load(LOAD_JOBS[1:2], FakeDTensor, PLACEMENT_CLASSES, 64, empty, True)]
-    C.extract_rows(holder[0], 0, _DroppingBuffer(holder))
+    STREAM_PLAN.chunks("0")
 
 
 @case("finish_full_load", "ok")
@@ -926,6 +885,20 @@ def test_load_plan_type():
     assert repr(STREAM_PLAN).startswith("<LoadPlan jobs=4 ")
     values = C.finish_full_load(plan, FakeDTensor.from_local, None)
     assert isinstance(values[0], FakeDTensor) and values[1] is dests[1] and values[3] is None
+    # every row of every job once, each chunk within its bucket; the
+    # template-less (3,) and 0-dim values travel to full dests, the job
+    # not needed here (template False) has none
+    seen = {}
+    for b, size in enumerate(sizes):
+        for value, row_start, rows, offset, nbytes, dtype, shape, dest, blocks in STREAM_PLAN.chunks(b):
+            assert offset % 16 == 0 and offset + nbytes <= size and dtype is FLOAT32
+            assert shape == ((rows,) + tuple(value.shape[1:]) if row_start >= 0 else ())
+            seen.setdefault(id(value), []).append((row_start, rows, dest is None, blocks is None))
+    jobs = [id(job[0]) for job in LOAD_JOBS]
+    assert seen[jobs[0]] == [(0, 2, False, False), (2, 2, False, False)]
+    assert seen[jobs[1]] == [(0, 3, False, True)]
+    assert seen[jobs[2]] == [(-1, 1, False, True)]
+    assert seen[jobs[3]] == [(0, 2, True, True)]
 
 
 def test_load_plan_cycle_is_collected():
