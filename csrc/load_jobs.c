@@ -1,63 +1,10 @@
-/* The job lists of full loads: what a broadcast sends ahead of the data
- * (to_metadata), the (value, template, device) jobs of a model broadcast
- * (broadcast_jobs) and of an optimizer load (optim_state_jobs), the shape
+/* The job lists of full loads: the (value, template, device) jobs of a
+ * model broadcast (broadcast_jobs) and of an optimizer load
+ * (optim_state_jobs), the shape
  * check before anything moves (shape_mismatches), and writing the loaded
  * values back into their containers (write_slots).
  */
 #include "dcp.h"
-
-PyDoc_STRVAR(dcp_to_metadata__doc__,
-             "to_metadata(leaves, meta_cls, tensor_cls, /)\n--\n\n"
-             "What a stream sends ahead of tensor data.");
-
-/* to_metadata(leaves, meta_cls, tensor_cls) -> what a stream sends ahead
- * of the data: 0-dim tensors as CPU values, other tensors as
- * meta_cls(shape tuple, dtype). */
-static PyObject *
-dcp_to_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("to_metadata", nargs, 3) < 0) {
-        return NULL;
-    }
-    PyObject *seq = dcp_sequence_fast(args[0], "leaves");
-    if (seq == NULL) {
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
-        PyObject *v = NULL;
-        int is_tensor = PyObject_IsInstance(t, args[2]);
-        if (is_tensor == 0) {
-            v = Py_NewRef(t);
-        }
-        else if (is_tensor > 0) {
-            PyObject *shape = PyObject_GetAttr(t, st->str_shape);
-            PyObject *tup = shape ? PySequence_Tuple(shape) : NULL;
-            Py_XDECREF(shape);
-            if (tup != NULL && PyTuple_GET_SIZE(tup) == 0) {
-                v = PyObject_CallMethodNoArgs(t, st->str_cpu);
-            }
-            else if (tup != NULL) {
-                PyObject *dtype = PyObject_GetAttr(t, st->str_dtype);
-                v = dtype ? PyObject_CallFunctionObjArgs(
-                                args[1], tup, dtype, NULL)
-                          : NULL;
-                Py_XDECREF(dtype);
-            }
-            Py_XDECREF(tup);
-        }
-        if (v == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, v);
-    }
-    Py_DECREF(seq);
-    return out;
-}
 
 /* DTensor.from_local(val, param.device_mesh, param.placements,
  *                    shape=pshape, run_check=False): a plain tensor that
@@ -622,10 +569,6 @@ dcp_shape_mismatches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyMethodDef dcp_load_jobs_methods[] = {
-    {"to_metadata",
-     DCP_FASTCALL(dcp_to_metadata),
-     METH_FASTCALL,
-     dcp_to_metadata__doc__},
     {"optim_state_jobs",
      DCP_FASTCALL(dcp_optim_state_jobs),
      METH_FASTCALL,

@@ -172,9 +172,6 @@ def tensor_devices(ctx: Any, values: Any, /) -> Any:
 def tensors_to(tensors: Any, device: Any, /) -> Any:
     """[t.to(device) for t in tensors]."""
 
-def to_metadata(leaves: Any, meta_cls: Any, tensor_cls: Any, /) -> Any:
-    """What a stream sends ahead of tensor data."""
-
 def tree_leaves(ctx: Any, obj: Any, type_check: Any, /) -> Any:
     """The tensor leaves of a state-dict tree, in traversal order."""
 

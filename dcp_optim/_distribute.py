@@ -41,6 +41,19 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
 
 
+def to_metadata(leaves: list[Any]) -> list[Any]:
+    """What a stream sends ahead of the tensor data, per tree leaf: the
+    (shape, dtype) of a tensor, a 0-dim tensor itself (on the CPU: it
+    travels in the metadata), any other value as it is."""
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            leaf = TensorMeta(shape, leaf.dtype) if shape else leaf.cpu()
+        out.append(leaf)
+    return out
+
+
 class Route:
     """How data travels from the source rank to every rank of a model.
 
@@ -213,7 +226,7 @@ class ModelFullLoad:
             return None
         ctx = context()
         leaves = C.tree_leaves(ctx, self.full, False)
-        return C.tree_rebuild(ctx, self.full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+        return C.tree_rebuild(ctx, self.full, to_metadata(leaves), False)
 
     def validate(self, meta: Any = None) -> None:
         if self.route is None:
@@ -393,7 +406,7 @@ class OptimLocalize:
         state, groups, fqn_group, empties, unexpected = self.view
         ctx = context()
         leaves = C.tree_leaves(ctx, state, False)
-        meta_state = C.tree_rebuild(ctx, state, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+        meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
         return (meta_state, groups, fqn_group, empties, unexpected)
 
     def validate(self, payload: Any = None) -> None:

@@ -915,16 +915,6 @@ def test_load_plan_cycle_is_collected():
     assert ref() is None
 
 
-@case("to_metadata", "ok")
-def _():
-    C.to_metadata([FakeTensor((2,)), FakeTensor(()), 3], Meta, FakeTensor)
-
-
-@case("to_metadata", "not-sequence", TypeError)
-def _():
-    C.to_metadata(5, Meta, FakeTensor)
-
-
 # --- FSDP1 flat parameters ----------------------------------------------------------------
 
 
