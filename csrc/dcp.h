@@ -12,7 +12,11 @@
  *              and installing it (set side)
  *   flat.c     the flattened optimizer format
  *   tree.c     copying state-dict trees and collecting tensor leaves
- *   reshard.c  shard geometry and bucket plans for DTensor gathers
+ *   reshard.c  bucket plans for DTensor gathers and their unpacking
+ *   shard_geometry.c  every rank's shard of a DTensor from mesh + placements
+ *   pack.c     block copies between shards and full tensors; byte packing
+ *   full_load.c  full -> local load plans and their results
+ *   load_jobs.c  the job lists of model and optimizer full loads
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
  *
  * Conventions (see docs/contributing.md): functions document their return
@@ -85,6 +89,7 @@ typedef struct {
     PyTypeObject *Context_Type;
     PyTypeObject *ModelIndex_Type;
     PyTypeObject *WalkTrace_Type; /* internal: not added to the module */
+    PyTypeObject *LoadPlan_Type;  /* full_load.c */
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD
@@ -256,53 +261,118 @@ void dcp_note_key(PyObject *key);
 /* Convert an optimizer's `params` entry or the like into a new list. */
 PyObject *dcp_as_list(PyObject *seq, const char *what);
 
-/* Method-table entries implemented in the other files. */
+/* ----------------------------------------------------------------------
+ * Shard geometry (shard_geometry.c)
+ */
+#define DCP_MAX_DIMS 64
+/* Byte alignment of every bucket segment: the widest scalar (complex128)
+ * is 16 bytes, and Tensor.view(dtype) needs offsets divisible by it. */
+#define DCP_ALIGN 16
+
+enum { PL_REPLICATE = 0, PL_SHARD = 1, PL_STRIDED = 2, PL_PARTIAL = 3 };
+
+typedef struct {
+    int kind;
+    Py_ssize_t dim;
+    Py_ssize_t split_factor;
+} placement_t;
+
+/* n rounded up to DCP_ALIGN (n <= PY_SSIZE_T_MAX - DCP_ALIGN). */
+static inline Py_ssize_t
+dcp_align_up(Py_ssize_t n)
+{
+    return (n + DCP_ALIGN - 1) / DCP_ALIGN * DCP_ALIGN;
+}
+
+/* Bytes of a tensor of `shape` (a tuple of ints) with `itemsize`-byte
+ * elements; -1 with an exception on a bad or overflowing shape. */
+Py_ssize_t dcp_shape_nbytes(PyObject *shape,
+                            Py_ssize_t itemsize,
+                            const char *what);
+/* Parses a sequence of at most DCP_MAX_DIMS non-negative ints.  0 / -1. */
+int dcp_parse_shape(PyObject *obj,
+                    Py_ssize_t *out,
+                    Py_ssize_t *n,
+                    const char *what);
+/* A new tuple of the n ints of v. */
+PyObject *dcp_ssize_tuple(const Py_ssize_t *v, Py_ssize_t n);
+/* (local_shape, [(lstart, gstart, length), ...]) of the shard at mesh
+ * coordinate `coord`; new tuple or NULL. */
+PyObject *dcp_shard_layout(const Py_ssize_t *gshape,
+                           Py_ssize_t ndim,
+                           const Py_ssize_t *mesh,
+                           Py_ssize_t mdim,
+                           const Py_ssize_t *coord,
+                           const placement_t *pl);
+/* Encodes one Placement object; classes = (Shard, _StridedShard,
+ * Replicate), anything else is Partial.  0 / -1. */
+int dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out);
+
+/* ----------------------------------------------------------------------
+ * Block and byte copies (pack.c)
+ */
+
+/* A block (local_starts, global_starts, lengths): three tuples, borrowed.
+ * 0 / -1. */
+int dcp_parse_block(PyObject *block,
+                    PyObject **ls,
+                    PyObject **gs,
+                    PyObject **ln);
+/* A 1-D uint8 view of `buffer` bytes [offset, offset + nbytes). */
+PyObject *dcp_byte_window(PyObject *buffer,
+                          Py_ssize_t offset,
+                          Py_ssize_t nbytes);
+/* `window` (uint8) reinterpreted as `dtype` with `shape`. */
+PyObject *dcp_typed_view(dcp_state *st,
+                         PyObject *window,
+                         PyObject *dtype,
+                         PyObject *shape);
+/* The bytes of `tensor` as a flat uint8 tensor (a copy only when the
+ * tensor is not contiguous). */
+PyObject *dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8);
+/* dst.copy_(src).  0 / -1. */
+int dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src);
+/* Copies the blocks (a sequence of parse_block triples) of a shard layout:
+ * direction 0 dst[global box] = src[local box] (assemble), 1
+ * dst[local box] = src[global box] (extract); wn >= 0 clips the blocks to
+ * the dim-0 rows [w0, w0 + wn) that the full side holds.  0 / -1. */
+int dcp_copy_block_list(PyObject *dst,
+                        PyObject *src,
+                        PyObject *blocks,
+                        int direction,
+                        Py_ssize_t w0,
+                        Py_ssize_t wn);
+
+/* ----------------------------------------------------------------------
+ * Full -> local load plans (full_load.c)
+ */
+int dcp_full_load_init_type(PyObject *module, dcp_state *st);
+
+/* Method tables: each file defines the table of the functions it owns,
+ * next to them, and the module's exec slot adds every table. */
+#define DCP_FASTCALL(fn) ((PyCFunction)(void (*)(void))(fn))
+extern PyMethodDef dcp_fqn_methods[];            /* fqn.c */
+extern PyMethodDef dcp_optim_methods[];          /* optim.c */
+extern PyMethodDef dcp_split_methods[];          /* split.c */
+extern PyMethodDef dcp_flat_methods[];           /* flat.c */
+extern PyMethodDef dcp_tree_methods[];           /* tree.c */
+extern PyMethodDef dcp_model_load_methods[];     /* model_load.c */
+extern PyMethodDef dcp_schema_methods[];         /* schema.c */
+extern PyMethodDef dcp_fsdp1_methods[];          /* fsdp1.c */
+extern PyMethodDef dcp_shard_geometry_methods[]; /* shard_geometry.c */
+extern PyMethodDef dcp_pack_methods[];           /* pack.c */
+extern PyMethodDef dcp_full_load_methods[];      /* full_load.c */
+extern PyMethodDef dcp_load_jobs_methods[];      /* load_jobs.c */
+
+/* Entries still in module.c's own table. */
 #define DCP_DECLARE_FASTCALL(name) \
     PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 DCP_DECLARE_FASTCALL(dcp_walk_model)
-DCP_DECLARE_FASTCALL(dcp_get_fqns)
-DCP_DECLARE_FASTCALL(dcp_canonicalize_model_keys)
-DCP_DECLARE_FASTCALL(dcp_frozen_fqns)
-DCP_DECLARE_FASTCALL(dcp_optim_pack)
-DCP_DECLARE_FASTCALL(dcp_optim_remap)
-DCP_DECLARE_FASTCALL(dcp_optim_missing)
-DCP_DECLARE_FASTCALL(dcp_flatten_optim)
-DCP_DECLARE_FASTCALL(dcp_unflatten_optim)
-DCP_DECLARE_FASTCALL(dcp_parse_flat_key)
-DCP_DECLARE_FASTCALL(dcp_view_from_nested)
-DCP_DECLARE_FASTCALL(dcp_split_optim)
-DCP_DECLARE_FASTCALL(dcp_install_optim)
-DCP_DECLARE_FASTCALL(dcp_tree_copy)
-DCP_DECLARE_FASTCALL(dcp_tree_fill)
-DCP_DECLARE_FASTCALL(dcp_tensors_to)
-DCP_DECLARE_FASTCALL(dcp_rename_for_load)
-DCP_DECLARE_FASTCALL(dcp_full_load_merge)
-DCP_DECLARE_FASTCALL(dcp_materialize_state)
-DCP_DECLARE_FASTCALL(dcp_first_key_containing)
-DCP_DECLARE_FASTCALL(dcp_filter_prefixes)
-DCP_DECLARE_FASTCALL(dcp_tensor_devices)
-DCP_DECLARE_FASTCALL(dcp_shard_layouts)
 DCP_DECLARE_FASTCALL(dcp_plan_buckets)
-DCP_DECLARE_FASTCALL(dcp_copy_blocks)
-DCP_DECLARE_FASTCALL(dcp_pack_bytes)
 DCP_DECLARE_FASTCALL(dcp_unpack_gathered)
-DCP_DECLARE_FASTCALL(dcp_extract_rows)
 DCP_DECLARE_FASTCALL(dcp_plan_gather)
-DCP_DECLARE_FASTCALL(dcp_indices_of)
-DCP_DECLARE_FASTCALL(dcp_plan_full_load)
-DCP_DECLARE_FASTCALL(dcp_pack_rows)
-DCP_DECLARE_FASTCALL(dcp_finish_full_load)
-DCP_DECLARE_FASTCALL(dcp_to_metadata)
-DCP_DECLARE_FASTCALL(dcp_optim_state_jobs)
-DCP_DECLARE_FASTCALL(dcp_write_slots)
-DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
-DCP_DECLARE_FASTCALL(dcp_tree_paths)
-DCP_DECLARE_FASTCALL(dcp_shape_mismatches)
-DCP_DECLARE_FASTCALL(dcp_check_model_load)
-DCP_DECLARE_FASTCALL(dcp_flat_unflatten)
-DCP_DECLARE_FASTCALL(dcp_flat_pieces)
-DCP_DECLARE_FASTCALL(dcp_flat_assemble)
-DCP_DECLARE_FASTCALL(dcp_map_call)
+/* pack.c's copy_blocks entry, which the gather code calls. */
+DCP_DECLARE_FASTCALL(dcp_copy_blocks)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -339,11 +339,15 @@ empty_group_prefix(dcp_state *st,
         "param_groups.%s%zd_empty_group_%zd__.", EMPTY_OPTIM, opt_i, g - lo);
 }
 
+PyDoc_STRVAR(dcp_flatten_optim__doc__,
+             "flatten_optim(ctx, osd, group_counts, /)\n--\n\n"
+             "The flattened optimizer format of a nested FQN-keyed dict.");
+
 /* flatten_optim(ctx, osd, group_counts) -> dict
  *
  * group_counts: None (all groups form one optimizer) or a sequence with
  * the number of groups of each optimizer, in order. */
-PyObject *
+static PyObject *
 dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -929,7 +933,12 @@ parse_flat_rest(
  * parser unflatten_optim uses), for the tools (convert, inspect, the
  * load planner).  `known`: a set or frozenset of parameter FQNs, or
  * None. */
-PyObject *
+PyDoc_STRVAR(dcp_parse_flat_key__doc__,
+             "parse_flat_key(key, known, /)\n--\n\n"
+             "One key of the flattened optimizer format, parsed as "
+             "unflatten_optim does.");
+
+static PyObject *
 dcp_parse_flat_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -987,8 +996,12 @@ error:
     return result;
 }
 
+PyDoc_STRVAR(dcp_unflatten_optim__doc__,
+             "unflatten_optim(index, flat, /)\n--\n\n"
+             "Parse a flattened optimizer dict into a loaded-state view.");
+
 /* unflatten_optim(index, flat) -> view (see above). */
-PyObject *
+static PyObject *
 dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -1167,3 +1180,19 @@ done:
     last_split_clear(&last);
     return result;
 }
+
+PyMethodDef dcp_flat_methods[] = {
+    {"flatten_optim",
+     DCP_FASTCALL(dcp_flatten_optim),
+     METH_FASTCALL,
+     dcp_flatten_optim__doc__},
+    {"unflatten_optim",
+     DCP_FASTCALL(dcp_unflatten_optim),
+     METH_FASTCALL,
+     dcp_unflatten_optim__doc__},
+    {"parse_flat_key",
+     DCP_FASTCALL(dcp_parse_flat_key),
+     METH_FASTCALL,
+     dcp_parse_flat_key__doc__},
+    {NULL, NULL, 0, NULL},
+};

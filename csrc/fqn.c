@@ -510,7 +510,13 @@ done:
     return result;
 }
 
-PyObject *
+PyDoc_STRVAR(
+    dcp_get_fqns__doc__,
+    "get_fqns(ctx, model, name, modifiers_name, skip_ddp_prefix, "
+    "skip_compiler_prefix, /)\n--\n\n"
+    "Canonical FQNs of a (possibly wrapper-prefixed) name, as a set.");
+
+static PyObject *
 dcp_get_fqns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -804,7 +810,14 @@ done:
     return rc;
 }
 
-PyObject *
+PyDoc_STRVAR(
+    dcp_canonicalize_model_keys__doc__,
+    "canonicalize_model_keys(ctx, model, state_dict, modifiers_name, /)"
+    "\n--\n\n"
+    "Rename the keys of a fresh model.state_dict() to canonical FQNs, in "
+    "place, as upstream does.");
+
+static PyObject *
 dcp_canonicalize_model_keys(PyObject *module,
                             PyObject *const *args,
                             Py_ssize_t nargs)
@@ -900,11 +913,15 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_drop_frozen__doc__,
+             "drop_frozen(index, state_dict, /)\n--\n\n"
+             "Pop the FQNs of parameters with requires_grad=False.");
+
 /* drop_frozen(index, state_dict): upstream's ignore_frozen_params --
  * pop every FQN of every parameter with requires_grad=False, in
  * named_parameters() order; KeyError if a key is absent. */
-PyObject *
-dcp_frozen_fqns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *
+dcp_drop_frozen(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("drop_frozen", nargs, 2) < 0 ||
@@ -963,9 +980,13 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_first_key_containing__doc__,
+             "first_key_containing(mapping, needle, /)\n--\n\n"
+             "The first str key containing `needle`, or None.");
+
 /* first_key_containing(mapping, needle) -> the first str key containing
  * `needle`, or None (upstream's "_flat_param in key" check, E10). */
-PyObject *
+static PyObject *
 dcp_first_key_containing(PyObject *module,
                          PyObject *const *args,
                          Py_ssize_t nargs)
@@ -999,12 +1020,16 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_filter_prefixes__doc__,
+             "filter_prefixes(state_dict, prefixes, keep, /)\n--\n\n"
+             "Keep keys under the given prefixes, optionally stripping them.");
+
 /* filter_prefixes(state_dict, prefixes, keep) -> new dict
  *
  * Upstream's deprecated `submodules` filter: for each key, for each prefix
  * (in the given order) the key starts with, keep it (keep=True) or strip
  * the prefix. */
-PyObject *
+static PyObject *
 dcp_filter_prefixes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("filter_prefixes", nargs, 3) < 0) {
@@ -1057,3 +1082,27 @@ error:
     Py_XDECREF(out);
     return NULL;
 }
+
+PyMethodDef dcp_fqn_methods[] = {
+    {"get_fqns",
+     DCP_FASTCALL(dcp_get_fqns),
+     METH_FASTCALL,
+     dcp_get_fqns__doc__},
+    {"canonicalize_model_keys",
+     DCP_FASTCALL(dcp_canonicalize_model_keys),
+     METH_FASTCALL,
+     dcp_canonicalize_model_keys__doc__},
+    {"drop_frozen",
+     DCP_FASTCALL(dcp_drop_frozen),
+     METH_FASTCALL,
+     dcp_drop_frozen__doc__},
+    {"first_key_containing",
+     DCP_FASTCALL(dcp_first_key_containing),
+     METH_FASTCALL,
+     dcp_first_key_containing__doc__},
+    {"filter_prefixes",
+     DCP_FASTCALL(dcp_filter_prefixes),
+     METH_FASTCALL,
+     dcp_filter_prefixes__doc__},
+    {NULL, NULL, 0, NULL},
+};

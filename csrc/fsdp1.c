@@ -94,12 +94,18 @@ narrow1d(PyObject *tensor, Py_ssize_t start, Py_ssize_t length)
         length); /* cpylint-ignore: per piece, torch op */
 }
 
+PyDoc_STRVAR(
+    dcp_flat_unflatten__doc__,
+    "flat_unflatten(full, numels_with_padding, is_padding_mask, shapes, /)"
+    "\n--\n\n"
+    "Views of the original parameters in an unsharded FSDP1 flat tensor.");
+
 /* flat_unflatten(full, numels_with_padding, is_padding_mask, shapes)
  *   -> [view of each original parameter]
  *
  * `full` is the unsharded flat tensor (possibly longer: the end padding
  * is ignored); views follow FlatParameter._get_unflat_views_aligned. */
-PyObject *
+static PyObject *
 dcp_flat_unflatten(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t *offsets = NULL, *numels = NULL;
@@ -144,13 +150,19 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(
+    dcp_flat_pieces__doc__,
+    "flat_pieces(numels_with_padding, is_padding_mask, shard_numel, rank, /)"
+    "\n--\n\n"
+    "(param, param start, shard start, length) of a rank's FSDP1 shard.");
+
 /* flat_pieces(numels_with_padding, is_padding_mask, shard_numel, rank)
  *   -> [(param index, start in param, start in shard, length)]
  *
  * The pieces of the original parameters that the shard of `rank` holds
  * (the shard covers [rank * shard_numel, (rank + 1) * shard_numel) of the
  * padded unsharded flat tensor). */
-PyObject *
+static PyObject *
 dcp_flat_pieces(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t *offsets = NULL, *numels = NULL;
@@ -195,13 +207,17 @@ dcp_flat_pieces(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+PyDoc_STRVAR(dcp_flat_assemble__doc__,
+             "flat_assemble(dest, pieces, values, /)\n--\n\n"
+             "Copy per-parameter pieces into a flat shard.");
+
 /* flat_assemble(dest, pieces, values)
  *
  * dest[shard_start : shard_start + length] = values[param][...] for each
  * piece (param, param_start, shard_start, length): values[param] is the
  * piece itself (use_orig_params: the optimizer's 1-D state of that
  * parameter on this rank) or None (left as is). */
-PyObject *
+static PyObject *
 dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("flat_assemble", nargs, 3) < 0) {
@@ -254,9 +270,13 @@ dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(dcp_map_call__doc__,
+             "map_call(fn, values, extra, /)\n--\n\n"
+             "[fn(v, *extra) for v in values], None passed through.");
+
 /* map_call(fn, values, extra) -> [fn(v, *extra) for v in values], with
  * None values passed through. */
-PyObject *
+static PyObject *
 dcp_map_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("map_call", nargs, 3) < 0) {
@@ -301,3 +321,23 @@ dcp_map_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(extra);
     return out;
 }
+
+PyMethodDef dcp_fsdp1_methods[] = {
+    {"flat_unflatten",
+     DCP_FASTCALL(dcp_flat_unflatten),
+     METH_FASTCALL,
+     dcp_flat_unflatten__doc__},
+    {"flat_pieces",
+     DCP_FASTCALL(dcp_flat_pieces),
+     METH_FASTCALL,
+     dcp_flat_pieces__doc__},
+    {"flat_assemble",
+     DCP_FASTCALL(dcp_flat_assemble),
+     METH_FASTCALL,
+     dcp_flat_assemble__doc__},
+    {"map_call",
+     DCP_FASTCALL(dcp_map_call),
+     METH_FASTCALL,
+     dcp_map_call__doc__},
+    {NULL, NULL, 0, NULL},
+};

@@ -62,6 +62,13 @@ check_str_keys(dcp_Context *ctx, PyObject *sd)
     return 0;
 }
 
+PyDoc_STRVAR(
+    dcp_rename_for_load__doc__,
+    "rename_for_load(index, state_dict, strict, rename, want_local, /)"
+    "\n--\n\n"
+    "Key a canonical model state dict the way model.load_state_dict "
+    "expects, without mutating it.");
+
 /* rename_for_load(index, state_dict, strict, rename, want_local)
  *   -> (state_dict_for_load, local_state or None)
  *
@@ -72,7 +79,7 @@ check_str_keys(dcp_Context *ctx, PyObject *sd)
  * (check_str_keys), before anything else.  The input is returned unchanged
  * when nothing needs renaming, else a private copy is renamed.  `local_state`
  * maps every load key to the live tensor (or _extra_state marker). */
-PyObject *
+static PyObject *
 dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -150,6 +157,11 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(
+    dcp_full_load_merge__doc__,
+    "full_load_merge(ctx, full_sd, local, device, /)\n--\n\n"
+    "Merge a full model state dict into the local one (private copy).");
+
 /* full_load_merge(ctx, full_sd, local, device)
  *   -> (merged dict, dtensor jobs)
  *
@@ -162,7 +174,7 @@ done:
  *       jobs (key, full tensor, local DTensor), to be sliced locally;
  *   local keys the full dict lacks keep their live value.
  * The merged dict keeps the full dict's key order, then local-only keys. */
-PyObject *
+static PyObject *
 dcp_full_load_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -269,6 +281,11 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(
+    dcp_check_model_load__doc__,
+    "check_model_load(index, state_dict, strict, check_keys, /)\n--\n\n"
+    "What model.load_state_dict would reject, before anything is copied.");
+
 /* check_model_load(index, state_dict, strict, check_keys)
  *   -> (missing, unexpected, errors)
  *
@@ -278,7 +295,7 @@ done:
  * by load keys.  errors are torch's own texts (size mismatch, non-tensor
  * values), in walk order; missing/unexpected are only computed with
  * check_keys (models whose load hooks rename keys cannot be checked). */
-PyObject *
+static PyObject *
 dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -409,3 +426,19 @@ done:
     Py_XDECREF(items);
     return result;
 }
+
+PyMethodDef dcp_model_load_methods[] = {
+    {"rename_for_load",
+     DCP_FASTCALL(dcp_rename_for_load),
+     METH_FASTCALL,
+     dcp_rename_for_load__doc__},
+    {"full_load_merge",
+     DCP_FASTCALL(dcp_full_load_merge),
+     METH_FASTCALL,
+     dcp_full_load_merge__doc__},
+    {"check_model_load",
+     DCP_FASTCALL(dcp_check_model_load),
+     METH_FASTCALL,
+     dcp_check_model_load__doc__},
+    {NULL, NULL, 0, NULL},
+};

@@ -195,10 +195,9 @@ dcp_as_list(PyObject *seq, const char *what)
 }
 
 /* ======================================================================
- * Method table
+ * Method table: the entries no file owns yet (the other files' tables
+ * are added by the exec slot)
  */
-
-#define DCP_FASTCALL(fn) ((PyCFunction)(void (*)(void))(fn))
 
 static PyMethodDef dcp_methods[] = {
     {"walk_model",
@@ -206,241 +205,23 @@ static PyMethodDef dcp_methods[] = {
      METH_FASTCALL,
      "walk_model(ctx, model, modifiers_name, /)\n--\n\n"
      "Walk `model` once and return a ModelIndex."},
-    {"get_fqns",
-     DCP_FASTCALL(dcp_get_fqns),
-     METH_FASTCALL,
-     "get_fqns(ctx, model, name, modifiers_name, skip_ddp_prefix, "
-     "skip_compiler_prefix, /)\n--\n\n"
-     "Canonical FQNs of a (possibly wrapper-prefixed) name, as a set."},
-    {"canonicalize_model_keys",
-     DCP_FASTCALL(dcp_canonicalize_model_keys),
-     METH_FASTCALL,
-     "canonicalize_model_keys(ctx, model, state_dict, modifiers_name, /)"
-     "\n--\n\n"
-     "Rename the keys of a fresh model.state_dict() to canonical FQNs, in "
-     "place, as upstream does."},
-    {"drop_frozen",
-     DCP_FASTCALL(dcp_frozen_fqns),
-     METH_FASTCALL,
-     "drop_frozen(index, state_dict, /)\n--\n\n"
-     "Pop the FQNs of parameters with requires_grad=False."},
-    {"optim_pack",
-     DCP_FASTCALL(dcp_optim_pack),
-     METH_FASTCALL,
-     "optim_pack(index, optimizers, extra_states, out_state, out_groups, /)"
-     "\n--\n\n"
-     "FQN-keyed equivalent of Optimizer.state_dict() for each optimizer, "
-     "merged into out_state / out_groups."},
-    {"optim_remap",
-     DCP_FASTCALL(dcp_optim_remap),
-     METH_FASTCALL,
-     "optim_remap(index, optimizer, osd, /)\n--\n\n"
-     "Re-key an integer-ID optimizer state dict by FQN, in place."},
-    {"optim_missing",
-     DCP_FASTCALL(dcp_optim_missing),
-     METH_FASTCALL,
-     "optim_missing(index, optimizer, /)\n--\n\n"
-     "(param, group_index, fqn) of trainable parameters without state."},
-    {"flatten_optim",
-     DCP_FASTCALL(dcp_flatten_optim),
-     METH_FASTCALL,
-     "flatten_optim(ctx, osd, group_counts, /)\n--\n\n"
-     "The flattened optimizer format of a nested FQN-keyed dict."},
-    {"unflatten_optim",
-     DCP_FASTCALL(dcp_unflatten_optim),
-     METH_FASTCALL,
-     "unflatten_optim(index, flat, /)\n--\n\n"
-     "Parse a flattened optimizer dict into a loaded-state view."},
-    {"parse_flat_key",
-     DCP_FASTCALL(dcp_parse_flat_key),
-     METH_FASTCALL,
-     "parse_flat_key(key, known, /)\n--\n\n"
-     "One key of the flattened optimizer format, parsed as unflatten_optim "
-     "does."},
-    {"view_from_nested",
-     DCP_FASTCALL(dcp_view_from_nested),
-     METH_FASTCALL,
-     "view_from_nested(osd, /)\n--\n\n"
-     "A nested optimizer dict as a loaded-state view."},
-    {"split_optim",
-     DCP_FASTCALL(dcp_split_optim),
-     METH_FASTCALL,
-     "split_optim(index, optimizers, view, expect_state, /)\n--\n\n"
-     "Match a loaded-state view to each optimizer by FQN."},
-    {"prepare_install",
-     DCP_FASTCALL(dcp_install_optim),
-     METH_FASTCALL,
-     "prepare_install(ctx, optimizer, split_dict, expected, /)\n--\n\n"
-     "The (state, param_groups) Optimizer.load_state_dict would install, "
-     "without its quadratic scan."},
-    {"tree_leaves",
-     DCP_FASTCALL(dcp_tree_copy),
-     METH_FASTCALL,
-     "tree_leaves(ctx, obj, type_check, /)\n--\n\n"
-     "The tensor leaves of a state-dict tree, in traversal order."},
-    {"tree_rebuild",
-     DCP_FASTCALL(dcp_tree_fill),
-     METH_FASTCALL,
-     "tree_rebuild(ctx, obj, new_leaves, type_check, /)\n--\n\n"
-     "Copy the containers of a tree around replacement tensor leaves."},
-    {"tensors_to",
-     DCP_FASTCALL(dcp_tensors_to),
-     METH_FASTCALL,
-     "tensors_to(tensors, device, /)\n--\n\n"
-     "[t.to(device) for t in tensors]."},
-    {"rename_for_load",
-     DCP_FASTCALL(dcp_rename_for_load),
-     METH_FASTCALL,
-     "rename_for_load(index, state_dict, strict, rename, want_local, /)"
-     "\n--\n\n"
-     "Key a canonical model state dict the way model.load_state_dict "
-     "expects, without mutating it."},
-    {"full_load_merge",
-     DCP_FASTCALL(dcp_full_load_merge),
-     METH_FASTCALL,
-     "full_load_merge(ctx, full_sd, local, device, /)\n--\n\n"
-     "Merge a full model state dict into the local one (private copy)."},
-    {"materialize_state",
-     DCP_FASTCALL(dcp_materialize_state),
-     METH_FASTCALL,
-     "materialize_state(missing, specs_by_group, PARAM, PARAM_DEVICE, /)"
-     "\n--\n\n"
-     "Pristine optimizer state for parameters without state."},
-    {"first_key_containing",
-     DCP_FASTCALL(dcp_first_key_containing),
-     METH_FASTCALL,
-     "first_key_containing(mapping, needle, /)\n--\n\n"
-     "The first str key containing `needle`, or None."},
-    {"filter_prefixes",
-     DCP_FASTCALL(dcp_filter_prefixes),
-     METH_FASTCALL,
-     "filter_prefixes(state_dict, prefixes, keep, /)\n--\n\n"
-     "Keep keys under the given prefixes, optionally stripping them."},
-    {"tensor_devices",
-     DCP_FASTCALL(dcp_tensor_devices),
-     METH_FASTCALL,
-     "tensor_devices(ctx, values, /)\n--\n\n"
-     "Distinct devices of the tensors with dim() > 0 among values."},
-    {"shard_layouts",
-     DCP_FASTCALL(dcp_shard_layouts),
-     METH_FASTCALL,
-     "shard_layouts(global_shape, mesh_shape, placements, coords, /)\n--\n\n"
-     "(local_shape, blocks) of the shard at each mesh coordinate."},
     {"plan_buckets",
      DCP_FASTCALL(dcp_plan_buckets),
      METH_FASTCALL,
      "plan_buckets(segment_bytes, copies, budget, /)\n--\n\n"
      "Pack segments into byte buckets within a budget."},
-    {"copy_blocks",
-     DCP_FASTCALL(dcp_copy_blocks),
-     METH_FASTCALL,
-     "copy_blocks(dst, src, blocks, direction, row_window, /)\n--\n\n"
-     "Copy the sub-boxes of a shard layout between shard and full tensor."},
-    {"pack_bytes",
-     DCP_FASTCALL(dcp_pack_bytes),
-     METH_FASTCALL,
-     "pack_bytes(buffer, items, uint8, /)\n--\n\n"
-     "Copy tensors' bytes into a bucket buffer at given offsets."},
     {"unpack_gathered",
      DCP_FASTCALL(dcp_unpack_gathered),
      METH_FASTCALL,
      "unpack_gathered(buffer, segment, items, empty, device, results, "
      "indices, offload, cat=None, /)\n--\n\n"
      "Assemble full tensors from an all-gathered bucket."},
-    {"extract_rows",
-     DCP_FASTCALL(dcp_extract_rows),
-     METH_FASTCALL,
-     "extract_rows(buffer, items, dests, /)\n--\n\n"
-     "Keep this rank's part of broadcast row chunks."},
     {"plan_gather",
      DCP_FASTCALL(dcp_plan_gather),
      METH_FASTCALL,
      "plan_gather(leaves, dtensor_cls, placement_classes, budget, "
      "floor=0, /)\n--\n\n"
      "Bucketed gather plans for the DTensor leaves, per mesh."},
-    {"indices_of",
-     DCP_FASTCALL(dcp_indices_of),
-     METH_FASTCALL,
-     "indices_of(values, cls, /)\n--\n\n"
-     "Positions of the values that are instances of cls."},
-    {"plan_full_load",
-     DCP_FASTCALL(dcp_plan_full_load),
-     METH_FASTCALL,
-     "plan_full_load(jobs, dtensor_cls, classes, budget, empty, stream,"
-     " in_place=False, /)"
-     "\n--\n\n"
-     "Destinations, layouts and stream buckets for a full -> local load."},
-    {"pack_rows",
-     DCP_FASTCALL(dcp_pack_rows),
-     METH_FASTCALL,
-     "pack_rows(buffer, src_items, values, uint8, /)\n--\n\n"
-     "Pack row chunks of full tensors into a stream bucket."},
-    {"finish_full_load",
-     DCP_FASTCALL(dcp_finish_full_load),
-     METH_FASTCALL,
-     "finish_full_load(jobs, dests, layouts, from_local, offload, /)"
-     "\n--\n\n"
-     "Wrap loaded shards as DTensors like their templates."},
-    {"to_metadata",
-     DCP_FASTCALL(dcp_to_metadata),
-     METH_FASTCALL,
-     "to_metadata(leaves, meta_cls, tensor_cls, /)\n--\n\n"
-     "What a stream sends ahead of tensor data."},
-    {"optim_state_jobs",
-     DCP_FASTCALL(dcp_optim_state_jobs),
-     METH_FASTCALL,
-     "optim_state_jobs(index, state, dtensor_cls, mode, from_local,"
-     " existing=None, /)"
-     "\n--\n\n"
-     "Copy loaded optimizer state and list the tensors to localise."},
-    {"write_slots",
-     DCP_FASTCALL(dcp_write_slots),
-     METH_FASTCALL,
-     "write_slots(slots, values, /)\n--\n\n"
-     "container[key] = value for each slot."},
-    {"broadcast_jobs",
-     DCP_FASTCALL(dcp_broadcast_jobs),
-     METH_FASTCALL,
-     "broadcast_jobs(meta, full, local, device, dtensor_cls, tensor_cls, /)"
-     "\n--\n\n"
-     "The work list of a model broadcast."},
-    {"tree_paths",
-     DCP_FASTCALL(dcp_tree_paths),
-     METH_FASTCALL,
-     "tree_paths(ctx, obj, /)\n--\n\n"
-     "Dotted paths of the tensor leaves, in tree_leaves order."},
-    {"shape_mismatches",
-     DCP_FASTCALL(dcp_shape_mismatches),
-     METH_FASTCALL,
-     "shape_mismatches(jobs, tensor_cls, /)\n--\n\n"
-     "Jobs whose template tensor has another shape than the value."},
-    {"check_model_load",
-     DCP_FASTCALL(dcp_check_model_load),
-     METH_FASTCALL,
-     "check_model_load(index, state_dict, strict, check_keys, /)\n--\n\n"
-     "What model.load_state_dict would reject, before anything is copied."},
-    {"flat_unflatten",
-     DCP_FASTCALL(dcp_flat_unflatten),
-     METH_FASTCALL,
-     "flat_unflatten(full, numels_with_padding, is_padding_mask, shapes, /)"
-     "\n--\n\n"
-     "Views of the original parameters in an unsharded FSDP1 flat tensor."},
-    {"flat_pieces",
-     DCP_FASTCALL(dcp_flat_pieces),
-     METH_FASTCALL,
-     "flat_pieces(numels_with_padding, is_padding_mask, shard_numel, rank, /)"
-     "\n--\n\n"
-     "(param, param start, shard start, length) of a rank's FSDP1 shard."},
-    {"flat_assemble",
-     DCP_FASTCALL(dcp_flat_assemble),
-     METH_FASTCALL,
-     "flat_assemble(dest, pieces, values, /)\n--\n\n"
-     "Copy per-parameter pieces into a flat shard."},
-    {"map_call",
-     DCP_FASTCALL(dcp_map_call),
-     METH_FASTCALL,
-     "map_call(fn, values, extra, /)\n--\n\n"
-     "[fn(v, *extra) for v in values], None passed through."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -455,6 +236,7 @@ dcp_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->Context_Type);
     Py_VISIT(st->ModelIndex_Type);
     Py_VISIT(st->WalkTrace_Type);
+    Py_VISIT(st->LoadPlan_Type);
 #define DCP_VISIT_STR(name, text) Py_VISIT(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_VISIT_STR)
 #undef DCP_VISIT_STR
@@ -468,6 +250,7 @@ dcp_module_clear(PyObject *module)
     Py_CLEAR(st->Context_Type);
     Py_CLEAR(st->ModelIndex_Type);
     Py_CLEAR(st->WalkTrace_Type);
+    Py_CLEAR(st->LoadPlan_Type);
 #define DCP_CLEAR_STR(name, text) Py_CLEAR(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_CLEAR_STR)
 #undef DCP_CLEAR_STR
@@ -497,6 +280,28 @@ dcp_module_exec(PyObject *module)
     }
     if (dcp_walk_init_type(module, st) < 0) {
         return -1;
+    }
+    if (dcp_full_load_init_type(module, st) < 0) {
+        return -1;
+    }
+    PyMethodDef *tables[] = {
+        dcp_fqn_methods,
+        dcp_optim_methods,
+        dcp_split_methods,
+        dcp_flat_methods,
+        dcp_tree_methods,
+        dcp_model_load_methods,
+        dcp_schema_methods,
+        dcp_fsdp1_methods,
+        dcp_shard_geometry_methods,
+        dcp_pack_methods,
+        dcp_full_load_methods,
+        dcp_load_jobs_methods,
+    };
+    for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++) {
+        if (PyModule_AddFunctions(module, tables[i]) < 0) {
+            return -1;
+        }
     }
     /* A marker tests use to prove the compiled core is the one loaded. */
     if (PyModule_AddStringConstant(module, "BACKEND", "c") < 0) {

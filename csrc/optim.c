@@ -433,12 +433,19 @@ done:
     return rc;
 }
 
+PyDoc_STRVAR(
+    dcp_optim_pack__doc__,
+    "optim_pack(index, optimizers, extra_states, out_state, out_groups, /)"
+    "\n--\n\n"
+    "FQN-keyed equivalent of Optimizer.state_dict() for each optimizer, "
+    "merged into out_state / out_groups.");
+
 /* optim_pack(index, optimizers, extra_states, out_state, out_groups)
  *
  * extra_states[i] is None or a dict {fqn: state} appended after
  * optimizer i's own state (the pristine entries of D2 in docs/differences.md).
  */
-PyObject *
+static PyObject *
 dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -517,12 +524,16 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_optim_remap__doc__,
+             "optim_remap(index, optimizer, osd, /)\n--\n\n"
+             "Re-key an integer-ID optimizer state dict by FQN, in place.");
+
 /* optim_remap(index, optimizer, osd): re-key the integer-ID state dict an
  * optimizer's own state_dict() returned, in place: `state` keys become
  * FQNs (order kept) and each group's "params" a list of FQNs.  IDs are
  * positions in the chain of the live groups' params, as torch assigns
  * them. */
-PyObject *
+static PyObject *
 dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -707,10 +718,15 @@ all_params_have_state(dcp_state *st, PyObject *groups, PyObject *state)
     return all;
 }
 
+PyDoc_STRVAR(
+    dcp_optim_missing__doc__,
+    "optim_missing(index, optimizer, /)\n--\n\n"
+    "(param, group_index, fqn) of trainable parameters without state.");
+
 /* optim_missing(index, optimizer) -> list of (param, group_index, fqn)
  * for parameters with requires_grad=True that have no (or empty) state,
  * in param-group order. */
-PyObject *
+static PyObject *
 dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -855,3 +871,19 @@ done:
     Py_XDECREF(out);
     return result;
 }
+
+PyMethodDef dcp_optim_methods[] = {
+    {"optim_pack",
+     DCP_FASTCALL(dcp_optim_pack),
+     METH_FASTCALL,
+     dcp_optim_pack__doc__},
+    {"optim_remap",
+     DCP_FASTCALL(dcp_optim_remap),
+     METH_FASTCALL,
+     dcp_optim_remap__doc__},
+    {"optim_missing",
+     DCP_FASTCALL(dcp_optim_missing),
+     METH_FASTCALL,
+     dcp_optim_missing__doc__},
+    {NULL, NULL, 0, NULL},
+};

@@ -217,12 +217,18 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(
+    dcp_materialize_state__doc__,
+    "materialize_state(missing, specs_by_group, PARAM, PARAM_DEVICE, /)"
+    "\n--\n\n"
+    "Pristine optimizer state for parameters without state.");
+
 /* materialize_state(missing, specs_by_group, PARAM, PARAM_DEVICE)
  *   -> dict fqn -> pristine state
  *
  * missing: list of (param, group index, fqn) as optim_missing returns;
  * specs_by_group[g]: list of specs, or None for "no synthetic state". */
-PyObject *
+static PyObject *
 dcp_materialize_state(PyObject *module,
                       PyObject *const *args,
                       Py_ssize_t nargs)
@@ -290,3 +296,11 @@ error:
     Py_XDECREF(out);
     return NULL;
 }
+
+PyMethodDef dcp_schema_methods[] = {
+    {"materialize_state",
+     DCP_FASTCALL(dcp_materialize_state),
+     METH_FASTCALL,
+     dcp_materialize_state__doc__},
+    {NULL, NULL, 0, NULL},
+};

@@ -27,9 +27,13 @@
 
 #include <stdlib.h> /* qsort */
 
+PyDoc_STRVAR(dcp_view_from_nested__doc__,
+             "view_from_nested(osd, /)\n--\n\n"
+             "A nested optimizer dict as a loaded-state view.");
+
 /* view_from_nested(osd) -> (state, groups, fqn_group, empties, unexpected)
  */
-PyObject *
+static PyObject *
 dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -644,13 +648,17 @@ done:
     return rc;
 }
 
+PyDoc_STRVAR(dcp_split_optim__doc__,
+             "split_optim(index, optimizers, view, expect_state, /)\n--\n\n"
+             "Match a loaded-state view to each optimizer by FQN.");
+
 /* split_optim(index, optimizers, view, expect_state)
  *   -> (per-optimizer dicts, missing fqns, unexpected keys)
  *
  * expect_state: a list with, per optimizer, None (stateful iff the loaded
  * dict has state for any of its parameters) or a list of bools per group.
  */
-PyObject *
+static PyObject *
 dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -1099,6 +1107,12 @@ validate_state(dcp_state *st,
     return rc;
 }
 
+PyDoc_STRVAR(
+    dcp_prepare_install__doc__,
+    "prepare_install(ctx, optimizer, split_dict, expected, /)\n--\n\n"
+    "The (state, param_groups) Optimizer.load_state_dict would install, "
+    "without its quadratic scan.");
+
 /* prepare_install(ctx, optimizer, split_dict, expected)
  *   -> (state defaultdict, param_groups list)
  *
@@ -1110,8 +1124,8 @@ validate_state(dcp_state *st,
  * except the cast policy above.  Nothing is modified; the caller commits
  * with optimizer.__setstate__({"state": ..., "param_groups": ...}) once
  * every optimizer of the call has been prepared. */
-PyObject *
-dcp_install_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *
+dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     PyObject *groups = NULL, *plists = NULL, *saved_state = NULL;
@@ -1333,3 +1347,19 @@ done:
     Py_XDECREF(items);
     return result;
 }
+
+PyMethodDef dcp_split_methods[] = {
+    {"view_from_nested",
+     DCP_FASTCALL(dcp_view_from_nested),
+     METH_FASTCALL,
+     dcp_view_from_nested__doc__},
+    {"split_optim",
+     DCP_FASTCALL(dcp_split_optim),
+     METH_FASTCALL,
+     dcp_split_optim__doc__},
+    {"prepare_install",
+     DCP_FASTCALL(dcp_prepare_install),
+     METH_FASTCALL,
+     dcp_prepare_install__doc__},
+    {NULL, NULL, 0, NULL},
+};

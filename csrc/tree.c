@@ -154,9 +154,13 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dcp_tree_leaves__doc__,
+             "tree_leaves(ctx, obj, type_check, /)\n--\n\n"
+             "The tensor leaves of a state-dict tree, in traversal order.");
+
 /* tree_leaves(ctx, obj, type_check) -> list of tensor leaves */
-PyObject *
-dcp_tree_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *
+dcp_tree_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("tree_leaves", nargs, 3) < 0 ||
@@ -180,9 +184,14 @@ dcp_tree_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return t.leaves;
 }
 
+PyDoc_STRVAR(
+    dcp_tree_rebuild__doc__,
+    "tree_rebuild(ctx, obj, new_leaves, type_check, /)\n--\n\n"
+    "Copy the containers of a tree around replacement tensor leaves.");
+
 /* tree_rebuild(ctx, obj, new_leaves, type_check) -> rebuilt tree */
-PyObject *
-dcp_tree_fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *
+dcp_tree_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("tree_rebuild", nargs, 4) < 0 ||
@@ -210,9 +219,13 @@ dcp_tree_fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+PyDoc_STRVAR(dcp_tensors_to__doc__,
+             "tensors_to(tensors, device, /)\n--\n\n"
+             "[t.to(device) for t in tensors].");
+
 /* tensors_to(tensors, device) -> [t.to(device) for t in tensors]
  * (the per-tensor loop of cpu_offload, kept native). */
-PyObject *
+static PyObject *
 dcp_tensors_to(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -244,10 +257,14 @@ dcp_tensors_to(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+PyDoc_STRVAR(dcp_tensor_devices__doc__,
+             "tensor_devices(ctx, values, /)\n--\n\n"
+             "Distinct devices of the tensors with dim() > 0 among values.");
+
 /* tensor_devices(ctx, values) -> list of distinct devices of the tensors
  * with dim() > 0 among `values`, in first-seen order (upstream's device
  * detection for full and broadcast model loads). */
-PyObject *
+static PyObject *
 dcp_tensor_devices(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -302,9 +319,13 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(dcp_indices_of__doc__,
+             "indices_of(values, cls, /)\n--\n\n"
+             "Positions of the values that are instances of cls.");
+
 /* indices_of(values, cls) -> [i for i, v in enumerate(values) if
  * isinstance(v, cls)] */
-PyObject *
+static PyObject *
 dcp_indices_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("indices_of", nargs, 2) < 0) {
@@ -391,9 +412,13 @@ tree_paths_visit(dcp_Context *ctx,
     return rc;
 }
 
+PyDoc_STRVAR(dcp_tree_paths__doc__,
+             "tree_paths(ctx, obj, /)\n--\n\n"
+             "Dotted paths of the tensor leaves, in tree_leaves order.");
+
 /* tree_paths(ctx, obj) -> dotted paths of the tensor leaves, in the order
  * tree_leaves returns them (only error messages need them). */
-PyObject *
+static PyObject *
 dcp_tree_paths(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     dcp_state *st = dcp_get_state(module);
@@ -412,3 +437,31 @@ dcp_tree_paths(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     return out;
 }
+
+PyMethodDef dcp_tree_methods[] = {
+    {"tree_leaves",
+     DCP_FASTCALL(dcp_tree_leaves),
+     METH_FASTCALL,
+     dcp_tree_leaves__doc__},
+    {"tree_rebuild",
+     DCP_FASTCALL(dcp_tree_rebuild),
+     METH_FASTCALL,
+     dcp_tree_rebuild__doc__},
+    {"tensors_to",
+     DCP_FASTCALL(dcp_tensors_to),
+     METH_FASTCALL,
+     dcp_tensors_to__doc__},
+    {"tensor_devices",
+     DCP_FASTCALL(dcp_tensor_devices),
+     METH_FASTCALL,
+     dcp_tensor_devices__doc__},
+    {"indices_of",
+     DCP_FASTCALL(dcp_indices_of),
+     METH_FASTCALL,
+     dcp_indices_of__doc__},
+    {"tree_paths",
+     DCP_FASTCALL(dcp_tree_paths),
+     METH_FASTCALL,
+     dcp_tree_paths__doc__},
+    {NULL, NULL, 0, NULL},
+};

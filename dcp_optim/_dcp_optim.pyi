@@ -63,6 +63,22 @@ class ModelIndex:
     def slot_of(self, tensor: Any, /) -> int | None: ...
 
 
+class LoadPlan:
+    """The plan of a full -> local load (made by plan_full_load; read-only)."""
+
+    @property
+    def njobs(self) -> int: ...
+    @property
+    def nbuckets(self) -> int: ...
+    @property
+    def max_bucket_bytes(self) -> int: ...
+    @property
+    def bucket_bytes(self) -> tuple[int, ...]: ...
+    @property
+    def dests(self) -> tuple[Any, ...]: ...
+    def chunks(self, bucket: int, /) -> list[tuple[Any, ...]]: ...
+
+
 def broadcast_jobs(meta: Any, full: Any, local: Any, device: Any, dtensor_cls: Any, tensor_cls: Any, /) -> Any:
     """The work list of a model broadcast."""
 
@@ -78,14 +94,11 @@ def copy_blocks(dst: Any, src: Any, blocks: Any, direction: Any, row_window: Any
 def drop_frozen(index: Any, state_dict: Any, /) -> Any:
     """Pop the FQNs of parameters with requires_grad=False."""
 
-def extract_rows(buffer: Any, items: Any, dests: Any, /) -> Any:
-    """Keep this rank's part of broadcast row chunks."""
-
 def filter_prefixes(state_dict: Any, prefixes: Any, keep: Any, /) -> Any:
     """Keep keys under the given prefixes, optionally stripping them."""
 
-def finish_full_load(jobs: Any, dests: Any, layouts: Any, from_local: Any, offload: Any, /) -> Any:
-    """Wrap loaded shards as DTensors like their templates."""
+def finish_full_load(plan: LoadPlan, from_local: Any, offload: Any, /) -> list[Any]:
+    """The loaded value of each job of a LoadPlan: shards wrapped as DTensors like their templates."""
 
 def first_key_containing(mapping: Any, needle: Any, /) -> Any:
     """The first str key containing `needle`, or None."""
@@ -132,17 +145,14 @@ def optim_state_jobs(index: Any, state: Any, dtensor_cls: Any, mode: Any, from_l
 def pack_bytes(buffer: Any, items: Any, uint8: Any, /) -> Any:
     """Copy tensors' bytes into a bucket buffer at given offsets."""
 
-def pack_rows(buffer: Any, src_items: Any, values: Any, uint8: Any, /) -> Any:
-    """Pack row chunks of full tensors into a stream bucket."""
-
 def parse_flat_key(key: str, known: set[str] | frozenset[str] | None, /) -> tuple[str, str, str] | None:
     """One key of the flattened optimizer format, parsed as unflatten_optim does."""
 
 def plan_buckets(segment_bytes: Any, copies: Any, budget: Any, /) -> Any:
     """Pack segments into byte buckets within a budget."""
 
-def plan_full_load(jobs: Any, dtensor_cls: Any, classes: Any, budget: Any, empty: Any, stream: Any, in_place: Any = False, /) -> Any:
-    """Destinations, layouts and stream buckets for a full -> local load."""
+def plan_full_load(jobs: Any, dtensor_cls: Any, classes: Any, budget: Any, empty: Any, stream: Any, in_place: Any = False, /) -> LoadPlan:
+    """The LoadPlan of a full -> local load: destinations and stream buckets."""
 
 def plan_gather(leaves: Any, dtensor_cls: Any, placement_classes: Any, budget: Any, floor: Any = 0, /) -> Any:
     """Bucketed gather plans for the DTensor leaves, per mesh."""
@@ -167,9 +177,6 @@ def tensor_devices(ctx: Any, values: Any, /) -> Any:
 
 def tensors_to(tensors: Any, device: Any, /) -> Any:
     """[t.to(device) for t in tensors]."""
-
-def to_metadata(leaves: Any, meta_cls: Any, tensor_cls: Any, /) -> Any:
-    """What a stream sends ahead of tensor data."""
 
 def tree_leaves(ctx: Any, obj: Any, type_check: Any, /) -> Any:
     """The tensor leaves of a state-dict tree, in traversal order."""

@@ -41,6 +41,19 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
 
 
+def to_metadata(leaves: list[Any]) -> list[Any]:
+    """What a stream sends ahead of the tensor data, per tree leaf: the
+    (shape, dtype) of a tensor, a 0-dim tensor itself (on the CPU: it
+    travels in the metadata), any other value as it is."""
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            leaf = TensorMeta(shape, leaf.dtype) if shape else leaf.cpu()
+        out.append(leaf)
+    return out
+
+
 class Route:
     """How data travels from the source rank to every rank of a model.
 
@@ -113,21 +126,51 @@ def run_full_load(
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
-    dests, layouts, buckets = C.plan_full_load(
-        jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place
-    )
-    if route is not None and buckets:
+    plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
+    if route is not None and plan.nbuckets:
         # One buffer for the whole stream: re-allocating per bucket lets
         # the allocator keep several freed buckets resident.
-        storage = torch.empty(max(b[0] for b in buckets), dtype=torch.uint8, device=route.device)
-        for nbytes, src_items, dst_items in buckets:
+        storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
+        for b, nbytes in enumerate(plan.bucket_bytes):
             buf = storage[:nbytes]
+            chunks = plan.chunks(b)
             if route.is_source:
-                C.pack_rows(buf, src_items, jobs, torch.uint8)
+                _pack_rows(buf, chunks)
             route.broadcast(buf)
-            C.extract_rows(buf, dst_items, dests)
-        del storage, buf
-    return C.finish_full_load(jobs, dests, layouts, DTensor.from_local, offload)
+            _extract_rows(buf, chunks)
+        del storage, buf, chunks
+    return C.finish_full_load(plan, DTensor.from_local, offload)
+
+
+# The stream's executors only call torch methods: a C version measured no
+# faster (docs/architecture.md, "What stays in C").
+
+
+def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+    """Source side of a stream bucket: the bytes of each row chunk of a
+    job's full value at its offset in ``buf``."""
+    for value, row_start, rows, offset, _, _, _, _, _ in chunks:
+        part = value if row_start < 0 else value[row_start : row_start + rows]
+        data = part.reshape(-1).view(torch.uint8)
+        n = data.numel()
+        if n:
+            buf[offset : offset + n].copy_(data)
+
+
+def _extract_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+    """Every rank's side of a stream bucket: each row chunk into its job's
+    destination -- the same rows of a full tensor, or the blocks of this
+    rank's shard clipped to the rows (jobs not needed here are skipped)."""
+    for _, row_start, rows, offset, nbytes, dtype, shape, dest, blocks in chunks:
+        if nbytes == 0 or dest is None:
+            continue
+        chunk = buf[offset : offset + nbytes].view(dtype).view(shape)
+        if blocks is not None:
+            C.copy_blocks(dest, chunk, blocks, 1, None if row_start < 0 else (row_start, rows))
+        elif row_start < 0:
+            dest.copy_(chunk)  # 0-dim values travel whole
+        else:
+            dest[row_start : row_start + rows] = chunk
 
 
 def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
@@ -184,7 +227,7 @@ class ModelFullLoad:
             return None
         ctx = context()
         leaves = C.tree_leaves(ctx, self.full, False)
-        return C.tree_rebuild(ctx, self.full, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+        return C.tree_rebuild(ctx, self.full, to_metadata(leaves), False)
 
     def validate(self, meta: Any = None) -> None:
         if self.route is None:
@@ -364,7 +407,7 @@ class OptimLocalize:
         state, groups, fqn_group, empties, unexpected = self.view
         ctx = context()
         leaves = C.tree_leaves(ctx, state, False)
-        meta_state = C.tree_rebuild(ctx, state, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+        meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
         return (meta_state, groups, fqn_group, empties, unexpected)
 
     def validate(self, payload: Any = None) -> None:

@@ -544,7 +544,7 @@ def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
     turned into what this rank's optimizer holds: the flat shard (keyed by
     the flat parameter's first FQN) or, with use_orig_params, this rank's
     piece of each original parameter."""
-    from ._distribute import Route, TensorMeta, run_full_load
+    from ._distribute import Route, run_full_load, to_metadata
 
     state, groups, fqn_group, empties, unexpected = view
     route = None
@@ -554,7 +554,7 @@ def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
         ctx = context()
         if route.is_source:
             leaves = C.tree_leaves(ctx, state, False)
-            meta_state = C.tree_rebuild(ctx, state, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+            meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
             payload = (meta_state, groups, fqn_group, empties, unexpected)
         else:
             payload = None

@@ -583,12 +583,12 @@ def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:
     (shape, dtype): what every rank's copy of a full dict must share."""
     if not state_dict or not isinstance(state_dict, dict):
         return []
-    from ._distribute import TensorMeta
+    from ._distribute import to_metadata
 
     try:
         ctx = context()
         leaves = C.tree_leaves(ctx, state_dict, False)
-        meta = C.tree_rebuild(ctx, state_dict, C.to_metadata(leaves, TensorMeta, torch.Tensor), False)
+        meta = C.tree_rebuild(ctx, state_dict, to_metadata(leaves), False)
     except Exception:  # noqa: BLE001 - the load's own checks report it
         return [(what, "a state dict whose structure cannot be read")]
     out = []

@@ -466,6 +466,13 @@ GARBAGE = st.one_of(
     st.just(PLACEMENT_CLASSES),
     st.just(lambda *a, **k: FakeTensor()),
 )
+# A real plan among the garbage: its executor and methods meet wrong
+# arguments too.
+LOAD_PLAN = C.plan_full_load(
+    [(FakeTensor((4, 2)), FakeDTensor((4, 2)), "cpu"), (FakeTensor(()), None, "cpu")],
+    FakeDTensor, PLACEMENT_CLASSES, 16, lambda shape, **kw: FakeTensor(tuple(shape)), True,
+)
+GARBAGE = st.one_of(GARBAGE, st.just(LOAD_PLAN))
 ARITY = {}
 for _name in dir(C):
     _fn = getattr(C, _name)
@@ -486,6 +493,13 @@ def test_entry_point_garbage(name):
     run()
     for n in {0, ARITY[name] + 1}:
         assert isinstance(outcome(fn, *([None] * n)), TypeError)
+
+
+@FUZZ
+@given(GARBAGE)
+def test_load_plan_chunks_garbage(bucket):
+    outcome(LOAD_PLAN.chunks, bucket)
+    assert LOAD_PLAN.nbuckets == len(LOAD_PLAN.bucket_bytes) > 0
 
 
 # --- resharding arithmetic ----------------------------------------------------------------------

@@ -40,11 +40,10 @@ SWEPT = [
     "copy_blocks",
     "pack_bytes",
     "unpack_gathered",
-    "extract_rows",
     "plan_gather",
     "plan_full_load",
     "finish_full_load",
-    "pack_rows",
+    "LoadPlan",
     "indices_of",
 ]
 

@@ -750,18 +750,6 @@ def _():
     C.unpack_gathered(FakeTensor((64,), UINT8), 32, GATHER_ITEMS, empty, "cpu", [None], [3], None)
 
 
-@case("extract_rows", "ok")
-def _():
-    items = [(0, 16, FLOAT32, (2, 2), 0, 0, None), (16, 16, FLOAT32, (2, 2), 2, 1, BLOCKS),
-             (32, 4, FLOAT32, (), 0, 0, None), (48, 0, FLOAT32, (0,), 0, 2, None)]
-    C.extract_rows(FakeTensor((64,), UINT8), items, [FakeTensor((4, 2)), FakeTensor((2, 2)), None])
-
-
-@case("extract_rows", "job", IndexError, "job out of range")
-def _():
-    C.extract_rows(FakeTensor((64,), UINT8), [(0, 16, FLOAT32, (2,), 0, 5, None)], [])
-
-
 def test_model_index_is_read_only():
     """Python sees copies of the containers the core indexes by cached
     slot numbers: clearing what it gets (once: ``ix.tensors.clear()``
@@ -789,32 +777,6 @@ def test_model_index_is_read_only():
             pass
     assert [fqn for _, _, fqn in before] == ["a.weight", "a.bias", "b.bias"]
     assert C.optim_missing(ix, opt) == before
-
-
-@case("extract_rows", "list-chunk-shape", TypeError, "chunk_shape must be a tuple")
-def _():
-    # a list used as a tuple once crashed the interpreter (blocks path)
-    C.extract_rows(FakeTensor((64,), UINT8), [(0, 16, FLOAT32, [2, 2], 2, 0, BLOCKS)],
-                   [FakeTensor((2, 2))])
-
-
-class _ClearingBuffer(FakeTensor):
-    """A buffer whose slicing empties the dests list it was given: the
-    destination tensor must stay alive (pinned) while torch runs."""
-
-    def __init__(self, dests):
-        super().__init__((64,), UINT8)
-        self.dests = dests
-
-    def __getitem__(self, key):
-        self.dests.clear()
-        return FakeTensor((16,), UINT8)
-
-
-@case("extract_rows", "dests-mutated")
-def _():
-    dests = [FakeTensor((4, 2))]
-    C.extract_rows(_ClearingBuffer(dests), [(0, 16, FLOAT32, (2, 2), 0, 0, None)], dests)
 
 
 @case("copy_blocks", "bad-window-block", TypeError)
@@ -873,46 +835,108 @@ def _():
     C.plan_full_load([(1, 2)], FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)
 
 
-_, _, STREAM_BUCKETS = C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True)
+# Budget 16: several stream buckets, rows of the (4, 2) tensors split.
+STREAM_PLAN = C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True)
+# An explicit (dest, blocks) template: FSDP1's flat shards.
+EXPLICIT_JOBS = [(FakeTensor((4, 2)), (FakeTensor((2, 2)), BLOCKS[1:]), "cpu")]
 
 
-@case("pack_rows", "ok")
+@case("LoadPlan", "attributes")
 def _():
-    for _nbytes, src_items, _dst in STREAM_BUCKETS:
-        C.pack_rows(FakeTensor((64,), UINT8), src_items, LOAD_JOBS, UINT8)
+    # every attribute of the LoadPlan type, and its repr
+    for plan in (STREAM_PLAN, C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)):
+        (plan.njobs, plan.nbuckets, plan.max_bucket_bytes, plan.bucket_bytes, plan.dests, repr(plan))
 
 
-@case("pack_rows", "job", IndexError, "job out of range")
+@case("LoadPlan", "no-constructor", TypeError)
 def _():
-    C.pack_rows(FakeTensor((64,), UINT8), [(9, 0, 1, 0)], [], UINT8)
+    C.LoadPlan()
+
+
+@case("LoadPlan", "read-only", AttributeError)
+def _():
+    STREAM_PLAN.dests = ()
+
+
+@case("LoadPlan", "chunks")
+def _():
+    for b in range(STREAM_PLAN.nbuckets):
+        STREAM_PLAN.chunks(b)
+    C.plan_full_load(EXPLICIT_JOBS, FakeDTensor, PLACEMENT_CLASSES, 16, empty, True).chunks(0)
+
+
+@case("LoadPlan", "chunks-range", IndexError, "bucket 9 out of range")
+def _():
+    STREAM_PLAN.chunks(9)
+
+
+@case("LoadPlan", "chunks-index", TypeError)
+def _():
+    STREAM_PLAN.chunks("0")
 
 
 @case("finish_full_load", "ok")
 def _():
-    dests, layouts, _ = C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)
-    C.finish_full_load(LOAD_JOBS, dests, layouts, FakeDTensor.from_local, None)
-    C.finish_full_load(LOAD_JOBS, dests, layouts, FakeDTensor.from_local, "cpu")
+    plan = C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)
+    C.finish_full_load(plan, FakeDTensor.from_local, None)
+    C.finish_full_load(plan, FakeDTensor.from_local, "cpu")
+    C.finish_full_load(STREAM_PLAN, FakeDTensor.from_local, None)
 
 
-@case("finish_full_load", "lengths", ValueError, "2 jobs but 1 dests and 2 layouts")
+@case("finish_full_load", "not-a-plan", TypeError, "expected a LoadPlan")
 def _():
-    # fewer dests than jobs: read past the end before this was checked
-    C.finish_full_load(LOAD_JOBS[:2], [None], [None, None], FakeDTensor.from_local, None)
+    # jobs, dests and layouts once came as three lists whose lengths had
+    # to be checked against each other
+    C.finish_full_load([1], FakeDTensor.from_local, None)
 
 
-@case("finish_full_load", "bad-job", TypeError, "jobs are")
-def _():
-    C.finish_full_load([1], [None], [None], FakeDTensor.from_local, None)
+def test_load_plan_type():
+    """A LoadPlan is made only by plan_full_load, read-only, and what the
+    executors need: per-job destinations and the stream's buckets."""
+    with pytest.raises(TypeError):
+        C.LoadPlan()
+    plan = C.plan_full_load(LOAD_JOBS, FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)
+    assert (plan.njobs, plan.nbuckets, plan.max_bucket_bytes, plan.bucket_bytes) == (4, 0, 0, ())
+    dests = plan.dests
+    assert isinstance(dests, tuple) and len(dests) == 4
+    assert dests[0].shape == (2, 2) and dests[1].shape == (3,) and dests[3] is None
+    with pytest.raises(AttributeError):
+        plan.dests = ()
+    # stream: 4x2 float32 rows (8 bytes) in 16-byte buckets, then (3,), ()
+    sizes = STREAM_PLAN.bucket_bytes
+    assert STREAM_PLAN.nbuckets == len(sizes) > 1
+    assert STREAM_PLAN.max_bucket_bytes == max(sizes) <= 16
+    assert repr(STREAM_PLAN).startswith("<LoadPlan jobs=4 ")
+    values = C.finish_full_load(plan, FakeDTensor.from_local, None)
+    assert isinstance(values[0], FakeDTensor) and values[1] is dests[1] and values[3] is None
+    # every row of every job once, each chunk within its bucket; the
+    # template-less (3,) and 0-dim values travel to full dests, the job
+    # not needed here (template False) has none
+    seen = {}
+    for b, size in enumerate(sizes):
+        for value, row_start, rows, offset, nbytes, dtype, shape, dest, blocks in STREAM_PLAN.chunks(b):
+            assert offset % 16 == 0 and offset + nbytes <= size and dtype is FLOAT32
+            assert shape == ((rows,) + tuple(value.shape[1:]) if row_start >= 0 else ())
+            seen.setdefault(id(value), []).append((row_start, rows, dest is None, blocks is None))
+    jobs = [id(job[0]) for job in LOAD_JOBS]
+    assert seen[jobs[0]] == [(0, 2, False, False), (2, 2, False, False)]
+    assert seen[jobs[1]] == [(0, 3, False, True)]
+    assert seen[jobs[2]] == [(-1, 1, False, True)]
+    assert seen[jobs[3]] == [(0, 2, True, True)]
 
 
-@case("to_metadata", "ok")
-def _():
-    C.to_metadata([FakeTensor((2,)), FakeTensor(()), 3], Meta, FakeTensor)
+def test_load_plan_cycle_is_collected():
+    """A plan is a GC container: a cycle through a job's value frees."""
+    import weakref
 
-
-@case("to_metadata", "not-sequence", TypeError)
-def _():
-    C.to_metadata(5, Meta, FakeTensor)
+    value = FakeTensor((2,))
+    plan = C.plan_full_load([(value, None, "cpu")], FakeDTensor, PLACEMENT_CLASSES, 64, empty, False)
+    assert gc.is_tracked(plan)
+    value.plan = plan
+    ref = weakref.ref(value)
+    del value, plan
+    gc.collect()
+    assert ref() is None
 
 
 # --- FSDP1 flat parameters ----------------------------------------------------------------
