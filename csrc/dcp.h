@@ -77,6 +77,11 @@
     X(placements, "placements")                      \
     X(local_tensor, "_local_tensor")                 \
     X(is_contiguous, "is_contiguous")                \
+    X(data_ptr, "data_ptr")                          \
+    X(stride, "stride")                              \
+    X(layout, "layout")                              \
+    X(is_neg, "is_neg")                              \
+    X(is_conj, "is_conj")                            \
     X(getattribute, "__getattribute__")              \
     X(getattr_hook, "__getattr__")                   \
     X(dunder_class, "__class__")
@@ -298,6 +303,7 @@ DCP_DECLARE_FASTCALL(dcp_broadcast_jobs)
 DCP_DECLARE_FASTCALL(dcp_tree_paths)
 DCP_DECLARE_FASTCALL(dcp_shape_mismatches)
 DCP_DECLARE_FASTCALL(dcp_check_model_load)
+DCP_DECLARE_FASTCALL(dcp_aliased_load)
 DCP_DECLARE_FASTCALL(dcp_flat_unflatten)
 DCP_DECLARE_FASTCALL(dcp_flat_pieces)
 DCP_DECLARE_FASTCALL(dcp_flat_assemble)

@@ -289,6 +289,13 @@ static PyMethodDef dcp_methods[] = {
      "\n--\n\n"
      "Key a canonical model state dict the way model.load_state_dict "
      "expects, without mutating it."},
+    {"aliased_load",
+     DCP_FASTCALL(dcp_aliased_load),
+     METH_FASTCALL,
+     "aliased_load(index, state_dict, dtensor_cls, plain_types, strided, /)"
+     "\n--\n\n"
+     "The live tensors a sharded load would copy onto themselves, or "
+     "None."},
     {"full_load_merge",
      DCP_FASTCALL(dcp_full_load_merge),
      METH_FASTCALL,
