@@ -248,6 +248,7 @@ def aliased_commit(model: nn.Module, load_sd: dict[str, Any], info: Any, rules: 
     index = info.index
     if (
         rules is not _NATIVE_PLAN
+        or nn.Module.load_state_dict is not _TORCH_LOAD
         or index is None
         or index.shared_modules
         or torch.__future__.get_swap_module_params_on_conversion()
@@ -410,6 +411,7 @@ def check_load(
 # and put back if it raises (load_restoring).
 
 _MODULE_LOAD = nn.Module._load_from_state_dict
+_TORCH_LOAD = nn.Module.load_state_dict
 _NORM_LOAD = _NormBase._load_from_state_dict
 _NBT = "num_batches_tracked"
 
