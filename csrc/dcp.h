@@ -81,6 +81,11 @@
     X(placements, "placements")                      \
     X(local_tensor, "_local_tensor")                 \
     X(is_contiguous, "is_contiguous")                \
+    X(data_ptr, "data_ptr")                          \
+    X(stride, "stride")                              \
+    X(layout, "layout")                              \
+    X(is_neg, "is_neg")                              \
+    X(is_conj, "is_conj")                            \
     X(getattribute, "__getattribute__")              \
     X(getattr_hook, "__getattr__")                   \
     X(dunder_class, "__class__")

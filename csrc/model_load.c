@@ -427,6 +427,200 @@ done:
     return result;
 }
 
+/* ----------------------------------------------------------------------
+ * aliased_load: the sharded load that writes nothing
+ *
+ * A DCP resume loads into the tensors get_state_dict returned, which are
+ * views of the model's own parameters and buffers (detached aliases);
+ * set_state_dict then hands them back.  torch's load_state_dict copies
+ * each onto its parameter -- a copy_ that aten returns from early
+ * because source and destination are the same data (same storage
+ * address, sizes, strides, dtype, device, conj/neg bits; for DTensors,
+ * the same mesh, placements and global shape, so that the copy stays
+ * local) -- after walking the module tree with a per-child filter of
+ * the whole dict.  When every entry is such a copy, the load's only
+ * effects are its hooks and the parameters' version counters: the
+ * caller runs those instead.
+ */
+
+/* 1 when `t` is strided, of one of the exact types `plain_types`; 0 if
+ * not; -1 on error. */
+static int
+plain_strided(dcp_state *st,
+              PyObject *t,
+              PyObject *plain_types,
+              PyObject *strided)
+{
+    int known = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(plain_types); i++) {
+        if ((PyObject *)Py_TYPE(t) == PyTuple_GET_ITEM(plain_types, i)) {
+            known = 1;
+            break;
+        }
+    }
+    if (!known) {
+        return 0;
+    }
+    PyObject *layout = PyObject_GetAttr(t, st->str_layout);
+    if (layout == NULL) {
+        return -1;
+    }
+    int ok = layout == strided;
+    Py_DECREF(layout);
+    return ok;
+}
+
+/* 1 when attribute (or, with `call`, method result) `name` of `a` and `b`
+ * compare equal; 0 if not; -1 on error. */
+static int
+same_attr(PyObject *a, PyObject *b, PyObject *name, int call)
+{
+    PyObject *x =
+        call ? PyObject_CallMethodNoArgs(a, name) : PyObject_GetAttr(a, name);
+    if (x == NULL) {
+        return -1;
+    }
+    PyObject *y =
+        call ? PyObject_CallMethodNoArgs(b, name) : PyObject_GetAttr(b, name);
+    if (y == NULL) {
+        Py_DECREF(x);
+        return -1;
+    }
+    int eq = x == y ? 1 : PyObject_RichCompareBool(x, y, Py_EQ);
+    Py_DECREF(x);
+    Py_DECREF(y);
+    return eq;
+}
+
+/* 1 when copying `value` onto `live` is a copy of the same data onto
+ * itself (see above); 0 if not; -1 on error. */
+static int
+same_data(dcp_state *st,
+          PyObject *live,
+          PyObject *value,
+          PyObject *dtensor_cls,
+          PyObject *plain_types,
+          PyObject *strided)
+{
+    if (live == value) {
+        return 1;
+    }
+    int dl = PyObject_IsInstance(live, dtensor_cls);
+    int dv = dl < 0 ? -1 : PyObject_IsInstance(value, dtensor_cls);
+    if (dv < 0) {
+        return -1;
+    }
+    if (dl != dv) {
+        return 0;
+    }
+    PyObject *a = NULL, *b = NULL;
+    int rc = 1;
+    if (dl) {
+        PyObject *names[3] = {
+            st->str_device_mesh, st->str_placements, st->str_shape};
+        for (int i = 0; rc == 1 && i < 3; i++) {
+            rc = same_attr(live, value, names[i], 0);
+        }
+        if (rc != 1) {
+            return rc;
+        }
+        a = PyObject_GetAttr(live, st->str_local_tensor);
+        b = a ? PyObject_GetAttr(value, st->str_local_tensor) : NULL;
+        if (b == NULL) {
+            Py_XDECREF(a);
+            return -1;
+        }
+    }
+    else {
+        a = Py_NewRef(live);
+        b = Py_NewRef(value);
+    }
+    if (a == b) {
+        goto done;
+    }
+    rc = plain_strided(st, a, plain_types, strided);
+    if (rc == 1) {
+        rc = plain_strided(st, b, plain_types, strided);
+    }
+    /* attributes first, then the methods (data_ptr last: it raises on
+     * tensors without storage, which the checks before turn away) */
+    PyObject *attrs[3] = {st->str_dtype, st->str_device, st->str_shape};
+    for (int i = 0; rc == 1 && i < 3; i++) {
+        rc = same_attr(a, b, attrs[i], 0);
+    }
+    PyObject *methods[4] = {
+        st->str_is_neg, st->str_is_conj, st->str_stride, st->str_data_ptr};
+    for (int i = 0; rc == 1 && i < 4; i++) {
+        rc = same_attr(a, b, methods[i], 1);
+    }
+done:
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return rc;
+}
+
+/* aliased_load(index, state_dict, dtensor_cls, plain_types, strided)
+ *   -> list of the live tensors, one per entry, or None
+ *
+ * The list when `state_dict` (keyed for load_state_dict) has exactly the
+ * model's entries, every one a tensor entry whose value holds the same
+ * data as the live tensor (same_data); None otherwise (extra state,
+ * missing or unexpected keys, any other value). */
+PyDoc_STRVAR(
+    dcp_aliased_load__doc__,
+    "aliased_load(index, state_dict, dtensor_cls, plain_types, strided, /)"
+    "\n--\n\n"
+    "The live tensors a sharded load would copy onto themselves, or None.");
+
+static PyObject *
+dcp_aliased_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    dcp_state *st = dcp_get_state(module);
+    if (dcp_check_nargs("aliased_load", nargs, 5) < 0 ||
+        !dcp_index_check(st, args[0])) {
+        return NULL;
+    }
+    dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
+    PyObject *sd = args[1], *dtensor_cls = args[2];
+    PyObject *plain_types = args[3], *strided = args[4];
+    if (!PyDict_Check(sd) || !PyTuple_Check(plain_types)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "aliased_load needs a dict and a tuple of types");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ix->load_keys);
+    if (PyDict_GET_SIZE(sd) != n) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *live = PyList_GET_ITEM(ix->values, i);
+        PyObject *value = NULL;
+        int rc = 0;
+        if (PyByteArray_AS_STRING(ix->kinds)[i] != DCP_KIND_EXTRA) {
+            rc = dcp_dict_get_ref(
+                sd, PyList_GET_ITEM(ix->load_keys, i), &value);
+        }
+        if (rc == 1) {
+            rc = same_data(st, live, value, dtensor_cls, plain_types, strided);
+            Py_DECREF(value);
+        }
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (rc == 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        PyList_SET_ITEM(out, i, Py_NewRef(live));
+    }
+    return out;
+}
+
 PyMethodDef dcp_model_load_methods[] = {
     {"rename_for_load",
      DCP_FASTCALL(dcp_rename_for_load),
@@ -440,5 +634,9 @@ PyMethodDef dcp_model_load_methods[] = {
      DCP_FASTCALL(dcp_check_model_load),
      METH_FASTCALL,
      dcp_check_model_load__doc__},
+    {"aliased_load",
+     DCP_FASTCALL(dcp_aliased_load),
+     METH_FASTCALL,
+     dcp_aliased_load__doc__},
     {NULL, NULL, 0, NULL},
 };

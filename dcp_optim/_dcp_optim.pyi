@@ -85,6 +85,7 @@ def broadcast_jobs(meta: Any, full: Any, local: Any, device: Any, dtensor_cls: A
 def canonicalize_model_keys(ctx: Any, model: Any, state_dict: Any, modifiers_name: Any, /) -> Any:
     """Rename the keys of a fresh model.state_dict() to canonical FQNs, in place, as upstream does."""
 
+def aliased_load(index: Any, state_dict: Any, dtensor_cls: Any, plain_types: Any, strided: Any, /) -> Any: ...
 def check_model_load(index: Any, state_dict: Any, strict: Any, check_keys: Any, /) -> Any:
     """What model.load_state_dict would reject, before anything is copied."""
 

@@ -98,16 +98,15 @@ class Route:
 def route_for(index: Any, device: torch.device | None) -> Route:
     """The broadcast route of the model an index describes (``device``:
     where its buffers live, None for object broadcasts only)."""
-    meshes: list[Any] = []
-    for i in C.indices_of(index.tensors, DTensor):
-        mesh = index.tensors[i].device_mesh
-        if not any(mesh is m for m in meshes):
-            meshes.append(mesh)
-        if len(meshes) > 1:
-            break
-    if len(meshes) == 1:
-        return Route(meshes[0], device)
-    return Route(None, device)
+    tensors = index.tensors
+    first = None
+    for i in C.indices_of(tensors, DTensor):
+        mesh = tensors[i].device_mesh
+        if first is None:
+            first = mesh
+        elif mesh is not first:
+            return Route(None, device)  # several meshes
+    return Route(first, device)
 
 
 def run_full_load(
@@ -476,8 +475,20 @@ def reshard_fsdp2(model: nn.Module) -> None:
     unsharded."""
     try:
         from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     except ImportError:  # pragma: no cover - other torch layouts
+        return
+    # ``is_sharded`` is ``_sharded_state == SHARDED``: read directly (one
+    # property call per group is most of this pass's cost); the modules
+    # are looked at only where some group is not sharded.
+    sharded = ShardedState.SHARDED
+    if all(
+        g._sharded_state is sharded
+        for ref in list(_module_state_mapping.values())
+        if isinstance(state := ref(), FSDPState)
+        for g in getattr(state, "_fsdp_param_groups", ())
+    ):
         return
     pending = []
     for module, ref in list(_module_state_mapping.items()):

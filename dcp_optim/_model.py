@@ -210,6 +210,11 @@ def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
         load_sd = plan.move()
         if native_checks:
             check_load(model, load_sd, info, rules)
+    if not full_path and native_checks:
+        aliased = aliased_commit(model, load_sd, info, rules)
+        if aliased is not None:
+            yield aliased, None
+            return
     if not info.fsdp_modules and rules.torch_path:
         # torch's load decides, at commit: the setters commit the model
         # before the optimizer, and what it wrote is put back if it raises.
@@ -229,6 +234,126 @@ def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
             )
 
     yield commit, None
+
+
+def aliased_commit(model: nn.Module, load_sd: dict[str, Any], info: Any, rules: LoadPlan):
+    """The commit of a sharded load whose every value holds the same data
+    as the tensor it loads into (C.aliased_load: the DCP resume, which
+    loads into the views get_state_dict returned), or None.  There
+    model.load_state_dict copies every tensor onto itself, a copy aten
+    returns from early, after walking the module tree with a filter of
+    the whole dict per child (quadratic in a module's children); what
+    remains of it is run here: the load hooks of the modules (only
+    FSDP2's, which reshard and re-register the sharded parameters) and
+    the version counters copy_ bumps.  The keys are exactly the model's,
+    so the report is empty, as torch's."""
+    index = info.index
+    if (
+        rules is not _NATIVE_PLAN
+        or nn.Module.load_state_dict is not _TORCH_LOAD
+        or index is None
+        or index.shared_modules
+        or torch.__future__.get_swap_module_params_on_conversion()
+        or _assigns(load_sd)
+    ):
+        return None
+    fsdp2 = _fsdp2_hook_codes()
+    pre_hooks: list[Any] = []
+    post_hooks: list[tuple[nn.Module, Any, Any]] = []
+    for module in index.load_modules:
+        if type(module)._load_from_state_dict is not _MODULE_LOAD:
+            return None
+        for hook in module._load_state_dict_pre_hooks.values():
+            if _hook_code(hook) not in fsdp2:
+                return None
+            pre_hooks.append(hook)
+        for hook in module._load_state_dict_post_hooks.values():
+            if _hook_code(hook) not in fsdp2:
+                return None
+            post_hooks.append((module, hook, _closure_self(hook)))
+    targets = C.aliased_load(index, load_sd, _DTensor(), _PLAIN_TYPES, torch.strided)
+    if targets is None:
+        return None
+    strict = info.strict
+
+    def commit() -> _IncompatibleKeys:
+        missing: list[str] = []
+        unexpected: list[str] = []
+        error_msgs: list[str] = []
+        for hook in pre_hooks:
+            hook({}, "", {}, strict, missing, unexpected, error_msgs)
+        if targets:
+            torch.autograd.graph.increment_version(targets)
+        report = _IncompatibleKeys(missing, unexpected)
+        for module, hook, fsdp_param in post_hooks:
+            if fsdp_param is not None and _reset_is_noop(fsdp_param):
+                continue
+            if hook(module, report) is not None:
+                raise AssertionError(
+                    "Hooks registered with ``register_load_state_dict_post_hook`` are not "
+                    "expected to return new values, if incompatible_keys need to be modified, "
+                    "it should be done inplace."
+                )
+        return _IncompatibleKeys(missing, unexpected)
+
+    return commit
+
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def _closure_self(hook: Any) -> Any:
+    """The FSDPParam an FSDP2 post-hook (``lambda: self.reset_sharded_param()``)
+    closes over, or None."""
+    fn = getattr(hook, "hook", hook)
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if code is None or not closure or "self" not in code.co_freevars:
+        return None
+    owner = closure[code.co_freevars.index("self")].cell_contents
+    return owner if hasattr(owner, "reset_sharded_param") else None
+
+
+def _reset_is_noop(fsdp_param: Any) -> bool:
+    """True when FSDPParam.reset_sharded_param would change nothing: the
+    module still holds the sharded parameter, whose local tensor (not
+    meta) lives in the padded storage FSDP2 keeps (so nothing is re-padded
+    nor re-registered), pinned where it must be, and the sharding spec is
+    the parameter's own.  Mirrors torch 2.13's reset_sharded_param."""
+    try:
+        info = fsdp_param._module_info
+        param = fsdp_param.sharded_param
+        if getattr(info.module, info.param_name) is not param:
+            return False
+        local = param._local_tensor
+        if local.is_meta:
+            return True
+        data = fsdp_param._sharded_param_data
+        if type(data) is not torch.Tensor:
+            return False
+        ptr = data.untyped_storage().data_ptr()
+        if ptr <= 0 or ptr != local.untyped_storage().data_ptr():
+            return False
+        if fsdp_param.pin_memory and not local.is_pinned():
+            return False
+        return fsdp_param._sharding_spec is param._spec
+    except AttributeError:  # another torch's FSDPParam: its hook decides
+        return False
+
+
+def _DTensor() -> type:  # noqa: N802 - a class
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _assigns(load_sd: Any) -> bool:
+    """A ``_metadata`` entry asking load_state_dict to assign (replace the
+    tensors) instead of copying."""
+    metadata = getattr(load_sd, "_metadata", None)
+    if not metadata:
+        return False
+    return any(isinstance(m, dict) and m.get("assign_to_params_buffers") for m in metadata.values())
 
 
 def check_load(
@@ -288,6 +413,7 @@ def check_load(
 # and put back if it raises (load_restoring).
 
 _MODULE_LOAD = nn.Module._load_from_state_dict
+_TORCH_LOAD = nn.Module.load_state_dict
 _NORM_LOAD = _NormBase._load_from_state_dict
 _NBT = "num_batches_tracked"
 
@@ -331,6 +457,22 @@ def _benign_hook_codes() -> frozenset[CodeType]:
         )
 
         codes.append(ActivationWrapper._pre_load_state_dict_hook.__code__)
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    return frozenset(codes)
+
+
+@functools.cache
+def _fsdp2_hook_codes() -> frozenset[CodeType]:
+    """Code of FSDP2's load hooks: the pre-hook that reshards a parameter
+    group, the post-hook that re-registers (re-pads) a sharded parameter."""
+    codes: list[CodeType] = []
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        codes += _nested_codes(FSDPParam.__init__, "<lambda>")
+        codes += _nested_codes(FSDPParamGroup._register_state_dict_hooks, "to_sharded_hook")
     except (ImportError, AttributeError):  # pragma: no cover
         pass
     return frozenset(codes)

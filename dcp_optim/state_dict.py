@@ -420,7 +420,10 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     3. broadcast loads: one metadata broadcast from the source, the
        validation of the whole load on every rank, one agreement;
     4. the data movement and the checks made on the moved data, one more
-       agreement, then commit -- which cannot fail on bad input.
+       agreement, then commit -- which cannot fail on bad input.  A
+       sharded load moves no data between ranks and writes nothing before
+       commit: its step 4 runs before the agreement of step 2, which is
+       its only one.
 
     Agreements are fixed-size all-gathers (``_consistency.Agreement``)
     among the ranks of the model's mesh, made whenever the load
@@ -478,6 +481,14 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
             flags_check = None
             if info is not None and info.full_state_dict and not info.broadcast_from_rank0:
                 flags_check = functools.partial(_full_dict_everywhere, api)
+            # A sharded load moves no data between ranks and writes nothing
+            # before commit: its last step runs before the one agreement.
+            # (Decided from the options as passed: ranks whose options
+            # differ meet at this first exchange and raise there.)
+            sharded = not bcast and not getattr(options, "full_state_dict", False)
+            results = []
+            if sharded:
+                error = _data_steps(steps, results, error, bcast)
             if agreement is not None:
                 per_rank = agreement.agree(error, flags=(int(has[0]), int(has[1])), flags_check=flags_check)
             elif error is not None:
@@ -498,21 +509,12 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
                 except Exception as exc:  # noqa: BLE001
                     error = exc
                 agreement.agree(error)
-            # data movement: on broadcast loads every part runs even after
-            # one failed (its stream is a collective the others wait in)
-            results = []
-            for _, gen in steps:
-                if error is not None and not bcast:
-                    break
-                try:
-                    results.append(next(gen))
-                except Exception as exc:  # noqa: BLE001
-                    error = error or exc
-                    results.append(None)
-            if agreement is not None:
-                agreement.agree(error)
-            elif error is not None:
-                raise error
+            if not sharded:
+                error = _data_steps(steps, results, error, bcast)
+                if agreement is not None:
+                    agreement.agree(error)
+                elif error is not None:
+                    raise error
             parts = dict(zip([name for name, _ in steps], results))
             # The model first: a model whose modules decide their own load
             # rules is loaded by torch at its commit (restored if that
@@ -537,6 +539,23 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     result.optim_missing_keys = optim_report.missing_keys if optim_report else []
     result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
     return (result, info.handle_model), optimizers
+
+
+def _data_steps(steps: list[tuple[str, Any]], results: list[Any], error: Exception | None, bcast: bool):
+    """The last step of every part of a load (data movement, the checks
+    on the moved data), appending each part's (commit, report) to
+    ``results``; returns the load's error.  On broadcast loads every part
+    runs even after one failed (its stream is a collective the others
+    wait in)."""
+    for _, gen in steps:
+        if error is not None and not bcast:
+            break
+        try:
+            results.append(next(gen))
+        except Exception as exc:  # noqa: BLE001 - agreed on by the caller
+            error = error or exc
+            results.append(None)
+    return error
 
 
 def _distributed() -> bool:

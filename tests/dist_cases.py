@@ -152,6 +152,48 @@ def _assert_state_like_params(optim, *, skip_frozen=True):
 # --- sharded state dicts vs upstream ---------------------------------------------
 
 
+def _aten_copies(fn):
+    """(fn(), number of aten.copy_ calls it dispatched)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = [0]
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                counts[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        result = fn()
+    return result, counts[0]
+
+
+def _self_load_like_upstream(mu, ou, md, od) -> None:
+    """The DCP resume's load: set_state_dict of the views get_state_dict
+    returned (DCP loads into them in place).  Same parameters, optimizer
+    state, report and version counters as upstream's, and dcp_optim copies
+    nothing (torch's load copies every tensor onto itself)."""
+    msd_u, osd_u = upstream.get_state_dict(mu, ou)
+    msd_d, osd_d = dcp_optim.get_state_dict(md, od)
+    before_u = [p._version for p in mu.parameters()]
+    before_d = [p._version for p in md.parameters()]
+    report_u, copies_u = _aten_copies(
+        lambda: upstream.set_state_dict(mu, ou, model_state_dict=msd_u, optim_state_dict=osd_u)
+    )
+    report_d, copies_d = _aten_copies(
+        lambda: dcp_optim.set_state_dict(md, od, model_state_dict=msd_d, optim_state_dict=osd_d)
+    )
+    assert copies_u >= len(before_u) and copies_d == 0, (copies_u, copies_d)
+    assert (list(report_u.missing_keys), list(report_u.unexpected_keys)) == (
+        list(report_d.missing_keys), list(report_d.unexpected_keys))
+    bumps_u = [p._version - v for p, v in zip(mu.parameters(), before_u)]
+    bumps_d = [p._version - v for p, v in zip(md.parameters(), before_d)]
+    assert bumps_u == bumps_d, (bumps_u, bumps_d)
+    assert_same_tree(params_snapshot(mu), params_snapshot(md))
+    assert_same_optimizers(ou, od, skip_frozen=True)
+
+
 def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
     """Sharded (default), full, full+cpu_offload and flattened getters, and
     the sharded, full and broadcast setters, against upstream."""
@@ -217,6 +259,9 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
         train(fu, fou, steps=1, seed=9)
         train(fd, fod, steps=1, seed=9)
         assert_same_tree(params_snapshot(fu), params_snapshot(fd))
+
+        if kind == "fsdp2":
+            _self_load_like_upstream(mu, ou, md, od)
 
         # full loads: every rank holds the dict, then broadcast from rank 0
         full = upstream.StateDictOptions(full_state_dict=True)

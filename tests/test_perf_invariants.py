@@ -344,3 +344,93 @@ def test_getters_allocate_nothing_the_cyclic_gc_counts():
         gc.callbacks.remove(count)
     assert flattened == [], f"flatten_optim: {len(flattened)} collections"
     assert starts == [], f"get_optimizer_state_dict: {len(starts)} collections"
+
+
+# --- sharded loads that write nothing (the DCP resume) -------------------------------
+
+
+class _CopyCounter:
+    """Counts aten.copy_ dispatched inside the ``with`` block."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        counter.copies = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.copy_.default:
+                    counter.copies += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model.register_buffer("steps", torch.zeros(2))
+    return model
+
+
+def _versions(model: nn.Module) -> list[int]:
+    return [t._version for t in model.state_dict(keep_vars=True).values()]
+
+
+def test_a_load_of_the_models_own_views_copies_nothing():
+    """set_model_state_dict of what get_model_state_dict returned (views
+    of the live tensors, as after dcp.load into them): torch copies every
+    tensor onto itself; dcp_optim copies nothing, and leaves the same
+    version counters and report."""
+    theirs, ours = _mlp(), _mlp()
+    v_theirs, v_ours = _versions(theirs), _versions(ours)
+    with _CopyCounter() as torch_load:
+        report_theirs = theirs.load_state_dict(theirs.state_dict())
+    with _CopyCounter() as our_load:
+        report_ours = dcp_optim.set_model_state_dict(ours, dcp_optim.get_model_state_dict(ours))
+    n = len(v_theirs)
+    assert torch_load.copies == n and our_load.copies == 0
+    assert tuple(report_ours) == tuple(report_theirs) == ([], [])
+    assert [a - b for a, b in zip(_versions(ours), v_ours)] == [1] * n
+    assert [a - b for a, b in zip(_versions(theirs), v_theirs)] == [1] * n
+
+
+@pytest.mark.parametrize("change", ["other_tensor", "other_view", "missing_key"])
+def test_a_load_of_other_data_goes_through_torchs_copies(change):
+    """One entry that is not the live tensor's own data -- another tensor
+    of equal values, a view of other geometry, a missing key -- and the
+    load is torch's: every present tensor copied."""
+    model = _mlp()
+    sd = dcp_optim.get_model_state_dict(model)
+    if change == "other_tensor":
+        sd["0.bias"] = sd["0.bias"].clone() + 1
+    elif change == "other_view":
+        sd["0.bias"] = torch.ones(8)[::2]
+    else:
+        del sd["steps"]
+    expected = {k: v.clone() for k, v in sd.items()}
+    with _CopyCounter() as load:
+        report = dcp_optim.set_model_state_dict(
+            model, sd, options=dcp_optim.StateDictOptions(strict=change != "missing_key")
+        )
+    assert load.copies == len(sd)
+    live = model.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(live[key], value), key
+    assert list(report.missing_keys) == (["steps"] if change == "missing_key" else [])
+
+
+def test_a_model_with_its_own_load_hooks_is_loaded_by_torch():
+    """A load hook that is not FSDP2's sees the load torch would make."""
+    model = _mlp()
+    calls = []
+    model[2].register_load_state_dict_post_hook(lambda module, keys: calls.append(module))
+    with _CopyCounter() as load:
+        dcp_optim.set_model_state_dict(model, dcp_optim.get_model_state_dict(model))
+    assert calls == [model[2]] and load.copies == len(model.state_dict())

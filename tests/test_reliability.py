@@ -107,15 +107,15 @@ def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
 
 @pytest.mark.parametrize("mode", ["sharded", "full", "broadcast"])
 def test_load_collectives_are_the_readmes(reliability, mode):
-    """The README's cost line: two all-gathers of one 64-byte record per
-    load (broadcast: three), plus, on broadcast loads, the metadata
-    broadcast and the data broadcasts; nothing else."""
+    """The README's cost line: all-gathers of one 64-byte record per load
+    (sharded: one, full: two, broadcast: three), plus, on broadcast loads,
+    the metadata broadcast and the data broadcasts; nothing else."""
     calls = [r[f"collectives[{mode}]"]["dcp_optim"] for r in reliability]
     assert calls[0] == calls[1], calls
     result, calls = calls[0]
     assert result == "ok", result
     gathers = [c for c in calls if c[0] in ("all_gather_single", "all_gather_into_tensor")]
-    assert [size for _, size in gathers] == [64] * (3 if mode == "broadcast" else 2), calls
+    assert [size for _, size in gathers] == [64] * {"sharded": 1, "full": 2, "broadcast": 3}[mode], calls
     others = [c for c in calls if c not in gathers]
     if mode != "broadcast":
         assert others == [], calls

@@ -550,6 +550,70 @@ def _():
     C.check_model_load(INDEX, {"a.weight": FakeTensor((9,)), "zz": 1, "b.bias": 3}, True, True)
 
 
+STRIDED = object()
+
+
+class _Strided(FakeTensor):
+    """A FakeTensor with what aliased_load compares: two of them with the
+    same ``ptr`` hold the same data."""
+
+    layout = STRIDED
+
+    def __init__(self, shape=(2,), ptr=64):
+        super().__init__(shape)
+        self.ptr = ptr
+
+    def is_neg(self) -> bool:
+        return False
+
+    def is_conj(self) -> bool:
+        return False
+
+    def stride(self) -> tuple[int, ...]:
+        return (1,) * len(self.shape)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _aliased_index(value):
+    root = FakeModule()
+    root._parameters["w"] = value
+    return C.walk_model(CTX, root, "_fqn_modifiers")
+
+
+@case("aliased_load", "ok")
+def _():
+    live = _Strided()
+    index = _aliased_index(live)
+    plain = (_Strided,)
+    C.aliased_load(index, {"w": live}, FakeDTensor, plain, STRIDED)  # the live tensor
+    C.aliased_load(index, {"w": _Strided()}, FakeDTensor, plain, STRIDED)  # same data
+    C.aliased_load(index, {"w": _Strided(ptr=8)}, FakeDTensor, plain, STRIDED)  # other data
+    C.aliased_load(index, {"w": _Strided((3,))}, FakeDTensor, plain, STRIDED)  # other shape
+    C.aliased_load(index, {"w": live}, FakeDTensor, (), STRIDED)  # not a plain type
+    C.aliased_load(index, {}, FakeDTensor, plain, STRIDED)  # other keys
+    C.aliased_load(index, {"x": live}, FakeDTensor, plain, STRIDED)
+    dt = FakeDTensor((4, 2))
+    dt_index = _aliased_index(dt)
+    twin = FakeDTensor((4, 2), mesh=dt.device_mesh)
+    twin._local_tensor = dt._local_tensor
+    C.aliased_load(dt_index, {"w": twin}, FakeDTensor, plain, STRIDED)
+    C.aliased_load(dt_index, {"w": FakeDTensor((4, 2))}, FakeDTensor, plain, STRIDED)  # other mesh
+    C.aliased_load(dt_index, {"w": live}, FakeDTensor, plain, STRIDED)  # not a DTensor
+
+
+@case("aliased_load", "not-dict", TypeError, "needs a dict")
+def _():
+    C.aliased_load(INDEX, [], FakeDTensor, (), STRIDED)
+
+
+@case("aliased_load", "attribute-raises", AttributeError)
+def _():
+    index = _aliased_index(FakeTensor())
+    C.aliased_load(index, {"w": FakeTensor()}, FakeDTensor, (FakeTensor,), STRIDED)
+
+
 @case("rename_for_load", "non-str-key", TypeError, "must be str")
 def _():
     C.rename_for_load(INDEX, {"a.weight": FakeTensor((2, 3)), 3: 1}, False, True, True)
