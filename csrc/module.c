@@ -244,7 +244,7 @@ static PyMethodDef dcp_methods[] = {
     {"flatten_optim",
      DCP_FASTCALL(dcp_flatten_optim),
      METH_FASTCALL,
-     "flatten_optim(ctx, osd, group_counts, /)\n--\n\n"
+     "flatten_optim(ctx, osd, group_counts, keys=None, /)\n--\n\n"
      "The flattened optimizer format of a nested FQN-keyed dict."},
     {"unflatten_optim",
      DCP_FASTCALL(dcp_unflatten_optim),
