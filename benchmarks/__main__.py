@@ -30,7 +30,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=25)
     p.add_argument("--max-call-s", type=float, default=30.0,
-                   help="skip a candidate whose extrapolated time per call exceeds this (default 30)")
+                   help="skip an upstream or floor call whose extrapolated time exceeds this (default 30; "
+                        "dcp_optim always runs)")
     p.add_argument("--call-timeout", type=float, default=90.0,
                    help="hard limit per call in section 1 (0 = none; default 90)")
     p.add_argument("--dist-layers", type=int, default=128, help="section 2: Linear layers (2 tensors each)")

@@ -105,10 +105,16 @@ def table_section1(s1: dict[str, Any]) -> str:
                     f"{(up or {}).get('reps', 0)}/{(dc or {}).get('reps', 0)}/{(fl or {}).get('reps', 0)}",
                 ]
             )
-    return _grid(
+    out = _grid(
         ["operation", "tensors", "upstream", "dcp_optim", "floor", "up/dcp", "dcp/floor", "reps u/d/f"],
         rows,
     )
+    rss = s1.get("peak_rss_mb") or {}
+    if rss:
+        out += "\npeak RSS of the process after each size (both implementations, model, inputs): " + ", ".join(
+            f"{int(n):,}: {mb:.0f} MB" for n, mb in rss.items()
+        )
+    return out
 
 
 def table_ratios(s1: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@
  *   module.c   module definition, per-module state, method table
  *   context.c  Context: the torch classes and base methods the core needs,
  *              handed in from Python so the core never imports torch
- *   walk.c     ModelIndex: one native walk of the nn.Module tree
+ *   walk.c     the module walk: one native walk of the nn.Module tree
+ *   model_index.c  ModelIndex: the type the walk fills
+ *   walk_cache.c   WalkTrace: a walk's record, replayed on an unchanged tree
  *   fqn.c      FQN rules for arbitrary names (upstream's _get_fqns) and
  *              canonicalisation of model state_dict keys
  *   optim.c    optimizer param-ID <-> FQN mapping (get side)
@@ -172,7 +174,7 @@ dcp_isinstance_any(PyObject *obj, PyObject *types)
 }
 
 /* ----------------------------------------------------------------------
- * ModelIndex (walk.c)
+ * ModelIndex (model_index.c; filled by walk.c)
  *
  * The result of one walk over the module tree; everything per-tensor the
  * other files need.  Lists are parallel arrays (one element per entry),
@@ -180,7 +182,8 @@ dcp_isinstance_any(PyObject *obj, PyObject *types)
  *
  * Every list (and the kinds bytearray) is read-only once the walk is
  * done: indexes replayed from the same WalkTrace share the string lists
- * (walk.c, "Replaying a walk").  Never append to, sort or assign into them.
+ * (walk_cache.c, "Replaying a walk").  Never append to, sort or assign into
+ * them.
  */
 typedef struct {
     PyObject_HEAD
@@ -209,7 +212,7 @@ typedef struct {
                                 or a type overriding _load_from_state_dict
                                 or only one of get_/set_extra_state */
     PyObject *trace;         /* WalkTrace that replays this walk, or None (see
-                                walk.c: only trees whose walk runs no user code) */
+                                walk_cache.c: only plain trees are replayed) */
     PyObject *views;    /* dict: name -> the read-only copy Python sees of a
                            container above (NULL until first asked for) */
     int shared_modules; /* a module is reachable under several paths

@@ -194,14 +194,247 @@ done:
     return rc;
 }
 
+/* ----------------------------------------------------------------------
+ * Reusing keys
+ *
+ * The getter is called again and again on an unchanged model (every
+ * checkpoint), and building the same key strings each time (700k of them
+ * at 50k Adam parameters) was half of its cost: one fresh allocation per
+ * key, spread over tens of MB that the previous result has just freed.
+ * The caller may pass a `keys` dict kept between calls (one per model).
+ * It maps an FQN to a pair of tuples (state, groups), each
+ * (source, flat key, source, flat key, ...) in the order the keys were
+ * last emitted.  The flat key at position j is reused only when the
+ * source at j (the state key or group key, an exact str) equals this
+ * call's, and the FQN is the dict key itself, so a reused key is always
+ * the string that would be built: a changed model, state or group
+ * rebuilds (and records) exactly the keys that differ.  Only exact str
+ * sources and FQNs take part (str() of anything else may run code or
+ * differ between calls); nested state dicts and empty groups are built
+ * every time.  The records are tuples of strings, which the cyclic GC
+ * stops tracking, so a large model's cache adds nothing to the
+ * collections of the program; they hold no tensor and no value.
+ */
+
+/* The keys of one FQN's state or group, as they are emitted. */
+typedef struct {
+    PyObject *fqn;     /* exact str (pinned) */
+    PyObject *old;     /* the recorded tuple (owned), or NULL */
+    PyObject *scratch; /* list of this call's pairs after a difference */
+    Py_ssize_t n;      /* keys emitted */
+} dcp_reuse;
+
+/* Starts reusing the record `which` (0 state, 1 groups) of `fqn`.  1 when
+ * keys are reused (`r` set up; end with reuse_finish), 0 when not (no
+ * cache, or `fqn` not an exact str), -1 on error. */
+static int
+reuse_begin(dcp_reuse *r, PyObject *keys, PyObject *fqn, int which)
+{
+    PyObject *entry = NULL;
+    memset(r, 0, sizeof(*r));
+    if (keys == NULL || !PyUnicode_CheckExact(fqn)) {
+        return 0;
+    }
+    int rc = dcp_dict_get_ref(keys, fqn, &entry);
+    if (rc < 0) {
+        return -1;
+    }
+    if (rc == 1) {
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+            !PyTuple_CheckExact(PyTuple_GET_ITEM(entry, which))) {
+            Py_DECREF(entry);
+            PyErr_SetString(PyExc_TypeError,
+                            "flatten_optim: malformed key cache");
+            return -1;
+        }
+        r->old = Py_NewRef(PyTuple_GET_ITEM(entry, which));
+        Py_DECREF(entry);
+    }
+    r->fqn = Py_NewRef(fqn);
+    return 1;
+}
+
+static void
+reuse_clear(dcp_reuse *r)
+{
+    Py_XDECREF(r->fqn);
+    Py_XDECREF(r->old);
+    Py_XDECREF(r->scratch);
+    memset(r, 0, sizeof(*r));
+}
+
+/* The flat key `head` + fqn + "." + `src` (an exact str) for the next
+ * position: the recorded one when its source equals `src`, else built
+ * (with `*prefix`, "<head><fqn>.", made on first need).  New reference or
+ * NULL. */
+static PyObject *
+reuse_key(dcp_state *st,
+          dcp_reuse *r,
+          PyObject *src,
+          PyObject *head,
+          PyObject **prefix)
+{
+    Py_ssize_t at = 2 * r->n;
+    PyObject *full = NULL;
+    if (r->old != NULL && at + 1 < PyTuple_GET_SIZE(r->old)) {
+        PyObject *was = PyTuple_GET_ITEM(r->old, at);
+        if (was == src ||
+            (PyUnicode_CheckExact(was) && PyUnicode_Compare(was, src) == 0)) {
+            full = Py_NewRef(PyTuple_GET_ITEM(r->old, at + 1));
+        }
+    }
+    if (full == NULL) {
+        if (*prefix == NULL) {
+            *prefix = concat3(head, r->fqn, st->str_dot);
+            if (*prefix == NULL) {
+                return NULL;
+            }
+        }
+        full = PyUnicode_Concat(*prefix, src);
+        if (full == NULL) {
+            return NULL;
+        }
+        if (r->scratch == NULL) {
+            /* the first difference: the pairs so far, then this call's */
+            PyObject *head_pairs =
+                r->old ? PyTuple_GetSlice(r->old, 0, at) : PyTuple_New(0);
+            r->scratch = head_pairs ? PySequence_List(head_pairs) : NULL;
+            Py_XDECREF(head_pairs);
+            if (r->scratch == NULL) {
+                Py_DECREF(full);
+                return NULL;
+            }
+        }
+    }
+    if (r->scratch != NULL && (PyList_Append(r->scratch, src) < 0 ||
+                               PyList_Append(r->scratch, full) < 0)) {
+        Py_DECREF(full);
+        return NULL;
+    }
+    r->n++;
+    return full;
+}
+
+/* Records this call's keys when they differ from the record (a changed
+ * key, or fewer keys), and releases `r`.  0 or -1. */
+static int
+reuse_finish(dcp_reuse *r, PyObject *keys, int which)
+{
+    int rc = -1;
+    PyObject *rec = NULL, *entry = NULL, *other = NULL, *pair = NULL;
+    Py_ssize_t len = r->old ? PyTuple_GET_SIZE(r->old) : -1;
+    if (r->scratch == NULL && len == 2 * r->n) {
+        rc = 0; /* unchanged */
+        goto done;
+    }
+    if (r->scratch != NULL) {
+        rec = PyList_AsTuple(r->scratch);
+    }
+    else {
+        rec = r->old ? PyTuple_GetSlice(r->old, 0, 2 * r->n) : PyTuple_New(0);
+    }
+    if (rec == NULL || dcp_dict_get_ref(keys, r->fqn, &entry) < 0) {
+        goto done;
+    }
+    if (entry != NULL && PyTuple_CheckExact(entry) &&
+        PyTuple_GET_SIZE(entry) == 2) {
+        other = Py_NewRef(PyTuple_GET_ITEM(entry, 1 - which));
+    }
+    else {
+        other = PyTuple_New(0);
+        if (other == NULL) {
+            goto done;
+        }
+    }
+    pair =
+        which == 0 ? PyTuple_Pack(2, rec, other) : PyTuple_Pack(2, other, rec);
+    if (pair == NULL || PyDict_SetItem(keys, r->fqn, pair) < 0) {
+        goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(rec);
+    Py_XDECREF(entry);
+    Py_XDECREF(other);
+    Py_XDECREF(pair);
+    reuse_clear(r);
+    return rc;
+}
+
+/* The state of one parameter (an exact dict) with its keys reused through
+ * `r` (see above).  0 or -1. */
+static int
+flatten_reused_state(dcp_state *st,
+                     dcp_Context *ctx,
+                     dcp_reuse *r,
+                     PyObject *value,
+                     PyObject *out)
+{
+    int rc = -1;
+    PyObject *prefix = NULL;
+    Py_ssize_t pos = 0, n = PyDict_GET_SIZE(value);
+    PyObject *key, *leaf;
+    while (PyDict_Next(value, &pos, &key, &leaf)) {
+        Py_INCREF(key);
+        Py_INCREF(leaf);
+        int ok;
+        int plain = PyUnicode_CheckExact(key) &&
+                    (PyLong_Check(leaf) || PyFloat_Check(leaf) ||
+                     Py_IS_TYPE(leaf, (PyTypeObject *)ctx->tensor_type));
+        if (plain) {
+            PyObject *full =
+                reuse_key(st, r, key, st->str_state_prefix, &prefix);
+            ok = full != NULL && PyDict_SetItem(out, full, leaf) == 0;
+            Py_XDECREF(full);
+        }
+        else {
+            /* nested dicts, tensor subclasses, errors: the general path */
+            if (prefix == NULL) {
+                prefix = concat3(st->str_state_prefix, r->fqn, st->str_dot);
+            }
+            ok = prefix != NULL &&
+                 flatten_leaf(st, ctx, key, leaf, prefix, out) == 0;
+        }
+        Py_DECREF(key);
+        Py_DECREF(leaf);
+        if (!ok) {
+            goto done;
+        }
+        if (PyDict_GET_SIZE(value) != n) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "optimizer state changed size during iteration");
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    Py_XDECREF(prefix);
+    return rc;
+}
+
 /* Flattens the state of one parameter under "state.<fqn>.".  0 or -1. */
 static int
 flatten_param_state(dcp_state *st,
                     dcp_Context *ctx,
                     PyObject *fqn,
                     PyObject *value,
+                    PyObject *keys,
                     PyObject *out)
 {
+    if (keys != NULL && PyDict_CheckExact(value)) {
+        dcp_reuse r;
+        int on = reuse_begin(&r, keys, fqn, 0);
+        if (on < 0) {
+            return -1;
+        }
+        if (on == 1) {
+            if (flatten_reused_state(st, ctx, &r, value, out) < 0) {
+                reuse_clear(&r);
+                return -1;
+            }
+            return reuse_finish(&r, keys, 0);
+        }
+    }
     PyObject *sfqn = PyObject_Str(fqn);
     PyObject *prefix =
         sfqn ? concat3(st->str_state_prefix, sfqn, st->str_dot) : NULL;
@@ -339,14 +572,72 @@ empty_group_prefix(dcp_state *st,
         "param_groups.%s%zd_empty_group_%zd__.", EMPTY_OPTIM, opt_i, g - lo);
 }
 
-PyDoc_STRVAR(dcp_flatten_optim__doc__,
-             "flatten_optim(ctx, osd, group_counts, /)\n--\n\n"
-             "The flattened optimizer format of a nested FQN-keyed dict.");
+/* The group keys of every parameter of one non-empty group, reused from
+ * `keys` (see "Reusing keys") when it is not NULL.  0 or -1. */
+static int
+flatten_param_groups(dcp_state *st,
+                     PyObject *params,
+                     PyObject *pairs,
+                     PyObject *keys,
+                     PyObject *out)
+{
+    for (Py_ssize_t p = 0; p < PyList_GET_SIZE(params); p++) {
+        PyObject *fqn = PyList_GET_ITEM(params, p);
+        PyObject *prefix = NULL;
+        dcp_reuse r;
+        Py_INCREF(fqn);
+        int on = reuse_begin(&r, keys, fqn, 1);
+        int rc = on < 0 ? -1 : 0;
+        if (on == 0) {
+            prefix = concat3(st->str_pg_prefix, fqn, st->str_dot);
+            rc = prefix ? flatten_group_keys(pairs, prefix, out) : -1;
+        }
+        for (Py_ssize_t q = 0;
+             on == 1 && rc == 0 && q < PyList_GET_SIZE(pairs);
+             q++) {
+            PyObject *pair = PyList_GET_ITEM(pairs, q);
+            PyObject *src = PyTuple_GET_ITEM(pair, 0);
+            PyObject *full = NULL;
+            if (PyUnicode_CheckExact(src)) {
+                full = reuse_key(st, &r, src, st->str_pg_prefix, &prefix);
+            }
+            else {
+                if (prefix == NULL) {
+                    prefix = concat3(st->str_pg_prefix, fqn, st->str_dot);
+                }
+                full = prefix ? PyUnicode_Concat(prefix, src) : NULL;
+            }
+            rc = full ? PyDict_SetItem(out, full, PyTuple_GET_ITEM(pair, 1))
+                      : -1;
+            Py_XDECREF(full);
+        }
+        if (on == 1) {
+            if (rc == 0) {
+                rc = reuse_finish(&r, keys, 1);
+            }
+            else {
+                reuse_clear(&r);
+            }
+        }
+        Py_XDECREF(prefix);
+        Py_DECREF(fqn);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
 
-/* flatten_optim(ctx, osd, group_counts) -> dict
+/* flatten_optim(ctx, osd, group_counts[, keys]) -> dict
  *
  * group_counts: None (all groups form one optimizer) or a sequence with
- * the number of groups of each optimizer, in order. */
+ * the number of groups of each optimizer, in order.  keys: a dict kept
+ * by the caller between calls, whose key strings are reused (see "Reusing
+ * keys"), or None. */
+PyDoc_STRVAR(dcp_flatten_optim__doc__,
+             "flatten_optim(ctx, osd, group_counts, keys=None, /)\n--\n\n"
+             "The flattened optimizer format of a nested FQN-keyed dict.");
+
 static PyObject *
 dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -354,12 +645,21 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = NULL, *state = NULL, *groups = NULL, *items = NULL;
     PyObject *plist = NULL, *counts = NULL, *result = NULL;
 
-    if (dcp_check_nargs("flatten_optim", nargs, 3) < 0 ||
-        !dcp_context_check(st, args[0])) {
+    if (nargs != 4 && dcp_check_nargs("flatten_optim", nargs, 3) < 0) {
+        return NULL;
+    }
+    if (!dcp_context_check(st, args[0])) {
         return NULL;
     }
     dcp_Context *ctx = (dcp_Context *)args[0];
     PyObject *osd = args[1];
+    PyObject *keys = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
+    if (keys != NULL && !PyDict_CheckExact(keys)) {
+        PyErr_Format(PyExc_TypeError,
+                     "flatten_optim: keys must be a dict or None, not %.200s",
+                     Py_TYPE(keys)->tp_name);
+        return NULL;
+    }
     if (!PyDict_Check(osd)) {
         PyErr_Format(PyExc_TypeError,
                      "optimizer state dict must be a dict, not %.200s",
@@ -397,7 +697,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         while (PyDict_Next(state, &pos, &fqn, &value)) {
             Py_INCREF(fqn);
             Py_INCREF(value);
-            int rc = flatten_param_state(st, ctx, fqn, value, out);
+            int rc = flatten_param_state(st, ctx, fqn, value, keys, out);
             Py_DECREF(fqn);
             Py_DECREF(value);
             if (rc < 0) {
@@ -422,6 +722,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                     ctx,
                                     PyTuple_GET_ITEM(pair, 0),
                                     PyTuple_GET_ITEM(pair, 1),
+                                    keys,
                                     out) < 0) {
                 goto done;
             }
@@ -479,13 +780,8 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 rc = prefix ? flatten_group_keys(pairs, prefix, out) : -1;
                 Py_XDECREF(prefix);
             }
-            for (Py_ssize_t p = 0; rc == 0 && p < PyList_GET_SIZE(params);
-                 p++) {
-                PyObject *prefix = concat3(st->str_pg_prefix,
-                                           PyList_GET_ITEM(params, p),
-                                           st->str_dot);
-                rc = prefix ? flatten_group_keys(pairs, prefix, out) : -1;
-                Py_XDECREF(prefix);
+            if (rc == 0) {
+                rc = flatten_param_groups(st, params, pairs, keys, out);
             }
             Py_DECREF(pairs);
             if (rc < 0) {

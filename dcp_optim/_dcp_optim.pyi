@@ -113,7 +113,7 @@ def flat_pieces(numels_with_padding: Any, is_padding_mask: Any, shard_numel: Any
 def flat_unflatten(full: Any, numels_with_padding: Any, is_padding_mask: Any, shapes: Any, /) -> Any:
     """Views of the original parameters in an unsharded FSDP1 flat tensor."""
 
-def flatten_optim(ctx: Any, osd: Any, group_counts: Any, /) -> Any:
+def flatten_optim(ctx: Any, osd: Any, group_counts: Any, keys: Any = None, /) -> Any:
     """The flattened optimizer format of a nested FQN-keyed dict."""
 
 def full_load_merge(ctx: Any, full_sd: Any, local: Any, device: Any, /) -> Any:

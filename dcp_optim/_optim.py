@@ -17,7 +17,9 @@ scan, with the dtype/device policy of D9), through the optimizer's own
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -155,12 +157,62 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         osd = _get_plain(optimizers, info)
     extras = getattr(info, "optim_extras", None)
     if info.flatten_optimizer_state_dict:
-        osd = C.flatten_optim(context(), osd, info.group_counts)
+        keys = _flat_keys(model)
+        osd_nested = osd
+        osd = C.flatten_optim(context(), osd_nested, info.group_counts, keys)
+        if keys is not None:
+            _trim_flat_keys(keys, osd_nested)
     if extras:
         # after "state"/"param_groups" (nested) or the flat keys
         for key, value in extras.items():
             osd.setdefault(key, value)
     return maybe_full_or_cpu_state_dict(osd, info)
+
+
+# The flat getter's key strings, kept between calls per model (id(model)
+# -> (weak reference to the model, keys dict for C.flatten_optim; see
+# "Reusing keys" in csrc/flat.c)).  A key is reused only where its FQN and
+# state/group key equal the ones it was built from, so a changed model or
+# optimizer cannot get a stale key; the dicts hold strings only, never a
+# tensor, module or value, and go with their model.  Bounded: the least
+# recently used model's strings go first.
+_FLAT_KEYS: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+_FLAT_KEYS_MAX = 8
+
+
+def _forget_flat_keys(key: int, ref: weakref.ref) -> None:
+    entry = _FLAT_KEYS.get(key)
+    if entry is not None and entry[0] is ref:
+        _FLAT_KEYS.pop(key, None)
+
+
+def _flat_keys(model: Any) -> dict[str, Any] | None:
+    """The key cache of ``model`` for the flat getter (created on first
+    use), or None for a model that cannot be weakly referenced."""
+    key = id(model)
+    entry = _FLAT_KEYS.pop(key, None)
+    if entry is None or entry[0]() is not model:
+        try:
+            ref = weakref.ref(model, functools.partial(_forget_flat_keys, key))
+        except TypeError:
+            return None
+        entry = (ref, {})
+    _FLAT_KEYS[key] = entry  # most recently used last
+    try:
+        while len(_FLAT_KEYS) > _FLAT_KEYS_MAX:
+            _FLAT_KEYS.pop(next(iter(_FLAT_KEYS)), None)
+    except (RuntimeError, StopIteration):  # a weakref callback raced this
+        pass
+    return entry[1]
+
+
+def _trim_flat_keys(keys: dict[str, Any], osd: dict[str, Any]) -> None:
+    """Forget the strings of FQNs no longer used (renamed or removed
+    parameters): cleared when it holds far more FQNs than this call used,
+    and rebuilt by the next call."""
+    used = len(osd.get("state", ())) + sum(len(g.get("params", ())) for g in osd.get("param_groups", ()))
+    if len(keys) > 2 * used + 64:
+        keys.clear()
 
 
 def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:

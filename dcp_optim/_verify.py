@@ -189,7 +189,7 @@ def walk(model: nn.Module, modifiers: str) -> Any:
     When the model was walked before, the recorded walk is replayed
     instead: the replay reads the same containers in the same order and
     compares every name and decision with the record (see "Replaying a
-    walk" in csrc/walk.c), returning what a walk would build or None at the
+    walk" in csrc/walk_cache.c), returning what a walk would build or None at the
     first difference -- then the model is walked afresh.  Models whose walk
     could run user code (custom ``named_*``, ``_fqn_modifiers`` hooks,
     ``get_extra_state``, FSDP1, mapping subclasses) are never replayed.

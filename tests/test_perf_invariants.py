@@ -1,7 +1,7 @@
 """Invariants behind the performance shortcuts (issue 7).
 
 The model walk is replayed from a trace while the model is unchanged
-(``dcp_optim._verify.walk``; csrc/walk.c, "Replaying a walk").  These tests
+(``dcp_optim._verify.walk``; csrc/walk_cache.c, "Replaying a walk").  These tests
 pin down that a replay is indistinguishable from a fresh walk after every
 kind of change to the module tree, that trees whose walk could run user
 code are never replayed, and that the cache keeps no model alive.
@@ -434,3 +434,159 @@ def test_a_model_with_its_own_load_hooks_is_loaded_by_torch():
     with _CopyCounter() as load:
         dcp_optim.set_model_state_dict(model, dcp_optim.get_model_state_dict(model))
     assert calls == [model[2]] and load.copies == len(model.state_dict())
+
+
+# --- the flat getter's key strings, reused while the model is unchanged ------
+#
+# csrc/flat.c ("Reusing keys"): the flattened optimizer dict's key strings
+# are kept per model between calls and reused where their FQN and state or
+# group key are unchanged.  A stale key would be a silently wrong result,
+# so after every kind of change the output is compared with upstream's.
+
+
+def _flat_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)),
+        nn.Linear(3, 2),
+    )
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _step(model, optim)
+    return model, optim
+
+
+def _step(model, optim):
+    optim.zero_grad()
+    out = model(torch.ones(2, 3))
+    out.sum().backward()
+    optim.step()
+
+
+def _flat_pair(model, optim):
+    import torch.distributed.checkpoint.state_dict as upstream
+
+    ours = dcp_optim.get_optimizer_state_dict(
+        model, optim, options=dcp_optim.StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    theirs = upstream.get_optimizer_state_dict(
+        model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    assert list(ours) == list(theirs)  # keys and order
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key] is value, key
+        else:
+            assert type(ours[key]) is type(value) and ours[key] == value, key
+    return ours
+
+
+def _same_key_objects(a, b) -> set[str]:
+    """The keys of ``b`` that are the very string objects of ``a``."""
+    olds = {k: k for k in a}
+    return {k for k in b if olds.get(k) is k}
+
+
+def test_flat_getter_reuses_its_key_strings():
+    model, optim = _flat_model()
+    first = _flat_pair(model, optim)
+    second = _flat_pair(model, optim)
+    assert second is not first
+    assert _same_key_objects(first, second) == set(second)
+    # what the cache holds: strings in tuples (untracked by the GC), no value;
+    # a collection untracks a tuple once its items are, so inner ones first
+    gc.collect()
+    gc.collect()
+    from dcp_optim import _optim
+
+    keys = _optim._FLAT_KEYS[id(model)][1]
+    assert set(keys) == {fqn for fqn, _ in model.named_parameters()}
+    for record in keys.values():
+        assert not gc.is_tracked(record)
+        assert all(type(s) is str for part in record for s in part)
+
+
+def _add_group(model, optim):
+    extra = nn.Linear(2, 2)
+    model.add_module("extra", extra)
+    optim.add_param_group({"params": list(extra.parameters()), "lr": 0.5, "weight_decay": 0.1})
+
+
+def _rename_module(model, optim):
+    child = model._modules.pop("1")
+    model._modules["head"] = child
+
+
+def _add_state_key(model, optim):
+    optim.state[model[1].weight]["marker"] = torch.zeros(1)
+
+
+def _drop_state_key(model, optim):
+    del optim.state[model[1].bias]["exp_avg_sq"]
+
+
+def _reorder_state_keys(model, optim):
+    st = optim.state[model[0][0].weight]
+    items = list(st.items())
+    st.clear()
+    st.update(reversed(items))
+
+
+def _add_group_key(model, optim):
+    optim.param_groups[0]["my_hparam"] = 3
+
+
+def _new_group_value(model, optim):
+    optim.param_groups[0]["lr"] = 0.25
+
+
+def _swap_param_order(model, optim):
+    group = optim.param_groups[0]
+    group["params"] = list(reversed(group["params"]))
+
+
+FLAT_CHANGES = [
+    _add_group,
+    _rename_module,
+    _add_state_key,
+    _drop_state_key,
+    _reorder_state_keys,
+    _add_group_key,
+    _new_group_value,
+    _swap_param_order,
+]
+
+
+@pytest.mark.parametrize("change", FLAT_CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_flat_getter_after_a_change_equals_upstream(change):
+    model, optim = _flat_model()
+    before = _flat_pair(model, optim)
+    _flat_pair(model, optim)
+    change(model, optim)
+    if change is _add_group:
+        _step(model, optim)  # state for the new parameters (no pristine-state rules involved)
+    after = _flat_pair(model, optim)  # equal to upstream: nothing stale
+    again = _flat_pair(model, optim)
+    assert _same_key_objects(after, again) == set(again)  # the new keys are recorded
+    # keys whose FQN and state/group key did not change are still reused
+    # (reordered ones are rebuilt: records are compared position by position)
+    unchanged = set(before) & set(after)
+    if change is _reorder_state_keys:
+        unchanged = {k for k in unchanged if not k.startswith("state.0.0.weight.")}
+    assert unchanged and _same_key_objects(before, after) >= unchanged
+
+
+def test_flat_key_cache_keeps_no_model_alive_and_is_bounded():
+    from dcp_optim import _optim
+
+    model, optim = _flat_model()
+    _flat_pair(model, optim)
+    ref = weakref.ref(model)
+    key = id(model)
+    assert key in _optim._FLAT_KEYS
+    del model, optim
+    gc.collect()
+    assert ref() is None and key not in _optim._FLAT_KEYS
+    models = [_flat_model() for _ in range(_optim._FLAT_KEYS_MAX + 3)]
+    for m, o in models:
+        _flat_pair(m, o)
+    assert len(_optim._FLAT_KEYS) <= _optim._FLAT_KEYS_MAX

@@ -377,6 +377,35 @@ def _():
     C.flatten_optim(CTX, NESTED, [3])
 
 
+@case("flatten_optim", "reused-keys")
+def _():
+    keys: dict = {}
+    C.flatten_optim(CTX, NESTED, None, keys)  # records
+    C.flatten_optim(CTX, NESTED, None, keys)  # reuses
+    changed = {
+        "state": {"a.weight": {"exp_avg": FakeTensor((2, 3)), "step": 2}},
+        "param_groups": [{"lr": 0.1, "wd": 0.0, "params": ["a.weight", "b.bias"]}],
+    }
+    C.flatten_optim(CTX, changed, None, keys)  # records again
+
+
+@case("flatten_optim", "reused-keys-leaf-type", NotImplementedError, "only supports")
+def _():
+    keys: dict = {}
+    C.flatten_optim(CTX, NESTED, None, keys)
+    C.flatten_optim(CTX, {"state": {"a.weight": {"x": "str"}}, "param_groups": []}, None, keys)
+
+
+@case("flatten_optim", "keys-type", TypeError, "keys must be a dict")
+def _():
+    C.flatten_optim(CTX, NESTED, None, [])
+
+
+@case("flatten_optim", "keys-malformed", TypeError, "malformed key cache")
+def _():
+    C.flatten_optim(CTX, NESTED, None, {"a.weight": [(), ()]})
+
+
 @case("unflatten_optim", "ok")
 def _():
     C.unflatten_optim(INDEX, FLAT)
