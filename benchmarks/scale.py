@@ -946,7 +946,7 @@ def memory_estimate_mb(model_name: str, world: int) -> float:
 
 
 def run_scale(
-    worlds, ranks=(0, 1), layouts=("fsdp", "dp_tp"), models=MODELS, ops=None, reps=3,
+    worlds, ranks=(0, 1), layouts=("fsdp", "dp_tp"), models=("rows", "tiles"), ops=None, reps=3,
     timeout_s=1800.0, out_dir="bench-out", saved_world=SAVED_WORLD,
 ) -> dict[str, Any]:
     import tempfile

@@ -3,7 +3,7 @@ operation of the harness, both implementations, on torch's fake process
 group at small worlds -- results, not timing.
 
 Two process launches: one runs rank 0 and rank 1 of W=8, 64 and 512 with
-FSDP2 on a 1-D mesh, then rank 0 of W=8 on a (dp, tp) mesh (torch cannot
+FSDP2 on a 1-D mesh, of W=8 with FSDP1, then rank 0 of W=8 on a (dp, tp) mesh (torch cannot
 re-create a 2-D mesh's groups in one process, so that pass is the last);
 the second runs rank 1 of the (dp, tp) world from the broadcasts the first
 recorded.  What is meaningful on the fake group is compared with upstream:
@@ -49,6 +49,8 @@ def runs(tmp_path_factory):
                 _pass(64, "fsdp", 1),
                 _pass(512, "fsdp", 0, ops=BCAST),
                 _pass(512, "fsdp", 1, ops=FLAT, census=True),
+                _pass(8, "fsdp1", 0),
+                _pass(8, "fsdp1", 1),
                 _pass(8, "dp_tp", 0),
             ],
         },
@@ -92,8 +94,9 @@ def test_every_operation_matches_upstream(runs):
     for world in (8, 64):
         for rank in (0, 1):
             assert {op for (lay, w, r, op) in seen if (lay, w, r) == ("fsdp", world, rank)} == set(scale.OPS)
-    for rank in (0, 1):
-        assert {op for (lay, w, r, op) in seen if (lay, w, r) == ("dp_tp", 8, rank)} == set(scale.OPS)
+    for layout in ("dp_tp", "fsdp1"):
+        for rank in (0, 1):
+            assert {op for (lay, w, r, op) in seen if (lay, w, r) == (layout, 8, rank)} == set(scale.OPS)
 
 
 def test_wire_model(runs):
