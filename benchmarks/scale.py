@@ -920,7 +920,10 @@ def launch(cfg: dict[str, Any], tmp: str, timeout_s: float) -> dict[str, Any]:
     env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    import resource
+
     t0 = time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         p = subprocess.run(
             [sys.executable, "-m", "benchmarks.scale", "--worker", cfg_path, "--out", out_path],
@@ -934,6 +937,8 @@ def launch(cfg: dict[str, Any], tmp: str, timeout_s: float) -> dict[str, Any]:
     with open(out_path) as f:
         res = json.load(f)
     res["wall_s"] = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res["cpu_s"] = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     return res
 
 
@@ -989,7 +994,7 @@ def run_scale(
                         out = launch(cfg, tmp, timeout_s)
                         r = out["passes"][0] if out.get("passes") else {"error": out.get("error", "no result")}
                         r.update(model=model_name, layout=layout, world=world, rank=rank,
-                                 wall_s=out.get("wall_s"), shims=out.get("shims"))
+                                 wall_s=out.get("wall_s"), cpu_s=out.get("cpu_s"), shims=out.get("shims"))
                         res["runs"].append(r)
                         print(f"[scale] {model_name}/{layout} W={world} rank {rank}: {r.get('wall_s', 0):.0f} s"
                               + (f" ERROR {r['error']}" if "error" in r else ""), file=sys.stderr, flush=True)
@@ -1051,10 +1056,11 @@ def tables(res: dict[str, Any]) -> str:
         lines.append("  ".join(h.ljust(w) for h, w in zip(hdr, widths)))
         for row in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        walls = {r["world"]: r.get("wall_s", 0) for r in runs if "wall_s" in r}
+        walls = {r["world"] for r in runs if r.get("wall_s")}
         if walls:
-            lines.append("   process wall time per world (all ranks): " + ", ".join(
-                f"W={w}: {sum(x.get('wall_s', 0) for x in runs if x['world'] == w):.0f} s" for w in sorted(walls)))
+            lines.append("   processes' wall / CPU time per world (all ranks): " + ", ".join(
+                f"W={w}: {sum(x.get('wall_s') or 0 for x in runs if x['world'] == w):.0f}"
+                f" / {sum(x.get('cpu_s') or 0 for x in runs if x['world'] == w):.0f} s" for w in sorted(walls)))
     return "\n".join(lines)
 
 
