@@ -19,10 +19,12 @@ through the same shims):
   ``torch.distributed`` Python API whose per-rank input is at most
   ``CONTROL_BYTES`` (dcp_optim's 64-byte agreement records, small size
   exchanges) fills every rank's slot with this rank's contribution, as in
-  a job where all ranks agree.  Larger (data) all-gathers, and the
-  functional collectives FSDP2/DTensor use (``full_tensor``), are left to
-  the fake group: their outputs are uninitialized memory of the right
-  shape, for both implementations alike.
+  a job where all ranks agree (outside the wire counter without calling
+  the fake group, whose own all-gather copies slot by slot).  Larger
+  (data) all-gathers, and the functional collectives FSDP2/DTensor use
+  (``full_tensor``), are left to the fake group, for both implementations
+  alike (torch 2.13's fake all-gather copies the local input into every
+  slot; its other collectives leave outputs as they are).
 * **object collectives carry what rank 0 sent**: ``broadcast_object_list``
   on the source pickles the objects and records the payload (per operation
   and implementation); on any other rank it delivers the payload the
