@@ -14,14 +14,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="dcp_optim vs torch.distributed.checkpoint.state_dict: "
-        "bookkeeping (1), distributed FSDP2 (2), scaling (3), distributed FSDP1 (4).",
+        "bookkeeping (1), distributed FSDP2 (2), scaling (3), distributed FSDP1 (4), "
+        "scale simulation on the fake process group (5).",
     )
     p.add_argument("--quick", action="store_true",
                    help="1k and 10k tensors, shorter budgets, fewer distributed passes (~2 min)")
     p.add_argument("--sizes", help="comma-separated numbers of parameter tensors (default 1000,10000,50000)")
-    p.add_argument("--sections", default="1,2,3,4",
+    p.add_argument("--sections", default="1,2,3,4,5",
                    help="which sections to run: 1 bookkeeping, 2 distributed (FSDP2), 3 scaling (from 1), "
-                   "4 distributed FSDP1 (flat parameters)")
+                   "4 distributed FSDP1 (flat parameters), 5 scale simulation (fake process group)")
+    p.add_argument("--scale-worlds", help="section 5: simulated world sizes (default 8,64,512,4096; "
+                   "quick 8,64,512)")
+    p.add_argument("--scale-big", action="store_true", help="section 5: add 16384 and 65536 (memory permitting)")
+    p.add_argument("--scale-ranks", default="0,1", help="section 5: simulated ranks (rank 0 always runs first)")
+    p.add_argument("--scale-layouts", default=None, help="section 5: fsdp,dp_tp (quick: fsdp)")
+    p.add_argument("--scale-models", default="rows,tiles", help="section 5: rows,tiles")
+    p.add_argument("--scale-ops", default=None, help="section 5: operations (default all)")
+    p.add_argument("--scale-reps", type=int, default=None, help="section 5: timed calls, best of (default 3, quick 1)")
     p.add_argument("--ops", help="section 1 operations to run: comma-separated ids or prefixes, e.g. set_,get_model")
     p.add_argument("--layout", choices=("tree", "flat"), default="tree",
                    help="section 1 model layout (flat: torch's Module.load_state_dict is quadratic)")
@@ -119,6 +128,18 @@ def main(argv: list[str] | None = None) -> int:
             ops=[op for op in OPS if op != "full_get_model_offload"],
         )
         out["distributed_fsdp1"] = s4
+    s5 = None
+    if "5" in sections:
+        from . import scale
+
+        ns = argparse.Namespace(
+            worlds=args.scale_worlds, big=args.scale_big, quick=args.quick, ranks=args.scale_ranks,
+            layouts=args.scale_layouts or ("fsdp" if args.quick else "fsdp,dp_tp"),
+            models=args.scale_models, ops=args.scale_ops, reps=args.scale_reps,
+            saved_world=scale.SAVED_WORLD,
+        )
+        s5 = scale.run_from_args(ns, out_dir=os.path.dirname(os.path.abspath(json_path)))
+        out["scale"] = s5
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 
@@ -151,6 +172,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['n_tensors']} original tensors ({c['param_mb']:.0f} MB params), Adam; median of {c['reps']} ==")
         print("   full_get_model_offload is left out: upstream's FSDP1 model offload fails on a CPU device (torch 2.13)")
         print(report.table_distributed(s4))
+    if s5:
+        c = s5["config"]
+        print(f"\n== 5. Scale simulation: one process per (world, rank) on the fake process group; "
+              f"best of {c['reps']} after a warm-up (CPU time of the process) ==")
+        print("   peak = extra RSS at the call's peak (receive buffers written); colls / recv = collectives "
+              "and bytes received per rank; model = alpha-beta time of those "
+              f"(alpha {c['alpha_s'] * 1e6:.0f} us x ceil(log2 n) per collective, {c['bandwidth_Bps'] / 1e9:.0f} GB/s)")
+        from . import scale
+
+        print(scale.tables(s5))
     if out["findings"]:
         print("\n== Findings (dcp_optim) ==")
         for f in out["findings"]:
@@ -164,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     if s1 and not args.no_plot:
         err = report.plot(s1_clean, env, plot_path)
         print(err if err else f"plot: {os.path.abspath(plot_path)}")
+    if s5 and not args.no_plot:
+        from . import scale
+
+        scale_plot = os.path.splitext(plot_path)[0] + "-scale.png"
+        err = scale.plot(s5, scale_plot)
+        print(err if err else f"scale plot: {os.path.abspath(scale_plot)}")
     print(f"total wall time: {out['wall_s']:.0f} s")
     return 0
 

@@ -23,7 +23,6 @@ payload: the same two collectives on every rank).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 from typing import Any
 
@@ -32,7 +31,13 @@ import torch.distributed as dist
 
 from . import errors
 
-__all__ = ["all_gather_flat", "mesh_all_gather_object", "mesh_all_gather_bytes", "check_agreement"]
+__all__ = [
+    "all_gather_flat",
+    "mesh_all_gather_object",
+    "mesh_all_gather_bytes",
+    "mesh_all_gather_rows",
+    "check_agreement",
+]
 
 
 def mesh_all_gather_object(mesh: Any | None, obj: Any) -> tuple[list[Any], list[int]]:
@@ -80,6 +85,15 @@ def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], l
     row-major mesh order, and their global ranks: one all-gather of a small
     byte tensor -- on the default group when the mesh spans the world (or
     ``mesh`` is None), else one per mesh dimension of size > 1."""
+    rows, ranks = mesh_all_gather_rows(mesh, data)
+    return [bytes(r) for r in rows.numpy()], list(ranks)
+
+
+def mesh_all_gather_rows(mesh: Any | None, data: bytes) -> tuple[torch.Tensor, Any]:
+    """``mesh_all_gather_bytes`` without a Python object per rank: every
+    mesh rank's ``data`` as the rows of one ``[ranks, len(data)]`` uint8
+    CPU tensor, and their global ranks (a ``range`` when they are
+    0 .. n-1 in order, the usual case; else a list)."""
     n = len(data)
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if mesh is None or mesh.size() == dist.get_world_size():
@@ -87,12 +101,10 @@ def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], l
         device = torch.device(dist.distributed_c10d._get_object_coll_device())
         out = torch.empty(world * n, dtype=torch.uint8, device=device)
         all_gather_flat(out, mine.to(device), None)
-        raw = _raw_bytes(out)
-        chunks = [raw[i * n : (i + 1) * n] for i in range(world)]
+        rows = out.cpu().view(world, n)
         if mesh is None:
-            return chunks, list(range(world))
-        order = mesh.mesh.flatten().tolist()
-        return [chunks[r] for r in order], order
+            return rows, range(world)
+        return _in_mesh_order(rows, mesh.mesh.flatten())
     device = torch.device(mesh.device_type)
     payload = mine.to(device)
     # last mesh dimension first: row-major mesh order (as the gathers do)
@@ -102,16 +114,25 @@ def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], l
         out = torch.empty(mesh.size(d) * payload.numel(), dtype=torch.uint8, device=device)
         all_gather_flat(out, payload, mesh.get_group(d))
         payload = out
-    raw = _raw_bytes(payload)
-    chunks = [raw[i * n : (i + 1) * n] for i in range(mesh.size())]
-    return chunks, mesh.mesh.flatten().tolist()
+    return payload.cpu().view(mesh.size(), n), _ranks(mesh.mesh.flatten())
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of a uint8 tensor, in one copy (``tolist()`` makes a
-    Python int per byte: 4 MB of them for 64 bytes from 65536 ranks)."""
-    t = t.cpu().contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
+def _ranks(order: torch.Tensor) -> Any:
+    if torch.equal(order, torch.arange(order.numel(), dtype=order.dtype)):
+        return range(order.numel())
+    return order.tolist()
+
+
+def _in_mesh_order(rows: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The default group's rows (by global rank) in mesh order."""
+    ranks = _ranks(order)
+    if isinstance(ranks, range):
+        return rows, ranks
+    return rows[order.long()], ranks
+
+
+def _all_equal(rows: torch.Tensor) -> bool:
+    return bool((rows == rows[:1]).all())
 
 
 # Every fixed-size exchange of dcp_optim (a getter's gather check, a
@@ -138,10 +159,11 @@ def check_agreement(
     that error path.  ``flag`` (0-255) is not compared: the flags of every
     mesh rank, in row-major mesh order, are returned."""
     record = (_digest(summary) + bytes((flag,))).ljust(RECORD_BYTES, b"\0")
-    blobs, ranks = mesh_all_gather_bytes(mesh, record)
+    rows, ranks = mesh_all_gather_rows(mesh, record)
     flag_at = _DIGEST_BYTES  # record: digest, flag, padding
-    if len({b[:flag_at] + b[flag_at + 1 :] for b in blobs}) == 1:
-        return [b[flag_at] for b in blobs]
+    if _all_equal(rows[:, :flag_at]) and _all_equal(rows[:, flag_at + 1 :]):
+        return rows[:, flag_at].tolist()  # small ints: no object per rank
+    ranks = list(ranks)
     details, _ = mesh_all_gather_object(mesh, ("gather", what, details_fn()))
     _check_same_call(details, ranks)
     message = _describe_difference(what, [d[2] for d in details], ranks)
@@ -254,24 +276,26 @@ class Agreement:
             raise ValueError("at most 8 flags")
         record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
         record = (record + _AGREEMENT_TAG).ljust(RECORD_BYTES, b"\0")
-        blobs, ranks = mesh_all_gather_bytes(self.mesh, record)
-        if error is None and flags_check is None and blobs.count(record) == len(blobs):
-            # every rank sent this record: same options and structure, no
-            # failure, these flags (one comparison per rank, in C)
-            return [tuple(flags)] * len(blobs)
+        rows, ranks = mesh_all_gather_rows(self.mesh, record)
         # record: options digest, structure digest, failed byte, flags, tag
         struct_at, failed_at = _DIGEST_BYTES, 2 * _DIGEST_BYTES
         flags_at = failed_at + 1
-        per_rank = [tuple(b[flags_at : flags_at + len(flags)]) for b in blobs]
-        same_options = len({b[:struct_at] for b in blobs}) == 1
-        same_structure = len({b[struct_at:failed_at] for b in blobs}) == 1
-        failed = any(b[failed_at] for b in blobs)
+        flag_rows = rows[:, flags_at : flags_at + len(flags)]
+        if _all_equal(flag_rows):
+            # the usual case: one tuple shared by every rank's entry
+            per_rank = [tuple(flag_rows[0].tolist())] * rows.shape[0]
+        else:
+            per_rank = [tuple(r) for r in flag_rows.tolist()]
+        same_options = _all_equal(rows[:, :struct_at])
+        same_structure = _all_equal(rows[:, struct_at:failed_at])
+        failed = bool(rows[:, failed_at].any())
         problem = None
         if same_options and flags_check is not None:
             problem = flags_check(per_rank, ranks)
         if same_options and same_structure and not failed and problem is None:
             return per_rank
         # Error path: every rank is here (the records say so on every rank).
+        ranks = list(ranks)
         mine = (
             "load",
             self.what,

@@ -604,9 +604,9 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
         if where == "stream":
             _distribute.Route.broadcast = die
         elif where == "hang":  # alive, but late by more than the timeout
-            _consistency.mesh_all_gather_bytes = lambda *a, **k: time.sleep(8)
+            _consistency.mesh_all_gather_rows = lambda *a, **k: time.sleep(8)
         else:
-            _consistency.mesh_all_gather_bytes = die
+            _consistency.mesh_all_gather_rows = die
     t0 = time.monotonic()
     if where == "getter":  # rank 0 gets a full dict, rank 1 a sharded one
         full = rank == 0
