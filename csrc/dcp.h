@@ -13,6 +13,7 @@
  *   flat.c     the flattened optimizer format
  *   tree.c     copying state-dict trees and collecting tensor leaves
  *   reshard.c  shard geometry and bucket plans for DTensor gathers
+ *   gather.c   full gathers: GatherPlan, packing and unpacking buckets
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
  *
  * Conventions (see docs/contributing.md): functions document their return
@@ -85,6 +86,7 @@ typedef struct {
     PyTypeObject *Context_Type;
     PyTypeObject *ModelIndex_Type;
     PyTypeObject *WalkTrace_Type; /* internal: not added to the module */
+    PyTypeObject *GatherPlan_Type; /* gather.c */
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD
@@ -256,6 +258,13 @@ void dcp_note_key(PyObject *key);
 /* Convert an optimizer's `params` entry or the like into a new list. */
 PyObject *dcp_as_list(PyObject *seq, const char *what);
 
+/* ----------------------------------------------------------------------
+ * Full gathers (gather.c): the GatherPlan type and its executors, whose
+ * method table module.c's exec slot adds.
+ */
+int dcp_gather_init_type(PyObject *module, dcp_state *st);
+extern PyMethodDef dcp_gather_methods[];
+
 /* Method-table entries implemented in the other files. */
 #define DCP_DECLARE_FASTCALL(name) \
     PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
@@ -284,9 +293,7 @@ DCP_DECLARE_FASTCALL(dcp_shard_layouts)
 DCP_DECLARE_FASTCALL(dcp_plan_buckets)
 DCP_DECLARE_FASTCALL(dcp_copy_blocks)
 DCP_DECLARE_FASTCALL(dcp_pack_bytes)
-DCP_DECLARE_FASTCALL(dcp_unpack_gathered)
 DCP_DECLARE_FASTCALL(dcp_extract_rows)
-DCP_DECLARE_FASTCALL(dcp_plan_gather)
 DCP_DECLARE_FASTCALL(dcp_indices_of)
 DCP_DECLARE_FASTCALL(dcp_plan_full_load)
 DCP_DECLARE_FASTCALL(dcp_pack_rows)

@@ -335,23 +335,11 @@ static PyMethodDef dcp_methods[] = {
      METH_FASTCALL,
      "pack_bytes(buffer, items, uint8, /)\n--\n\n"
      "Copy tensors' bytes into a bucket buffer at given offsets."},
-    {"unpack_gathered",
-     DCP_FASTCALL(dcp_unpack_gathered),
-     METH_FASTCALL,
-     "unpack_gathered(buffer, segment, items, empty, device, results, "
-     "indices, offload, cat=None, /)\n--\n\n"
-     "Assemble full tensors from an all-gathered bucket."},
     {"extract_rows",
      DCP_FASTCALL(dcp_extract_rows),
      METH_FASTCALL,
      "extract_rows(buffer, items, dests, /)\n--\n\n"
      "Keep this rank's part of broadcast row chunks."},
-    {"plan_gather",
-     DCP_FASTCALL(dcp_plan_gather),
-     METH_FASTCALL,
-     "plan_gather(leaves, dtensor_cls, placement_classes, budget, "
-     "floor=0, /)\n--\n\n"
-     "Bucketed gather plans for the DTensor leaves, per mesh."},
     {"indices_of",
      DCP_FASTCALL(dcp_indices_of),
      METH_FASTCALL,
@@ -449,6 +437,7 @@ dcp_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->Context_Type);
     Py_VISIT(st->ModelIndex_Type);
     Py_VISIT(st->WalkTrace_Type);
+    Py_VISIT(st->GatherPlan_Type);
 #define DCP_VISIT_STR(name, text) Py_VISIT(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_VISIT_STR)
 #undef DCP_VISIT_STR
@@ -462,6 +451,7 @@ dcp_module_clear(PyObject *module)
     Py_CLEAR(st->Context_Type);
     Py_CLEAR(st->ModelIndex_Type);
     Py_CLEAR(st->WalkTrace_Type);
+    Py_CLEAR(st->GatherPlan_Type);
 #define DCP_CLEAR_STR(name, text) Py_CLEAR(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_CLEAR_STR)
 #undef DCP_CLEAR_STR
@@ -490,6 +480,10 @@ dcp_module_exec(PyObject *module)
         return -1;
     }
     if (dcp_walk_init_type(module, st) < 0) {
+        return -1;
+    }
+    if (dcp_gather_init_type(module, st) < 0 ||
+        PyModule_AddFunctions(module, dcp_gather_methods) < 0) {
         return -1;
     }
     /* A marker tests use to prove the compiled core is the one loaded. */
