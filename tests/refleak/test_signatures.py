@@ -88,7 +88,8 @@ def test_stub_names_the_types_and_their_attributes():
     with open(STUB, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-    assert set(classes) == {"Context", "ModelIndex"}
-    declared = {n.name for n in classes["ModelIndex"].body if isinstance(n, ast.FunctionDef)}
-    public = {n for n in dir(C.ModelIndex) if not n.startswith("_")}
-    assert declared == public
+    assert set(classes) == {"Context", "ModelIndex", "GatherPlan"}
+    for name in ("ModelIndex", "GatherPlan"):
+        declared = {n.name for n in classes[name].body if isinstance(n, ast.FunctionDef)}
+        public = {n for n in dir(getattr(C, name)) if not n.startswith("_")}
+        assert declared == public, name
