@@ -1426,9 +1426,13 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t segment = p->segment[b];
-    PyObject *grids = PyDict_New(); /* dtype -> typed view of the buffer */
+    /* dtype -> the buffer as [world, segment] (even tensors), and as a
+     * flat typed view (general ones) */
+    PyObject *grids = PyDict_New();
+    PyObject *flats = grids ? PyDict_New() : NULL;
     PyObject *kwargs = NULL;
-    if (grids == NULL) {
+    if (flats == NULL) {
+        Py_XDECREF(grids);
         return NULL;
     }
     for (Py_ssize_t i = p->first[b]; i < p->first[b + 1]; i++) {
@@ -1458,7 +1462,7 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         else {
             full = unpack_general(
-                module, st, buffer, segment, it, grids, cat, empty, kwargs);
+                module, st, buffer, segment, it, flats, cat, empty, kwargs);
             if (full == NULL) {
                 goto error;
             }
@@ -1481,10 +1485,12 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_XDECREF(kwargs);
     Py_DECREF(grids);
+    Py_DECREF(flats);
     Py_RETURN_NONE;
 error:
     Py_XDECREF(kwargs);
     Py_DECREF(grids);
+    Py_DECREF(flats);
     return NULL;
 }
 
