@@ -86,7 +86,8 @@ typedef struct {
     PyTypeObject *Context_Type;
     PyTypeObject *ModelIndex_Type;
     PyTypeObject *WalkTrace_Type; /* internal: not added to the module */
-    PyTypeObject *GatherPlan_Type; /* gather.c */
+    /* gather.c */
+    PyTypeObject *GatherPlan_Type;
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD

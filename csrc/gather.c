@@ -218,8 +218,8 @@ gather_call1(PyObject *name, PyObject *self, PyObject *arg)
 static PyObject *
 gather_view2(dcp_state *st, PyObject *tensor, Py_ssize_t n0, Py_ssize_t n1)
 {
-    PyObject *shape = n1 < 0 ? Py_BuildValue("(n)", n0)
-                             : Py_BuildValue("(nn)", n0, n1);
+    PyObject *shape =
+        n1 < 0 ? Py_BuildValue("(n)", n0) : Py_BuildValue("(nn)", n0, n1);
     if (shape == NULL) {
         return NULL;
     }
@@ -634,7 +634,8 @@ plan_item(PyObject *module,
         goto done;
     }
     it->local = PyObject_GetAttr(leaf, st->str_local_tensor);
-    if (it->local == NULL || gather_parse_shape(it->shape, gshape, &ndim) < 0) {
+    if (it->local == NULL ||
+        gather_parse_shape(it->shape, gshape, &ndim) < 0) {
         goto done;
     }
     plseq = dcp_sequence_fast(pls, "placements");
@@ -1031,8 +1032,8 @@ dcp_pack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         PyObject *flat = gather_call1(st->str_reshape, it->local, minus_one);
-        PyObject *bytes = flat ? gather_call1(st->str_view, flat, args[3])
-                               : NULL;
+        PyObject *bytes =
+            flat ? gather_call1(st->str_view, flat, args[3]) : NULL;
         Py_XDECREF(flat);
         if (bytes == NULL) {
             goto error;
@@ -1079,12 +1080,13 @@ typed_grid(dcp_state *st,
         return grid;
     }
     if (segment % it->itemsize != 0) {
-        PyErr_SetString(PyExc_ValueError, "segment not a multiple of itemsize");
+        PyErr_SetString(PyExc_ValueError,
+                        "segment not a multiple of itemsize");
         return NULL;
     }
     PyObject *typed = gather_call1(st->str_view, buffer, it->dtype);
-    grid = typed ? gather_view2(st, typed, world, segment / it->itemsize)
-                 : NULL;
+    grid =
+        typed ? gather_view2(st, typed, world, segment / it->itemsize) : NULL;
     Py_XDECREF(typed);
     if (grid != NULL && PyDict_SetItem(grids, it->dtype, grid) < 0) {
         Py_CLEAR(grid);
@@ -1097,10 +1099,7 @@ typed_grid(dcp_state *st,
  * ranks with c rows make one [q, c*row] strided copy; the one rank with
  * fewer (if any) one more.  0 / -1. */
 static int
-unpack_even(dcp_state *st,
-            PyObject *grid,
-            const gitem_t *it,
-            PyObject *full)
+unpack_even(dcp_state *st, PyObject *grid, const gitem_t *it, PyObject *full)
 {
     Py_ssize_t n = it->rows, c = it->chunk, re = it->row_elems;
     if (n == 0 || re == 0) {
@@ -1298,9 +1297,8 @@ row_pieces(dcp_state *st,
     }
     pieces = PyList_New(count);
     for (Py_ssize_t i = 0; pieces != NULL && i < count; i++) {
-        PyObject *flat = gather_slice(view,
-                                      pc[i].start / isz,
-                                      (pc[i].start + pc[i].nbytes) / isz);
+        PyObject *flat = gather_slice(
+            view, pc[i].start / isz, (pc[i].start + pc[i].nbytes) / isz);
         PyObject *piece = flat;
         if (flat != NULL && PyTuple_GET_SIZE(pc[i].lshape) > 1) {
             piece = gather_call1(st->str_view, flat, pc[i].lshape);
@@ -1441,8 +1439,9 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (item_ready(it) < 0) {
             goto error;
         }
-        Py_XSETREF(kwargs,
-                   Py_BuildValue("{sOsO}", "dtype", it->dtype, "device", device));
+        Py_XSETREF(
+            kwargs,
+            Py_BuildValue("{sOsO}", "dtype", it->dtype, "device", device));
         if (kwargs == NULL) {
             goto error;
         }

@@ -198,7 +198,8 @@ def test_even_plan_and_unpack_do_not_grow_with_the_world(fake_world):
     big = init_device_mesh("cpu", (fake_world,))
     small = init_device_mesh("cpu", (fake_world // 8, 8), mesh_dim_names=("rep", "shard"))["shard"]
 
-    def measure(mesh, placement=Shard(0), count=64):
+    def measure(mesh, placement=None, count=64):
+        placement = placement or Shard(0)
         world = mesh.size()
         leaves = []
         for i in range(count):

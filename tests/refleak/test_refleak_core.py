@@ -740,8 +740,8 @@ def _():
     plan = _gather_plan(GATHER_LEAVES, budget=64)
     for b in range(plan.buckets):
         plan.segment(b), plan.direct(b), plan.describe(b)
-    plan.max_segment, plan.world, plan.tensors
-    DIRECT_PLAN.direct(0)
+    assert (plan.world, plan.tensors, plan.buckets) == (4, 4, 3) and plan.max_segment == 32
+    assert DIRECT_PLAN.direct(0) is not None
 
 
 @case("GatherPlan", "bucket-index", IndexError, "bucket index")
