@@ -605,7 +605,7 @@ plan_item(PyObject *module,
           PyObject **sig)
 {
     Py_ssize_t gshape[GATHER_MAX_DIMS], ndim;
-    gplacement_t pl[GATHER_MAX_DIMS];
+    gplacement_t pl[GATHER_MAX_DIMS] = {{0}};
     PyObject *pls = NULL, *plseq = NULL, *isz = NULL, *enc = NULL;
     PyObject *gt = NULL;
     int rc = -1;
