@@ -14,11 +14,11 @@
  *              and installing it (set side)
  *   flat.c     the flattened optimizer format
  *   tree.c     copying state-dict trees and collecting tensor leaves
- *   reshard.c  bucket plans for DTensor gathers and their unpacking
  *   shard_geometry.c  every rank's shard of a DTensor from mesh + placements
  *   pack.c     block copies between shards and full tensors; byte packing
  *   full_load.c  full -> local load plans and their results
  *   load_jobs.c  the job lists of model and optimizer full loads
+ *   gather.c   full gathers: GatherPlan, packing and unpacking buckets
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
  *
  * Conventions (see docs/contributing.md): functions document their return
@@ -97,6 +97,8 @@ typedef struct {
     PyTypeObject *ModelIndex_Type;
     PyTypeObject *WalkTrace_Type; /* internal: not added to the module */
     PyTypeObject *LoadPlan_Type;  /* full_load.c */
+    /* gather.c */
+    PyTypeObject *GatherPlan_Type;
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD
@@ -371,16 +373,22 @@ extern PyMethodDef dcp_shard_geometry_methods[]; /* shard_geometry.c */
 extern PyMethodDef dcp_pack_methods[];           /* pack.c */
 extern PyMethodDef dcp_full_load_methods[];      /* full_load.c */
 extern PyMethodDef dcp_load_jobs_methods[];      /* load_jobs.c */
+extern PyMethodDef dcp_gather_methods[];         /* gather.c */
 
-/* Entries still in module.c's own table. */
+/* ----------------------------------------------------------------------
+ * Full gathers (gather.c): the GatherPlan type and its executors.
+ */
+int dcp_gather_init_type(PyObject *module, dcp_state *st);
+
+/* Entries still in module.c's own table, and the entry points other files
+ * call. */
 #define DCP_DECLARE_FASTCALL(name) \
     PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 DCP_DECLARE_FASTCALL(dcp_walk_model)
-DCP_DECLARE_FASTCALL(dcp_plan_buckets)
-DCP_DECLARE_FASTCALL(dcp_unpack_gathered)
-DCP_DECLARE_FASTCALL(dcp_plan_gather)
-/* pack.c's copy_blocks entry, which the gather code calls. */
+/* pack.c's copy_blocks and shard_geometry.c's shard_layouts entries,
+ * which the gather code calls. */
 DCP_DECLARE_FASTCALL(dcp_copy_blocks)
+DCP_DECLARE_FASTCALL(dcp_shard_layouts)
 #undef DCP_DECLARE_FASTCALL
 
 /* Argument helpers for METH_FASTCALL functions. */

@@ -205,23 +205,6 @@ static PyMethodDef dcp_methods[] = {
      METH_FASTCALL,
      "walk_model(ctx, model, modifiers_name, /)\n--\n\n"
      "Walk `model` once and return a ModelIndex."},
-    {"plan_buckets",
-     DCP_FASTCALL(dcp_plan_buckets),
-     METH_FASTCALL,
-     "plan_buckets(segment_bytes, copies, budget, /)\n--\n\n"
-     "Pack segments into byte buckets within a budget."},
-    {"unpack_gathered",
-     DCP_FASTCALL(dcp_unpack_gathered),
-     METH_FASTCALL,
-     "unpack_gathered(buffer, segment, items, empty, device, results, "
-     "indices, offload, cat=None, /)\n--\n\n"
-     "Assemble full tensors from an all-gathered bucket."},
-    {"plan_gather",
-     DCP_FASTCALL(dcp_plan_gather),
-     METH_FASTCALL,
-     "plan_gather(leaves, dtensor_cls, placement_classes, budget, "
-     "floor=0, /)\n--\n\n"
-     "Bucketed gather plans for the DTensor leaves, per mesh."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -237,6 +220,7 @@ dcp_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->ModelIndex_Type);
     Py_VISIT(st->WalkTrace_Type);
     Py_VISIT(st->LoadPlan_Type);
+    Py_VISIT(st->GatherPlan_Type);
 #define DCP_VISIT_STR(name, text) Py_VISIT(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_VISIT_STR)
 #undef DCP_VISIT_STR
@@ -251,6 +235,7 @@ dcp_module_clear(PyObject *module)
     Py_CLEAR(st->ModelIndex_Type);
     Py_CLEAR(st->WalkTrace_Type);
     Py_CLEAR(st->LoadPlan_Type);
+    Py_CLEAR(st->GatherPlan_Type);
 #define DCP_CLEAR_STR(name, text) Py_CLEAR(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_CLEAR_STR)
 #undef DCP_CLEAR_STR
@@ -281,7 +266,8 @@ dcp_module_exec(PyObject *module)
     if (dcp_walk_init_type(module, st) < 0) {
         return -1;
     }
-    if (dcp_full_load_init_type(module, st) < 0) {
+    if (dcp_full_load_init_type(module, st) < 0 ||
+        dcp_gather_init_type(module, st) < 0) {
         return -1;
     }
     PyMethodDef *tables[] = {
@@ -297,6 +283,7 @@ dcp_module_exec(PyObject *module)
         dcp_pack_methods,
         dcp_full_load_methods,
         dcp_load_jobs_methods,
+        dcp_gather_methods,
     };
     for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++) {
         if (PyModule_AddFunctions(module, tables[i]) < 0) {

@@ -376,7 +376,7 @@ PyDoc_STRVAR(
 
 /* shard_layouts(global_shape, mesh_shape, placements, coords)
  *   -> [(local_shape, blocks) per coordinate] */
-static PyObject *
+PyObject *
 dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t gshape[DCP_MAX_DIMS], mesh[DCP_MAX_DIMS];

@@ -1,9 +1,13 @@
 """Data movement for sharded tensors, through torch.distributed only.
 
-Full gathers are planned natively (``plan_gather``): DTensors are grouped by
-device mesh, every rank's shard geometry is computed from the mesh and the
-placements (uneven and strided shards included), and the tensors are packed
-into byte buckets.  Each bucket costs one collective per mesh dimension of
+Full gathers are planned natively (``plan_gather``, one ``GatherPlan`` per
+mesh): DTensors are grouped by device mesh and packed into byte buckets.
+Evenly sharded tensors (a 1-D mesh and ``Shard(0)``, FSDP2's layout, padded
+or not) are planned in closed form -- the same slot in every rank's segment
+--, so planning and unpacking cost the same at any world size; every other
+layout (uneven per-rank geometry from strided shards, multi-dimensional
+meshes, replicas) gets every rank's shard geometry from the mesh and the
+placements.  Each bucket costs one collective per mesh dimension of
 size > 1 (one for FSDP2's 1-D mesh), instead of upstream's blocking
 collective per tensor, plus one small agreement exchange per call.
 
@@ -119,7 +123,7 @@ def gather_full_tensors(
     else:
         plans = C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, _MAX_BUCKET_BYTES, _MIN_BUCKET_BYTES)
     work = []
-    for mesh, buckets, signature, leaf_indices, budget in plans:
+    for mesh, plan, signature, leaf_indices, budget in plans:
         flags = check_agreement(
             mesh,
             "sharded tensors to gather",
@@ -128,11 +132,11 @@ def gather_full_tensors(
             flag=1 if keep else 0,
         )
         keepers = [i for i, f in enumerate(flags) if f]
-        if buckets and keepers:
+        if plan.buckets and keepers:
             root = keepers[0] if len(keepers) == 1 else None
-            work.append((mesh, buckets, root))
-    for mesh, buckets, root in work:
-        _gather_mesh(mesh, buckets, root, keep, results, offload)
+            work.append((mesh, plan, root))
+    for mesh, plan, root in work:
+        _gather_mesh(mesh, plan, root, keep, results, offload)
     for i in C.indices_of(results, ShardedTensor):
         results[i] = _gather_sharded_tensor(results[i])
     return results
@@ -179,23 +183,37 @@ def _schedule(mesh: Any, root: int | None):
     return me, (first, count), stages
 
 
-def _gather_mesh(mesh, buckets, root, keep, results, offload) -> None:
-    """Run the buckets of one mesh; assemble the full tensors where kept."""
+def _gather_mesh(mesh, plan, root, keep, results, offload) -> None:
+    """Run the buckets of one mesh's plan; assemble the full tensors where
+    kept.  A "direct" bucket (one evenly sharded tensor whose unpadded
+    shards fill the segment) is gathered straight into its result tensor;
+    the others through one shared buffer, unpacked by the plan (a strided
+    copy or two per evenly sharded tensor, whatever the world size)."""
     device = _mesh_device(mesh)
     me, (first, count), stages = _schedule(mesh, root)
-    holds_all = count == mesh.size()
+    assemble = keep and count == mesh.size()
     # One buffer for every bucket of the mesh (views of its first bytes):
     # per-bucket allocations would let the allocator keep freed buckets
     # resident.  A rank that only sends holds just its own segment.
-    storage = torch.empty(max(b[0] for b in buckets) * count, dtype=torch.uint8, device=device)
-    for segment, pack_items, unpack_items, indices in buckets:
+    storage = None
+    for b in range(plan.buckets):
+        segment = plan.segment(b)
+        direct = plan.direct(b) if assemble else None
+        if direct is not None:
+            leaf, dtype, shape = direct
+            full = torch.empty(shape, dtype=dtype, device=device)
+            buffer = full.view(-1).view(torch.uint8)
+        else:
+            if storage is None:
+                storage = torch.empty(plan.max_segment * count, dtype=torch.uint8, device=device)
+            buffer = storage[: segment * count]
 
-        def view(block: tuple[int, int], seg: int = segment) -> torch.Tensor:
+        def view(block: tuple[int, int], seg: int = segment, buf: torch.Tensor = buffer) -> torch.Tensor:
             # bytes of the segments block[0] .. block[0] + block[1] - 1
             start = (block[0] - first) * seg
-            return storage[start : start + block[1] * seg]
+            return buf[start : start + block[1] * seg]
 
-        C.pack_bytes(view((me, 1)), pack_items, torch.uint8)
+        C.pack_bucket(view((me, 1)), plan, b, torch.uint8)
         for group, dst, inp, out in stages:
             if dst is None:
                 all_gather_flat(view(out), view(inp), group)
@@ -204,11 +222,10 @@ def _gather_mesh(mesh, buckets, root, keep, results, offload) -> None:
             else:
                 pieces = list(view(out).chunk(out[1] // inp[1]))
                 dist.gather(view(inp), pieces, dst=dst, group=group)
-        if keep and holds_all:
-            C.unpack_gathered(
-                storage[: segment * count], segment, unpack_items, torch.empty, device,
-                results, indices, offload, torch.cat,
-            )
+        if direct is not None:
+            results[leaf] = full if offload is None else full.to(offload)
+        elif assemble:
+            C.unpack_bucket(buffer, plan, b, torch.empty, device, results, offload, torch.cat)
 
 
 def _details(signature, leaf_indices, names_fn, options_key, budget):

@@ -18,6 +18,22 @@ class Context:
     def __getattr__(self, name: str) -> Any: ...
 
 
+class GatherPlan:
+    """How one mesh's DTensors are gathered: buckets of per-tensor slots, closed form for evenly sharded tensors."""
+
+    @property
+    def world(self) -> int: ...
+    @property
+    def buckets(self) -> int: ...
+    @property
+    def tensors(self) -> int: ...
+    @property
+    def max_segment(self) -> int: ...
+    def segment(self, bucket: int, /) -> int: ...
+    def direct(self, bucket: int, /) -> tuple[int, Any, Any] | None: ...
+    def describe(self, bucket: int, /) -> list[tuple[Any, ...]]: ...
+
+
 class ModelIndex:
     """The result of one native walk over a module tree."""
 
@@ -149,14 +165,16 @@ def pack_bytes(buffer: Any, items: Any, uint8: Any, /) -> Any:
 def parse_flat_key(key: str, known: set[str] | frozenset[str] | None, /) -> tuple[str, str, str] | None:
     """One key of the flattened optimizer format, parsed as unflatten_optim does."""
 
-def plan_buckets(segment_bytes: Any, copies: Any, budget: Any, /) -> Any:
-    """Pack segments into byte buckets within a budget."""
-
 def plan_full_load(jobs: Any, dtensor_cls: Any, classes: Any, budget: Any, empty: Any, stream: Any, in_place: Any = False, /) -> LoadPlan:
     """The LoadPlan of a full -> local load: destinations and stream buckets."""
 
-def plan_gather(leaves: Any, dtensor_cls: Any, placement_classes: Any, budget: Any, floor: Any = 0, /) -> Any:
-    """Bucketed gather plans for the DTensor leaves, per mesh."""
+def pack_bucket(buffer: Any, plan: GatherPlan, bucket: Any, uint8: Any, /) -> Any:
+    """Copy this rank's shards of the bucket's tensors into its segment."""
+
+def plan_gather(
+    leaves: Any, dtensor_cls: Any, placement_classes: Any, budget: Any, floor: Any = 0, /
+) -> list[tuple[Any, GatherPlan, list[Any], list[int], int]]:
+    """Bucketed gather plans for the DTensor leaves, per mesh: (mesh, plan, signature, leaf_indices, budget)."""
 
 def prepare_install(ctx: Any, optimizer: Any, split_dict: Any, expected: Any, /) -> Any:
     """The (state, param_groups) Optimizer.load_state_dict would install, without its quadratic scan."""
@@ -191,8 +209,10 @@ def tree_rebuild(ctx: Any, obj: Any, new_leaves: Any, type_check: Any, /) -> Any
 def unflatten_optim(index: Any, flat: Any, /) -> Any:
     """Parse a flattened optimizer dict into a loaded-state view."""
 
-def unpack_gathered(buffer: Any, segment: Any, items: Any, empty: Any, device: Any, results: Any, indices: Any, offload: Any, cat: Any = None, /) -> Any:
-    """Assemble full tensors from an all-gathered bucket."""
+def unpack_bucket(
+    buffer: Any, plan: GatherPlan, bucket: Any, empty: Any, device: Any, results: Any, offload: Any, cat: Any = None, /
+) -> Any:
+    """Assemble the full tensors of a gathered bucket into results."""
 
 def view_from_nested(osd: Any, /) -> Any:
     """A nested optimizer dict as a loaded-state view."""

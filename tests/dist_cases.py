@@ -374,6 +374,9 @@ def dcp_load(rank: int, ws: int, path: str, kind: str, flatten: bool) -> dict[st
         lrs = sorted(g["lr"] for g in full_o["param_groups"])
         assert lrs == sorted(g["lr"] for g in ref["optim"]["param_groups"])
         result["tensors"] = len(full_m) + sum(len(v) for v in full_o["state"].values())
+    if ws == 3 and kind == "fsdp2" and not flatten:
+        # 3 ranks: the full-gather layouts, exact against upstream
+        result["gathers"] = gather_exactness_cases(rank, ws)
     _assert_state_like_params(optim)
     train(model, optim, steps=1, seed=4)
     dist.barrier()
@@ -421,6 +424,7 @@ def disagreement_cases(rank: int, ws: int) -> list[str]:
     else:
         raise AssertionError("no error for a full load held by rank 0 only")
     dist.barrier()
+    messages.append(gather_exactness_cases(rank, ws))
     return messages
 
 
@@ -457,7 +461,7 @@ def submesh_case(rank: int, ws: int) -> dict[str, Any]:
     assert_same_tree(full_m, back_m)
     assert_same_tree(full_o["state"], back_o["state"])
     dist.barrier()
-    return {"rank": rank, "mesh": ranks, "keys": len(back_m)}
+    return {"rank": rank, "mesh": ranks, "keys": len(back_m), "gathers": gather_exactness_cases(rank, ws)}
 
 
 # --- collective counts ------------------------------------------------------------------
@@ -805,3 +809,71 @@ def broadcast_optim_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[st
         "errors": errors,
         "names": names,
     }
+
+
+def gather_exactness_cases(rank: int, ws: int) -> list[str]:
+    """Full gathers of DTensors of every layout the gather plans handle --
+    even, padded, uneven (rows not divisible by the ranks), ranks holding 0
+    rows, Shard(1), _StridedShard, replicas, 2-D meshes, dtype mixes --
+    compared exactly with upstream's ``_gather_state_dict`` (what its full
+    getters run): every rank keeping the result, and ``cpu_offload`` with
+    rank 0 keeping it alone; with the default buckets (all tensors in one)
+    and with one tensor per bucket (unpadded even tensors then gather
+    straight into their result).  Returns the names of the cases checked."""
+    from torch.distributed._state_dict_utils import _gather_state_dict
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    g = torch.Generator().manual_seed(3)
+
+    def full(*shape, dtype=torch.float32):
+        t = torch.randn(*shape, generator=g) * 100
+        return t.to(dtype)
+
+    mesh1 = init_device_mesh("cpu", (ws,))
+    cases = [
+        ("even", mesh1, [Shard(0)], full(4 * ws, 3)),
+        ("even-1d-bf16", mesh1, [Shard(0)], full(8 * ws, dtype=torch.bfloat16)),
+        ("padded-bf16", mesh1, [Shard(0)], full(4 * ws + 1, 5, dtype=torch.bfloat16)),
+        ("uneven", mesh1, [Shard(0)], full(7, 5, 3)),
+        ("zero-rows-on-some", mesh1, [Shard(0)], full(1, 4, dtype=torch.float64)),
+        ("empty", mesh1, [Shard(0)], full(0, 3)),
+        ("int64", mesh1, [Shard(0)], full(2 * ws + 1, 2).to(torch.int64)),
+        ("shard1", mesh1, [Shard(1)], full(5, 7)),
+        ("strided", mesh1, [_StridedShard(0, split_factor=2)], full(4 * ws, 6)),
+        ("replicate", mesh1, [Replicate()], full(3, 2, dtype=torch.bfloat16)),
+    ]
+    if ws % 2 == 0:
+        mesh2 = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+        cases += [
+            ("2d-shard0-shard1", mesh2, [Shard(0), Shard(1)], full(7, 5)),
+            ("2d-hsdp", mesh2, [Replicate(), Shard(0)], full(5, 3, dtype=torch.bfloat16)),
+            ("2d-shard0-shard0", mesh2, [Shard(0), Shard(0)], full(9, 2)),
+        ]
+    names = [c[0] for c in cases]
+    fulls = [c[3] for c in cases]
+    leaves = [distribute_tensor(t, mesh, pl) for _, mesh, pl, t in cases]
+    # interleave a plain tensor: it passes through untouched
+    plain = torch.arange(3.0)
+    checked = []
+    for offload in (False, True):
+        for bucket in (None, 1):
+            ours = _collectives.gather_full_tensors(
+                [plain, *leaves], bucket_bytes=bucket, cpu_offload=offload,
+                keep=not offload or rank == 0,
+            )
+            assert ours[0] is plain
+            theirs = _gather_state_dict(
+                dict(zip(names, leaves)), cpu_offload=offload, ranks_only=(0,) if offload else ()
+            )
+            if offload and rank != 0:
+                assert theirs == {}, sorted(theirs)
+                continue
+            for name, expected, mine in zip(names, fulls, ours[1:]):
+                ref = theirs[name]
+                assert type(mine) is torch.Tensor, (name, type(mine))
+                assert (mine.dtype, mine.shape, mine.device) == (ref.dtype, ref.shape, ref.device), (
+                    name, (mine.dtype, mine.shape, mine.device), (ref.dtype, ref.shape, ref.device))
+                assert torch.equal(mine, ref) and torch.equal(mine, expected), name
+            checked.append(f"offload={offload} bucket={bucket}")
+    return [f"{len(names)} layouts", *checked]

@@ -15,17 +15,27 @@ pytestmark = pytest.mark.dist
 
 def test_disagreeing_ranks_raise_the_same_error_everywhere():
     results = run_ranks(2, dist_cases.disagreement_cases, timeout=120)
-    assert results[0] == results[1], "every rank must raise the same error"
-    shapes, options, held_by_one = results[0]
+    assert results[0][:3] == results[1][:3], "every rank must raise the same error"
+    shapes, options, held_by_one, gathers = results[0]
     assert "layers.0.up.weight" in shapes and "rank(s) [0]" in shapes and "rank(s) [1]" in shapes
     assert "options" in options and "ranks disagree" in options
     assert "broadcast_from_rank0=True" in held_by_one and "[1]" in held_by_one
+    # the full-gather layouts, exact against upstream (dist_cases.gather_exactness_cases)
+    assert gathers == ["13 layouts"] + [f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)]
+    assert results[1][3] == gathers[:3]  # rank 1 keeps nothing with cpu_offload
 
 
 @pytest.mark.slow
 def test_sub_meshes_and_broadcast_source():
     results = run_ranks(4, dist_cases.submesh_case, timeout=300)
     assert [r["mesh"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # the full-gather layouts at 4 ranks, exact against upstream (rank 0
+    # alone keeps them with cpu_offload)
+    assert results[0]["gathers"] == ["13 layouts"] + [
+        f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)
+    ]
+    assert all(r["gathers"] == ["13 layouts", "offload=False bucket=None", "offload=False bucket=1"]
+               for r in results[1:])
 
 
 def test_full_gather_collective_count(capsys):

@@ -186,8 +186,8 @@ def gather_memory_case(rank: int, ws: int) -> dict[str, Any]:
             leaves, DTensor, _collectives._PLACEMENT_CLASSES, _collectives._MAX_BUCKET_BYTES,
             _collectives._MIN_BUCKET_BYTES,
         )
-        (_, buckets, _, _, budget), = plans
-        return len(buckets), budget, len(plans[0][2])
+        (_, plan, _, _, budget), = plans
+        return plan.buckets, budget, len(plans[0][2])
 
     sharded_model = dcp_optim.get_model_state_dict(model)
     sharded_optim = dcp_optim.get_optimizer_state_dict(model, optim)

@@ -402,8 +402,8 @@ def test_cpu_offload_copies_off_the_device_like_upstream(opts):
 
 class _SpyCore:
     """The C core as ``dcp_optim._collectives`` calls it, recording where a
-    full gather packs its bucket (the destination of ``pack_bytes``) and the
-    device it asks ``unpack_gathered`` to assemble the full tensors on."""
+    full gather packs its bucket (the destination of ``pack_bucket``) and the
+    device it asks ``unpack_bucket`` to assemble the full tensors on."""
 
     def __init__(self, core):
         self._core = core
@@ -413,13 +413,13 @@ class _SpyCore:
     def __getattr__(self, name):
         return getattr(self._core, name)
 
-    def pack_bytes(self, dest, *args):
+    def pack_bucket(self, dest, *args):
         self.packed_on.append(dest.device)
-        return self._core.pack_bytes(dest, *args)
+        return self._core.pack_bucket(dest, *args)
 
-    def unpack_gathered(self, *args):
+    def unpack_bucket(self, *args):
         self.assembled_on.append(torch.device(args[4]))
-        return self._core.unpack_gathered(*args)
+        return self._core.unpack_bucket(*args)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["kept", "cpu_offload"])

@@ -517,12 +517,6 @@ def test_shard_layouts_extreme(shape, mesh, placements, coord):
 
 
 @FUZZ
-@given(st.lists(SIZES, max_size=4), st.integers(-1, 2**62), st.integers(-1, 2**62))
-def test_plan_buckets_extreme(sizes, copies, budget):
-    outcome(C.plan_buckets, sizes, copies, budget)
-
-
-@FUZZ
 @given(st.lists(st.integers(-1, 2**62), max_size=4), st.lists(st.booleans(), max_size=4),
        st.integers(-1, 2**62), st.integers(-1, 2**62))
 def test_flat_pieces_extreme(numels, mask, shard, rank):

@@ -32,6 +32,11 @@ def test_fsdp2_ws2_to_plain_ws1(fsdp2_checkpoints, flatten):
 def test_fsdp2_ws2_to_fsdp2_ws3_uneven(fsdp2_checkpoints, flatten):
     results = run_ranks(3, dist_cases.dcp_load, fsdp2_checkpoints[flatten], "fsdp2", flatten)
     assert results[0]["tensors"] > 0
+    if not flatten:  # the full-gather layouts at 3 ranks, exact against upstream
+        assert results[0]["gathers"] == ["10 layouts"] + [
+            f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)
+        ]
+        assert results[1]["gathers"] == results[2]["gathers"] == results[0]["gathers"][:3]
 
 
 @pytest.mark.slow

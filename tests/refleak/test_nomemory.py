@@ -35,11 +35,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 SWEPT = [
-    "plan_buckets",
     "shard_layouts",
     "copy_blocks",
     "pack_bytes",
-    "unpack_gathered",
+    "pack_bucket",
+    "unpack_bucket",
     "plan_gather",
     "plan_full_load",
     "finish_full_load",

@@ -798,16 +798,6 @@ def _():
     C.shard_layouts((8,), (2,), [(1, 0, 1)], [(2,)])
 
 
-@case("plan_buckets", "ok")
-def _():
-    C.plan_buckets([10, 20, 30, 0, 100], 2, 64)
-
-
-@case("plan_buckets", "negative", ValueError, "negative")
-def _():
-    C.plan_buckets([-1], 1, 10)
-
-
 @case("copy_blocks", "ok")
 def _():
     C.copy_blocks(FakeTensor((4, 2)), FakeTensor((2, 2)), BLOCKS, 0, None)
@@ -829,18 +819,77 @@ def _():
     C.pack_bytes(FakeTensor((64,), UINT8), [(FakeTensor(),)], UINT8)
 
 
-GATHER_ITEMS = [(0, FLOAT32, (4, 2), [(16, (2, 2), BLOCKS[:1]), (16, (2, 2), BLOCKS[1:]), None])]
+def _gather_plan(leaves, budget=1 << 20, mesh=None):
+    """The GatherPlan of fake DTensor leaves on one mesh."""
+    (_, plan, _, _, _), = C.plan_gather(leaves, FakeDTensor, PLACEMENT_CLASSES, budget)
+    return plan
 
 
-@case("unpack_gathered", "ok")
+MESH4 = fakes.Mesh((4,))
+# even (padded, unpadded, 0 rows), general (strided), and a plain tensor
+GATHER_LEAVES = [
+    FakeDTensor((5, 2), mesh=MESH4),
+    FakeTensor((2,)),
+    FakeDTensor((8, 4), mesh=MESH4),
+    FakeDTensor((0, 3), mesh=MESH4),
+    FakeDTensor((4, 2), placements=(fakes.StridedShard(0, 2),), mesh=MESH4),
+]
+GATHER_PLAN = _gather_plan(GATHER_LEAVES)
+DIRECT_PLAN = _gather_plan([FakeDTensor((8, 4), mesh=MESH4)])
+
+
+def fake_cat(pieces):
+    return FakeTensor((sum(p.shape[0] for p in pieces),))
+
+
+@case("GatherPlan", "methods")
 def _():
-    C.unpack_gathered(FakeTensor((64,), UINT8), 32, GATHER_ITEMS, empty, "cpu", [None], [0], None)
-    C.unpack_gathered(FakeTensor((64,), UINT8), 32, GATHER_ITEMS, empty, "cpu", [None], [0], "cpu")
+    plan = _gather_plan(GATHER_LEAVES, budget=64)
+    for b in range(plan.buckets):
+        plan.segment(b), plan.direct(b), plan.describe(b)
+    assert (plan.world, plan.tensors, plan.buckets) == (4, 4, 3) and plan.max_segment == 32
+    assert DIRECT_PLAN.direct(0) is not None
 
 
-@case("unpack_gathered", "index", IndexError, "out of range")
+@case("GatherPlan", "bucket-index", IndexError, "bucket index")
 def _():
-    C.unpack_gathered(FakeTensor((64,), UINT8), 32, GATHER_ITEMS, empty, "cpu", [None], [3], None)
+    GATHER_PLAN.segment(GATHER_PLAN.buckets)
+
+
+@case("pack_bucket", "ok")
+def _():
+    for b in range(GATHER_PLAN.buckets):
+        C.pack_bucket(FakeTensor((256,), UINT8), GATHER_PLAN, b, UINT8)
+
+
+@case("pack_bucket", "not-a-plan", TypeError, "GatherPlan")
+def _():
+    C.pack_bucket(FakeTensor((64,), UINT8), [(FakeTensor(), 0)], 0, UINT8)
+
+
+@case("pack_bucket", "bucket-index", IndexError, "bucket index")
+def _():
+    C.pack_bucket(FakeTensor((64,), UINT8), GATHER_PLAN, -1, UINT8)
+
+
+@case("unpack_bucket", "ok")
+def _():
+    results = [None] * len(GATHER_LEAVES)
+    for b in range(GATHER_PLAN.buckets):
+        buf = FakeTensor((256,), UINT8)
+        C.unpack_bucket(buf, GATHER_PLAN, b, empty, "cpu", results, None, fake_cat)
+        C.unpack_bucket(buf, GATHER_PLAN, b, empty, "cpu", results, "cpu")
+    C.unpack_bucket(FakeTensor((128,), UINT8), DIRECT_PLAN, 0, empty, "cpu", [None], "cpu")
+
+
+@case("unpack_bucket", "index", IndexError, "out of range")
+def _():
+    C.unpack_bucket(FakeTensor((256,), UINT8), GATHER_PLAN, 0, empty, "cpu", [None], None)
+
+
+@case("unpack_bucket", "results", TypeError, "results must be a list")
+def _():
+    C.unpack_bucket(FakeTensor((256,), UINT8), GATHER_PLAN, 0, empty, "cpu", (None,), None)
 
 
 def test_model_index_is_read_only():
