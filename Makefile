@@ -75,11 +75,13 @@ demo: build
 # scenarios (a rank exits, or the group's timeout is set to a few seconds
 # and let expire: torchrun's own group would not survive either).
 TORCHRUN_NPROCS   ?= 2 4
-TORCHRUN_TESTS    ?= tests/test_sharded.py tests/test_reshard_dcp.py tests/test_pipeline.py \
-                     tests/test_collectives.py tests/test_deviations_sharded.py tests/test_fsdp1.py \
-                     tests/test_verify.py tests/test_canary_gloo.py tests/test_testing.py \
-                     tests/test_reliability.py tests/test_precision_dist.py tests/test_trainers.py \
-                     tests/test_patch.py tests/test_hostile_checkpoints.py
+TORCHRUN_TESTS    ?= tests/distributed/test_sharded.py tests/distributed/test_reshard_dcp.py \
+                     tests/distributed/test_pipeline.py tests/distributed/test_collectives.py \
+                     tests/distributed/test_deviations_sharded.py tests/distributed/test_fsdp1.py \
+                     tests/tools/test_verify.py tests/distributed/test_canary_gloo.py \
+                     tests/distributed/test_testing.py tests/distributed/test_reliability.py \
+                     tests/distributed/test_precision_dist.py tests/tools/test_trainers.py \
+                     tests/tools/test_patch.py tests/tools/test_hostile_checkpoints.py
 TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp1_full_cpu_offload \
                      and not resharded_loads_and_corruption and not dying \
                      and not upstream_falls_apart
@@ -96,7 +98,7 @@ test-torchrun: build
 	        --local-ranks-filter=0 -m pytest -q -p no:cacheprovider --disable-warnings \
 	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || exit 1; \
 	done
-	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/test_torchrun.py
+	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/distributed/test_torchrun.py
 
 bench: build
 	$(PY) -m benchmarks
@@ -165,8 +167,8 @@ REFLEAK_DIR  := build/refleak
 VALGRIND_DIR := build/valgrind
 CORE_SO       = $(1)/dcp_optim/_dcp_optim$(shell $(2) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 # Torch-free tests driving the C core through fake classes.
-NOTORCH_TESTS := tests/refleak
-NOTORCH_INI   := tests/refleak/pytest.ini
+NOTORCH_TESTS := tests/core/refleak
+NOTORCH_INI   := tests/core/refleak/pytest.ini
 
 .PHONY: tools lint lint-format lint-tidy lint-cppcheck lint-cpylint lint-ruff \
         format build-asan test-asan build-refleak test-refleak build-valgrind \
@@ -201,7 +203,7 @@ lint-cppcheck: $(STAMP)
 	    --suppress=missingIncludeSystem csrc/
 
 lint-cpylint: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_cpylint.py
+	$(PY) -m pytest $(PYTEST_FLAGS) tests/core/test_cpylint.py
 
 lint-ruff: $(STAMP)
 	@$(TOOLS) lint
@@ -211,7 +213,8 @@ build-asan: $(STAMP)
 	@$(TOOLS) asan
 	DCP_OPTIM_SANITIZE=1 $(PY) setup.py -q build_ext --force \
 	    --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
-	find dcp_optim -maxdepth 1 -type f ! -name '*.so' -exec cp -p {} $(ASAN_DIR)/dcp_optim/ \;
+	cd dcp_optim && find . -name __pycache__ -prune -o -type f ! -name '*.so' \
+	    -exec cp -p --parents {} $(CURDIR)/$(ASAN_DIR)/dcp_optim/ \;
 
 # LD_PRELOAD goes on the real interpreter binary (.venv/bin/python is a
 # symlink to it), never on a shell shim.  --capture=sys: with pytest's

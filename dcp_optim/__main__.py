@@ -9,7 +9,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``);
     returns the exit code."""
-    from .cli import main as cli_main
+    from .tools.cli import main as cli_main
 
     return cli_main(argv)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 
 # The code lives in dcp_optim._demo (why: see there).
-from ._demo import main
+from .tools.demo import main
 
 __all__ = ["main"]
 

@@ -108,6 +108,6 @@ def pytest_terminal_summary(terminalreporter):
     """The optimizer corpus' count of what ran (tests/test_optim_corpus.py)."""
     import sys
 
-    corpus = sys.modules.get("tests.test_optim_corpus")
+    corpus = sys.modules.get("tests.unit.test_optim_corpus")
     for line in corpus.corpus_summary() if corpus else []:
         terminalreporter.write_line(line)

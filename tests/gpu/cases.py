@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import dcp_optim
 
-from ..oracle import assert_same_tree
+from ..support.oracle import assert_same_tree
 
 GPU_MODE = os.environ.get("DCP_OPTIM_GPU") == "1"
 CPU = torch.device("cpu")
