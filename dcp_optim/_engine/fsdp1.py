@@ -37,6 +37,7 @@ from .. import errors
 from .collectives import gather_full_tensors
 from .core import C, context
 from .model import state_dict_fn
+from .pristine import pristine_states
 
 __all__ = ["get_fsdp1_optim", "localize_fsdp1_view", "load_via_fsdp", "native_supported", "fsdp_process_group"]
 
@@ -161,8 +162,6 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    from .optim import pristine_states
-
     for optim in optimizers:
         osd = state_dict_fn(optim, "state_dict")()
         params = [p for g in optim.param_groups for p in g["params"]]
