@@ -380,9 +380,10 @@ def _check_after_load(model: nn.Module, optimizers: Any, options: Any, sections:
     expected = getattr(options, "verify_checksums", None)
     if expected is None:
         return
-    from .tools.verify import verify
+    from ._engine.checksums import verify
 
-    verify(model, optimizers, expected, options=options, sections=sections)
+    getters = (get_model_state_dict, get_optimizer_state_dict, get_state_dict)
+    verify(model, optimizers, expected, options=options, sections=sections, getters=getters)
 
 
 # Options that decide which collectives a load runs: every rank of the

@@ -565,8 +565,8 @@ def _local_blocks(value: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]] |
     (None when it is not a single box)."""
     from torch.distributed.tensor import DTensor
 
+    from .._engine.checksums import _encode_placements
     from .._engine.core import C
-    from .verify import _encode_placements
 
     if not isinstance(value, DTensor):
         return [((0,) * value.dim(), tuple(value.shape))]

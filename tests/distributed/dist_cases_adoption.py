@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import dcp_optim
 from dcp_optim import verify as dverify
+from dcp_optim._engine import checksums as _checksums
 
 from .dist_cases import Block
 
@@ -221,9 +222,9 @@ def _geometry_cases(rank: int, ws: int) -> list[str]:
     for name, mesh, placements, full in cases:
         expected = dverify.tensor_checksum(full)
         dt = distribute_tensor(full, mesh, placements)
-        e = dverify._entry("model", name, "", dt)
+        e = _checksums._entry("model", name, "", dt)
         entries = [e]
-        dverify._reduce(entries, 0)
+        _checksums._reduce(entries, 0)
         assert (e.lo, e.hi) == expected, (name, (e.lo, e.hi), expected)
         assert torch.equal(dt.full_tensor(), full)
         done.append(name)
