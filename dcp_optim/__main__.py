@@ -1,5 +1,5 @@
 """``python -m dcp_optim`` (and the ``dcp-optim`` console script): see
-:mod:`dcp_optim.cli`."""
+:mod:`dcp_optim.tools.cli`."""
 
 from __future__ import annotations
 

@@ -368,7 +368,7 @@ def set_state_dict(
 
 def _reshard_fsdp2(model: Any) -> None:
     """Getters see the sharded parameters the optimizers hold, whatever
-    state a forward left FSDP2 in (see _distribute.reshard_fsdp2)."""
+    state a forward left FSDP2 in (see _engine.distribute.reshard_fsdp2)."""
     if isinstance(model, nn.Module):
         from ._engine.distribute import reshard_fsdp2
 
@@ -423,7 +423,7 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     4. the data movement and the checks made on the moved data, one more
        agreement, then commit -- which cannot fail on bad input.
 
-    Agreements are fixed-size all-gathers (``_consistency.Agreement``)
+    Agreements are fixed-size all-gathers (``_engine.consistency.Agreement``)
     among the ranks of the model's mesh, made whenever the load
     communicates or the model holds sharded tensors; a plain model's
     sharded load runs alone on each rank, as upstream's does."""

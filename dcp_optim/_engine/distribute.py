@@ -9,7 +9,7 @@ Two modes, both planned natively (``plan_full_load``):
   (large tensors in row chunks), and each rank keeps only its shard of
   each bucket before the next one arrives.  Peak memory on a receiving
   rank is its local shards plus one bucket (adaptive budget, see
-  ``_collectives``: 16 MiB unless a tensor is larger).
+  ``collectives``: 16 MiB unless a tensor is larger).
 
 The "rank 0" of a broadcast is the first rank of the model's device mesh
 (global rank 0 whenever the mesh spans all ranks; D18 in docs/differences.md): for a model
@@ -146,7 +146,7 @@ def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
 
 class ModelFullLoad:
     """A full model load in three steps, so that every check of every rank
-    is agreed on before any data moves (see ``_consistency.Agreement``):
+    is agreed on before any data moves (see ``consistency.Agreement``):
 
     * ``source_meta()`` (local): what the source broadcasts -- the tree of
       (shape, dtype) of its dict -- or None;
@@ -453,8 +453,8 @@ def reshard_fsdp2(model: nn.Module) -> None:
 
 
 def drive_steps(steps: Any, info: Any) -> tuple[Any, Any]:
-    """Run a load generator (``_optim.optim_load_steps``,
-    ``_model.model_load_steps``) alone, without agreeing with other ranks:
+    """Run a load generator (``optim.optim_load_steps``,
+    ``model.model_load_steps``) alone, without agreeing with other ranks:
     the source's metadata travels by one object broadcast on broadcast
     loads.  Returns (commit, report)."""
     with torch.no_grad():

@@ -156,7 +156,7 @@ def _noop_commit() -> _IncompatibleKeys:
 
 
 def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
-    """A model load as a generator of steps (see _optim.optim_load_steps):
+    """A model load as a generator of steps (see optim.optim_load_steps):
     local checks (yields the source's metadata, receives the exchanged
     one), validation of the whole load (yields None), data movement and
     the final checks (yields (commit, None)).  Run under no_grad."""

@@ -2,7 +2,7 @@
 
 The containers are copied natively (``tree_leaves`` / ``tree_rebuild``);
 tensors are processed all at once, so a full gather can move many DTensors
-per collective (see ``_collectives``) instead of one blocking collective
+per collective (see ``collectives``) instead of one blocking collective
 per tensor as upstream does.
 """
 

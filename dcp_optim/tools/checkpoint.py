@@ -1,6 +1,6 @@
 """What a DCP checkpoint holds, from its metadata: model entries per FQN,
 optimizer state per (FQN, state name) and param groups, in either optimizer
-layout, and everything else.  Used by ``dcp_optim.cli`` and
+layout, and everything else.  Used by ``dcp_optim.tools.cli`` and
 ``dcp_optim.convert``.
 
 DCP flattens the saved state dict: nested dicts (and lists holding
@@ -27,7 +27,7 @@ counters) are pickled objects inside the data files.
 
 Safe by default: ``Checkpoint(path)`` unpickles the ``.metadata`` file,
 the non-tensor entries and the tensors' chunks with
-``dcp_optim._safe_unpickle`` (an allowlist of what DCP checkpoints hold;
+``dcp_optim.tools._safe_unpickle`` (an allowlist of what DCP checkpoints hold;
 nothing the file names outside it is ever called or imported).  A name
 outside the allowlist in the metadata or in a tensor's chunk raises
 :class:`UnsafeCheckpointError`; in a non-tensor entry it reads as a
@@ -389,7 +389,7 @@ class Checkpoint:
 
     ``trusted=False`` (the default): the metadata, the non-tensor entries
     and the tensors' chunks are unpickled by the restricted unpickler
-    (``dcp_optim._safe_unpickle``), which never calls or imports anything
+    (``dcp_optim.tools._safe_unpickle``), which never calls or imports anything
     the file names outside its allowlist; ``trusted=True``: by torch's own
     unrestricted unpickling, as ``dcp.load`` does (a hostile checkpoint
     runs code).

@@ -17,7 +17,7 @@ group hyperparameters, ``params`` lists, other objects) are read, unless
 
 Safe to point at any checkpoint: the metadata, the non-tensor entries and
 the tensors are unpickled by a restricted unpickler
-(``dcp_optim._safe_unpickle``) that never calls or imports anything
+(``dcp_optim.tools._safe_unpickle``) that never calls or imports anything
 outside an allowlist of what DCP checkpoints hold.  Outside it, the
 metadata (or a tensor) is an error naming the class; a non-tensor entry
 shows as ``<object of class X, not loaded>`` (``convert`` stops with an

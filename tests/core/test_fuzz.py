@@ -13,7 +13,7 @@ never a ``SystemError`` (the C-API's "error return without exception set"
 or "bad argument to internal function": a bug in the C code, not a clear
 message).
 
-The C-level properties use the fake classes of ``tests/refleak/fakes.py``;
+The C-level properties use the fake classes of ``tests/core/refleak/fakes.py``;
 the public-API ones use real torch modules and optimizers.
 ``DCP_OPTIM_FUZZ_EXAMPLES=n`` raises the number of examples per property
 (default small enough for the whole file to stay well under a minute).

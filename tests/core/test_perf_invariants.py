@@ -1,7 +1,7 @@
 """Invariants behind the performance shortcuts (issue 7).
 
 The model walk is replayed from a trace while the model is unchanged
-(``dcp_optim._verify.walk``; csrc/walk.c, "Replaying a walk").  These tests
+(``dcp_optim._engine.checks.walk``; csrc/walk.c, "Replaying a walk").  These tests
 pin down that a replay is indistinguishable from a fresh walk after every
 kind of change to the module tree, that trees whose walk could run user
 code are never replayed, and that the cache keeps no model alive.

@@ -1,4 +1,4 @@
-"""Rank functions for the distributed tests (run by tests.harness.run_ranks).
+"""Rank functions for the distributed tests (run by tests.support.harness.run_ranks).
 
 Each function runs on every rank of a fresh gloo group, goes through
 several sub-configurations in one launch (launching processes dominates

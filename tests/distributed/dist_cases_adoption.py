@@ -1,9 +1,9 @@
 """Rank functions for the adoption tests (patching a real client,
 post-load verification, sharded checkpoints for the converter), run by
-tests.harness.run_ranks.  Each returns plain data.
+tests.support.harness.run_ranks.  Each returns plain data.
 
 Also holds the ``plan`` / ``convert --entry`` functions the CLI tests
-import (``tests.dist_cases_adoption:plan_entry``).
+import (``tests.distributed.dist_cases_adoption:plan_entry``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rank functions for the gloo canaries (docs/testing.md, "What runs on CPU with gloo").
 
-Each public function runs inside a worker started by ``tests.harness.run_ranks``
+Each public function runs inside a worker started by ``tests.support.harness.run_ranks``
 and returns plain Python data: numbers, lists, strings and dicts. Sub-checks
 that might fail on a given torch build catch their own exception and report
 ``{"error": "<type>: <message>", "traceback": ...}`` instead of aborting the

@@ -1,10 +1,10 @@
 """Issue 3's corrections under sharding: the same scenarios as
-tests/test_deviations.py on an FSDP2 model (2 gloo ranks, uneven shards),
+tests/unit/test_deviations.py on an FSDP2 model (2 gloo ranks, uneven shards),
 in the nested and the flattened format.
 
 Each scenario runs on dcp_optim (must pass) and, where upstream is known to
 be wrong, on upstream too: the rank function returns, per scenario, "ok" or
-the failure text for each implementation, and tests/test_deviations_sharded.py
+the failure text for each implementation, and tests/distributed/test_deviations_sharded.py
 asserts dcp_optim's passes and upstream's fails (a strict expected failure,
 as in the single-process tests).
 """
@@ -187,7 +187,7 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             dst = build(seed=10)
             dst_o = _adamw(dst)
             # holds bf16 moments (a never-stepped optimizer casts to the
-            # parameter dtype, as torch: tests/dist_cases_precision.py)
+            # parameter dtype, as torch: tests/distributed/dist_cases_precision.py)
             train(dst, dst_o, steps=1, seed=9)
             for st in dst_o.state.values():
                 for k in ("exp_avg", "exp_avg_sq"):

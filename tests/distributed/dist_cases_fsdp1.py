@@ -1,4 +1,4 @@
-"""Rank functions for the FSDP1 tests (tests/test_fsdp1.py).
+"""Rank functions for the FSDP1 tests (tests/distributed/test_fsdp1.py).
 
 FSDP1 (`FullyShardedDataParallel`) runs on CPU with gloo when
 `device_id=torch.device("cpu")` is given.  Every configuration is compared

@@ -1,4 +1,4 @@
-"""Rank functions for the pipeline-parallel (MPMD) tests (tests/test_pipeline.py).
+"""Rank functions for the pipeline-parallel (MPMD) tests (tests/distributed/test_pipeline.py).
 
 Stages are built as torchtitan builds them: a copy of the full model with the
 layers a stage does not own deleted, so every stage keeps the full model's
@@ -279,7 +279,7 @@ def save(rank: int, ws: int, path: str, layout: str) -> dict[str, Any]:
     assert not any(k.startswith("param_groups.0.") or k.startswith("state.0.") for k in optim_sd)
     # upstream's keys and values are ours; upstream leaves an empty group's
     # hyperparameters out (and cannot load such a dict back:
-    # pytorch/pytorch#143828, tests/test_deviations.py)
+    # pytorch/pytorch#143828, tests/unit/test_deviations.py)
     upstream_equal = empty_groups = 0
     for stage, optim in zip(pipe.stages, pipe.optims):
         has_empty = any(not g["params"] for g in optim.param_groups)

@@ -1,6 +1,6 @@
 """Distributed loads that never corrupt, never hang, and work in every
 model state (2 gloo ranks, FSDP2 with uneven shards).  Rank functions for
-tests/test_reliability.py; every scenario of one function runs in one
+tests/distributed/test_reliability.py; every scenario of one function runs in one
 launch (launching processes dominates the cost).
 
 Each scenario returns, per implementation, "ok" or the error it raised
@@ -72,7 +72,7 @@ def _same(a, b) -> bool:
 
 
 def build(mesh, *, seed=0, root_default=False, reshard=True, amsgrad=False, trained=True):
-    """The MLP of tests/dist_cases.py under fully_shard: layers and a root
+    """The MLP of tests/distributed/dist_cases.py under fully_shard: layers and a root
     that owns the head.  ``root_default``: fully_shard's defaults (the root
     keeps its parameters unsharded after forward)."""
     torch.manual_seed(seed)
@@ -276,7 +276,7 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
 
 
 class CollectiveRecorder(CollectiveCounter):
-    """CollectiveCounter (tests/dist_cases.py) that also records, in call
+    """CollectiveCounter (tests/distributed/dist_cases.py) that also records, in call
     order, each outermost call's name and the bytes of its input tensor
     (None for object collectives)."""
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_testing.py: the cross-rank helpers of
+"""Rank functions for tests/distributed/test_testing.py: the cross-rank helpers of
 ``dcp_optim.testing`` on any world size >= 2 (spawned by ``run_ranks`` in
 ``make test``, on torchrun's processes in ``make test-torchrun``)."""
 

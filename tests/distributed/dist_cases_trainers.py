@@ -1,5 +1,5 @@
-"""Rank functions for the real-trainer tests (tests/test_trainers.py), run
-by tests.harness.run_ranks: Lightning Fabric's ``ModelParallelStrategy``
+"""Rank functions for the real-trainer tests (tests/tools/test_trainers.py), run
+by tests.support.harness.run_ranks: Lightning Fabric's ``ModelParallelStrategy``
 and torchtune's ``training._distributed`` helpers, each run once through
 ``dcp_optim.patch()`` and once on upstream's functions in the same
 processes, on 2 gloo ranks.  Each returns plain data.

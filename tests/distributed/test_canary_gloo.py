@@ -5,7 +5,7 @@ whether FSDP2 averages gradients correctly, whether FSDP1 runs with
 ``device_id=cpu``, whether upstream's FSDP1 full + cpu_offload path crashes,
 and whether FSDP2+TP on a 2x2 mesh saves with DCP at ws=4 and loads at ws=2.
 The outcomes decide which dcp_optim cases are xfail or skipped; they are
-written up in ``tests/FINDINGS_2_13.md``.
+written up in ``docs/torch-2.13-findings.md``.
 
 Everything at ws=2 runs in ONE launch (``canary_ws2``) whose per-check results
 are shared through a module-scoped fixture; the FSDP1 full + cpu_offload case

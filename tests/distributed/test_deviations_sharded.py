@@ -1,8 +1,8 @@
 """Issue 3's corrections on an FSDP2 model (2 gloo ranks, uneven shards),
 nested and flattened format: dcp_optim passes every scenario; upstream's
-known failures are asserted as in tests/test_deviations.py (strict: if
+known failures are asserted as in tests/unit/test_deviations.py (strict: if
 upstream is fixed, the expectation here has to change).  The scenarios are
-in tests/dist_cases_deviations.py, all in one launch."""
+in tests/distributed/dist_cases_deviations.py, all in one launch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism (MPMD): stage modules keeping the full model's FQNs,
 one optimizer per stage, flattened state dicts saved at one stage layout
-and loaded at another (tests/dist_cases_pp.py explains the simulation)."""
+and loaded at another (tests/distributed/dist_cases_pp.py explains the simulation)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ranks): float64/bf16 moments into a never-stepped AdamW over float32
 parameters load with torch's cast, in both formats, and the next step
 equals upstream's (torch's ``load_state_dict``) bit for bit.  The
-scenarios are in tests/dist_cases_precision.py, all in one launch."""
+scenarios are in tests/distributed/dist_cases_precision.py, all in one launch."""
 
 from __future__ import annotations
 

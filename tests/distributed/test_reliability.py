@@ -2,7 +2,7 @@
 model state: issue 15's regression tests (defects 1-6), the global-shape
 guarantee, the fault-injection suite, and upstream where its ranks fall
 apart.  Two gloo ranks, FSDP2 with uneven shards; the scenarios are in
-tests/dist_cases_reliability.py."""
+tests/distributed/dist_cases_reliability.py."""
 
 from __future__ import annotations
 

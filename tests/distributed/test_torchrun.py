@@ -150,7 +150,7 @@ def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
 
 
 def test_run_ranks_failure_names_the_rank_and_stops_the_session(tmp_path):
-    """tests.harness.run_ranks under torchrun: rank 1's error and rank 0's
+    """tests.support.harness.run_ranks under torchrun: rank 1's error and rank 0's
     group timeout in one report on every rank; the group is out of step
     after it, so the session stops."""
     (tmp_path / "conftest.py").write_text(CONFTEST)

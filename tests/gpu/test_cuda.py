@@ -376,7 +376,7 @@ def test_dcp_save_load_resume(dev, pg1, tmp_path):
 
 def _peak(dev, fn):
     """(result, peak CUDA bytes above the start) of fn(); (result, None)
-    on the CPU, where tests/test_collectives_memory.py measures RSS."""
+    on the CPU, where tests/distributed/test_collectives_memory.py measures RSS."""
     if not is_cuda(dev):
         return fn(), None
     torch.cuda.synchronize(dev)

@@ -17,7 +17,7 @@ child without a process group (isolated checks such as peak-RSS measurement).
 Rank functions are passed by reference: only ``fn.__module__`` and
 ``fn.__qualname__`` travel to the child, which imports and resolves them, so
 ``fn`` must be a module-level function of an importable module (for example
-``tests.dist_cases``); lambdas, closures and functions defined in a test
+``tests.distributed.dist_cases``); lambdas, closures and functions defined in a test
 module that the child cannot import are rejected up front.
 """
 

@@ -1,6 +1,6 @@
 """Real trainers run unchanged on dcp_optim through ``dcp_optim.patch()``,
 2 gloo ranks, each compared with upstream's run of the same code in the
-same processes (tests/dist_cases_trainers.py):
+same processes (tests/distributed/dist_cases_trainers.py):
 
 * Lightning Fabric (``lightning==2.6.6``): ``ModelParallelStrategy`` (FSDP2
   through ``fully_shard``), which imports the state-dict functions inside

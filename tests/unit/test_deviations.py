@@ -535,7 +535,7 @@ def test_optimizer_dict_is_not_mutated_and_can_be_reused(flat):
 @impls("state is cast to the parameter dtype (bf16 moments become fp32)")
 def test_low_precision_state_keeps_its_dtype(impl):
     """An optimizer that holds bf16 moments keeps them bf16 (a fresh,
-    never-stepped one follows torch's cast: tests/test_longtail_optim.py)."""
+    never-stepped one follows torch's cast: tests/unit/test_longtail_optim.py)."""
     src, src_optim = trained()
     for st in src_optim.state.values():
         st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)

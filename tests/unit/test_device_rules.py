@@ -402,7 +402,7 @@ def test_cpu_offload_copies_off_the_device_like_upstream(opts):
 
 
 class _SpyCore:
-    """The C core as ``dcp_optim._collectives`` calls it, recording where a
+    """The C core as ``dcp_optim._engine.collectives`` calls it, recording where a
     full gather packs its bucket (the destination of ``pack_bytes``) and the
     device it asks ``unpack_gathered`` to assemble the full tensors on."""
 

@@ -4,7 +4,7 @@ For every generated case (random module trees with buffers, non-persistent
 buffers, extra state, tied and frozen parameters, activation-checkpoint and
 torch.compile wrappers; every torch.optim optimizer, several param groups,
 sometimes two optimizers), both implementations run the same calls on twin
-objects and the outputs are compared exactly (tests/oracle.py): keys and
+objects and the outputs are compared exactly (tests/support/oracle.py): keys and
 their order, nesting, container and value types, dtypes, devices, bits,
 and which tensors alias live storage.  Loads are compared by the resulting
 optimizer state and by one more training step.
