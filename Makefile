@@ -24,14 +24,14 @@ $(STAMP): pyproject.toml Makefile
 	# accelerate: the client test drives its FSDP save/load helpers;
 	# matplotlib: the benchmark plot.  torch stays pinned on the same line.
 	$(PIP) install -q numpy "pytest>=8" pytest-timeout hypothesis accelerate==1.15.0 matplotlib "$(TORCH)"
-	# trainers whose checkpoint code tests/test_trainers.py runs through
+	# trainers whose checkpoint code tests/tools/test_trainers.py runs through
 	# dcp_optim.patch(): Lightning Fabric, torchtune (torchao 0.15.0 is the
 	# newest torchao torchtune 0.6.1 imports with).  torch stays pinned.
 	$(PIP) install -q lightning==2.6.6 torchtune==0.6.1 torchao==0.15.0 "$(TORCH)"
 	# transformers: tiny GPT-2/Llama/BERT built from local configs in the
-	# module corpus (tests/test_module_corpus.py); torch stays pinned.
+	# module corpus (tests/unit/test_module_corpus.py); torch stays pinned.
 	$(PIP) install -q transformers==5.24.0 "$(TORCH)"
-	# the optimizer corpus (tests/test_optim_corpus.py); torch pinned again.
+	# the optimizer corpus (tests/unit/test_optim_corpus.py); torch pinned again.
 	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 "$(TORCH)"
 	# mypy (make lint-mypy) checks against torch's own hints: torch pinned.
 	$(PIP) install -q mypy==2.4.1 "$(TORCH)"
@@ -59,29 +59,31 @@ demo: build
 
 # The distributed test bodies under torchrun at 2 and 4 processes: every
 # rank runs the same pytest items on torchrun's process group
-# (tests.harness.run_ranks runs the rank functions in-process; tests for
+# (tests.support.harness.run_ranks runs the rank functions in-process; tests for
 # another world size skip) and dcp_optim.testing consolidates each verdict
 # across ranks (rank 0's console shows every rank's failures).  Then the
 # tests that launch torchrun themselves: a failing and a hanging rank, the
 # demo under torchrun.  Timeouts: pytest-timeout per test, the process
 # group's per collective, `timeout` per launch.  In the listed files only
 # the tests calling run_ranks run (tests/conftest.py deselects the others:
-# single-process tests, and tests/test_gpu_check.py's, which runs a script
+# single-process tests, and tests/tools/test_gpu_check.py's, which runs a script
 # with its own one-process group).  Left out (README, Development): the
 # spawn harness's own tests, peak-memory measurements (meaningless in a
-# long-lived process; tests/test_collectives_memory.py too), the FSDP1
+# long-lived process; tests/distributed/test_collectives_memory.py too), the FSDP1
 # crash canary (it kills its rank), a test whose body (outside its rank
 # functions) writes a checkpoint with single-process DCP, which every rank
 # would do into the shared directory, and the dying-rank cases of
-# tests/test_reliability.py and its launches of upstream's broken
+# tests/distributed/test_reliability.py and its launches of upstream's broken
 # scenarios (a rank exits, or the group's timeout is set to a few seconds
 # and let expire: torchrun's own group would not survive either).
 TORCHRUN_NPROCS   ?= 2 4
-TORCHRUN_TESTS    ?= tests/test_sharded.py tests/test_reshard_dcp.py tests/test_pipeline.py \
-                     tests/test_collectives.py tests/test_deviations_sharded.py tests/test_fsdp1.py \
-                     tests/test_verify.py tests/test_canary_gloo.py tests/test_testing.py \
-                     tests/test_reliability.py tests/test_precision_dist.py tests/test_trainers.py \
-                     tests/test_patch.py tests/test_hostile_checkpoints.py
+TORCHRUN_TESTS    ?= tests/distributed/test_sharded.py tests/distributed/test_reshard_dcp.py \
+                     tests/distributed/test_pipeline.py tests/distributed/test_collectives.py \
+                     tests/distributed/test_deviations_sharded.py tests/distributed/test_fsdp1.py \
+                     tests/tools/test_verify.py tests/distributed/test_canary_gloo.py \
+                     tests/distributed/test_testing.py tests/distributed/test_reliability.py \
+                     tests/distributed/test_precision_dist.py tests/tools/test_trainers.py \
+                     tests/tools/test_patch.py tests/tools/test_hostile_checkpoints.py
 TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp1_full_cpu_offload \
                      and not resharded_loads_and_corruption and not dying \
                      and not upstream_falls_apart
@@ -98,13 +100,13 @@ test-torchrun: build
 	        --local-ranks-filter=0 -m pytest -q -p no:cacheprovider --disable-warnings \
 	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || exit 1; \
 	done
-	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/test_torchrun.py
+	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/distributed/test_torchrun.py
 
 bench: build
 	$(PY) -m benchmarks
 
 # The CUDA suite (tests/gpu) on cuda:0 with this virtualenv's torch, after
-# the CPU-side checks (tests/test_device_rules.py, the suite's bodies on
+# the CPU-side checks (tests/unit/test_device_rules.py, the suite's bodies on
 # the CPU).  Without CUDA (the CPU torch of .venv) it says why and exits 0.
 # On a GPU machine, tools/gpu-check.sh installs a CUDA torch itself.
 test-gpu: build
@@ -120,7 +122,7 @@ clean:
 # targets themselves; `make ci` is what .ci/run runs.
 #
 #   make lint           clang-format check, clang-tidy, cppcheck, C lint
-#                       tests (tests/test_cpylint.py), ruff, mypy
+#                       tests (tests/core/test_cpylint.py), ruff, mypy
 #   make format         clang-format -i on csrc/ (rewrites files)
 #   make build-asan     ASan+UBSan build of the core into build/asan/
 #   make test-asan      the single-process suite on the ASan build
@@ -167,8 +169,8 @@ REFLEAK_DIR  := build/refleak
 VALGRIND_DIR := build/valgrind
 CORE_SO       = $(1)/dcp_optim/_dcp_optim$(shell $(2) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 # Torch-free tests driving the C core through fake classes.
-NOTORCH_TESTS := tests/refleak
-NOTORCH_INI   := tests/refleak/pytest.ini
+NOTORCH_TESTS := tests/core/refleak
+NOTORCH_INI   := tests/core/refleak/pytest.ini
 
 .PHONY: tools lint lint-format lint-tidy lint-cppcheck lint-cpylint lint-ruff lint-mypy \
         format build-asan test-asan build-refleak test-refleak build-valgrind \
@@ -203,7 +205,7 @@ lint-cppcheck: $(STAMP)
 	    --suppress=missingIncludeSystem csrc/
 
 lint-cpylint: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_cpylint.py
+	$(PY) -m pytest $(PYTEST_FLAGS) tests/core/test_cpylint.py
 
 lint-ruff: $(STAMP)
 	@$(TOOLS) lint
@@ -218,7 +220,8 @@ build-asan: $(STAMP)
 	@$(TOOLS) asan
 	DCP_OPTIM_SANITIZE=1 $(PY) setup.py -q build_ext --force \
 	    --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
-	find dcp_optim -maxdepth 1 -type f ! -name '*.so' -exec cp -p {} $(ASAN_DIR)/dcp_optim/ \;
+	cd dcp_optim && find . -name __pycache__ -prune -o -type f ! -name '*.so' \
+	    -exec cp -p --parents {} $(CURDIR)/$(ASAN_DIR)/dcp_optim/ \;
 
 # LD_PRELOAD goes on the real interpreter binary (.venv/bin/python is a
 # symlink to it), never on a shell shim.  --capture=sys: with pytest's

@@ -952,8 +952,8 @@ group_step_on_device(dcp_state *st, PyObject *group)
 }
 
 /* Whether the group's schema keeps `step` on the parameter's device
- * whatever the flags: expected["step"] == 3 (see _optim._param_shaped).
- * 1 / 0 / -1. */
+ * whatever the flags: expected["step"] == 3 (see _param_shaped in
+ * dcp_optim/_engine/optim.py).  1 / 0 / -1. */
 static int
 schema_step_on_device(dcp_state *st, PyObject *expected)
 {

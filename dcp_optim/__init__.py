@@ -12,7 +12,7 @@ compiled core ``dcp_optim._dcp_optim``, which is required.
 
 # The compiled core first: without it this raises an ImportError that
 # names the build command, before anything else is imported.
-from ._core import C as _C  # isort: skip
+from ._engine.core import C as _C  # isort: skip
 from . import errors, schema
 from .options import StateDictOptions
 from .schema import register_optimizer_schema
@@ -46,19 +46,20 @@ __all__ = [
 ]
 
 # Adoption tools (docs/adoption.md): one-line switch-over, converter, verification.
-from . import convert, patching, verify  # noqa: E402
+from . import patching  # noqa: E402
 from .patching import is_patched, patch, patched, unpatch  # noqa: E402
+from .tools import convert, verify  # noqa: E402
 
 __all__ += ["patch", "unpatch", "patched", "is_patched", "patching", "convert", "verify"]
 
 # DCP load planner tolerating empty-group keys across layouts (pipelines).
-from .planner import LoadPlanner  # noqa: E402
+from .tools.planner import LoadPlanner  # noqa: E402
 
 __all__ += ["LoadPlanner"]
 
 # Reading checkpoints safely (the command line's reader): a restricted
 # unpickler for the metadata and non-tensor entries unless trusted=True.
-from ._ckpt_meta import (  # noqa: E402
+from .tools.checkpoint import (  # noqa: E402
     Checkpoint,
     CheckpointError,
     MalformedCheckpointError,

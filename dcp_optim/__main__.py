@@ -1,5 +1,5 @@
 """``python -m dcp_optim`` (and the ``dcp-optim`` console script): see
-:mod:`dcp_optim.cli`."""
+:mod:`dcp_optim.tools.cli`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``);
     returns the exit code."""
-    from .cli import main as cli_main
+    from .tools.cli import main as cli_main
 
     return cli_main(argv)
 

@@ -1,7 +1,7 @@
 """Type stubs of the C core ``dcp_optim._dcp_optim`` (csrc/).
 
 Signatures match the functions' advertised ``__text_signature__`` and
-what they accept (tests/refleak/test_signatures.py checks both).  The
+what they accept (tests/core/refleak/test_signatures.py checks both).  The
 core is internal: arguments are torch objects reached through a
 ``Context`` and plain containers; see each C function's comment.
 """

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import sys
 
-# The code lives in dcp_optim._demo (why: see there).
-from ._demo import main
+# The code lives in dcp_optim.tools.demo (why: see there).
+from .tools.demo import main
 
 __all__ = ["main"]
 

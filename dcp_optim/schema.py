@@ -32,7 +32,7 @@ reproduce them:
   ``(1 - dampening) * grad``.  Its pristine buffer is therefore stored as
   negative zeros (``-0.0``), a value training cannot produce for a whole
   buffer in practice, and loading treats an all-negative-zero buffer as
-  "no buffer yet" (see ``_optim.drop_sgd_placeholders``).
+  "no buffer yet" (see ``_engine.optim.drop_sgd_placeholders``).
 """
 
 from __future__ import annotations

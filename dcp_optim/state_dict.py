@@ -20,14 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import errors
-
-# _EXTRA_STATE and _verify_options: upstream module names, kept importable
-# from here like the rest of upstream's private helpers (test_wrappers).
-from ._core import EXTRA_STATE as _EXTRA_STATE  # noqa: F401
-from ._core import C, context
-from ._model import PATCH_MARK, get_model, model_load_steps, unflatten_model_state_dict
-from ._optim import get_optim, init_optim_state, optim_load_steps
-from ._verify import (
+from ._engine.checks import (
     _gc_context,
     _normalize_optimizers,
     _prepare,
@@ -35,6 +28,13 @@ from ._verify import (
     _verify_options,  # noqa: F401
     _verify_state_dict,
 )
+
+# _EXTRA_STATE and _verify_options: upstream module names, kept importable
+# from here like the rest of upstream's private helpers (test_wrappers).
+from ._engine.core import EXTRA_STATE as _EXTRA_STATE  # noqa: F401
+from ._engine.core import C, context
+from ._engine.model import PATCH_MARK, get_model, model_load_steps, unflatten_model_state_dict
+from ._engine.optim import get_optim, init_optim_state, optim_load_steps
 from .options import StateDictOptions
 
 __all__ = [
@@ -96,7 +96,7 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable:
-    from ._model import state_dict_fn
+    from ._engine.model import state_dict_fn
 
     return state_dict_fn(obj, api)
 
@@ -368,9 +368,9 @@ def set_state_dict(
 
 def _reshard_fsdp2(model: Any) -> None:
     """Getters see the sharded parameters the optimizers hold, whatever
-    state a forward left FSDP2 in (see _distribute.reshard_fsdp2)."""
+    state a forward left FSDP2 in (see _engine.distribute.reshard_fsdp2)."""
     if isinstance(model, nn.Module):
-        from ._distribute import reshard_fsdp2
+        from ._engine.distribute import reshard_fsdp2
 
         reshard_fsdp2(model)
 
@@ -380,9 +380,10 @@ def _check_after_load(model: nn.Module, optimizers: Any, options: Any, sections:
     expected = getattr(options, "verify_checksums", None)
     if expected is None:
         return
-    from .verify import verify
+    from ._engine.checksums import verify
 
-    verify(model, optimizers, expected, options=options, sections=sections)
+    getters = (get_model_state_dict, get_optimizer_state_dict, get_state_dict)
+    verify(model, optimizers, expected, options=options, sections=sections, getters=getters)
 
 
 # Options that decide which collectives a load runs: every rank of the
@@ -425,11 +426,11 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
        commit: its step 4 runs before the agreement of step 2, which is
        its only one.
 
-    Agreements are fixed-size all-gathers (``_consistency.Agreement``)
+    Agreements are fixed-size all-gathers (``_engine.consistency.Agreement``)
     among the ranks of the model's mesh, made whenever the load
     communicates or the model holds sharded tensors; a plain model's
     sharded load runs alone on each rank, as upstream's does."""
-    from ._distribute import route_for
+    from ._engine.distribute import route_for
 
     info = None
     steps: list[tuple[str, Any]] = []
@@ -568,13 +569,13 @@ def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_di
     the options as passed and the model's tensors, also where the load
     failed before its info was built, so that a rank that failed early
     still meets the others at the first agreement."""
-    from ._consistency import Agreement, option_pairs
-    from ._distribute import route_for
+    from ._engine.consistency import Agreement, option_pairs
+    from ._engine.distribute import route_for
 
     index = info.index if info is not None else None
     if index is None and isinstance(model, nn.Module):
         try:
-            from ._verify import walk
+            from ._engine.checks import walk
 
             index = walk(model, getattr(options, "dsd_fqn_modifiers", "_fqn_modifiers"))
         except Exception:  # noqa: BLE001 - the load's own error is raised
@@ -602,7 +603,7 @@ def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:
     (shape, dtype): what every rank's copy of a full dict must share."""
     if not state_dict or not isinstance(state_dict, dict):
         return []
-    from ._distribute import to_metadata
+    from ._engine.distribute import to_metadata
 
     try:
         ctx = context()
@@ -630,7 +631,7 @@ def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:
 
 
 def _bucket_setting():
-    from ._collectives import bucket_setting
+    from ._engine.collectives import bucket_setting
 
     return bucket_setting()
 

@@ -3,7 +3,7 @@
 Under ``torchrun`` (``make test-torchrun``) every rank runs the same tests:
 ``dcp_optim.testing`` initialises the process group from torchrun's
 environment and consolidates each test's verdict across ranks,
-``tests.harness.run_ranks`` runs rank functions in-process, and
+``tests.support.harness.run_ranks`` runs rank functions in-process, and
 ``tmp_path`` / ``tmp_path_factory`` give every rank the same directory.
 """
 
@@ -105,9 +105,9 @@ def world1(tmp_path):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The optimizer corpus' count of what ran (tests/test_optim_corpus.py)."""
+    """The optimizer corpus' count of what ran (tests/unit/test_optim_corpus.py)."""
     import sys
 
-    corpus = sys.modules.get("tests.test_optim_corpus")
+    corpus = sys.modules.get("tests.unit.test_optim_corpus")
     for line in corpus.corpus_summary() if corpus else []:
         terminalreporter.write_line(line)

@@ -15,7 +15,7 @@
 #    with torch pinned to the installed version by a pip constraint;
 #    torch's version is checked again afterwards.
 # 3. the C core built in place.
-# 4. the CPU-side checks: tests/test_device_rules.py and the CUDA suite's
+# 4. the CPU-side checks: tests/unit/test_device_rules.py and the CUDA suite's
 #    bodies on the CPU.
 # 5. the CUDA suite, tests/gpu, on cuda:0 (DCP_OPTIM_GPU=1) -- or, without
 #    a usable CUDA device, a message saying why, and exit status 0.
@@ -41,7 +41,7 @@
 #
 # Other settings: GPU_CHECK_VENV (default .venv-gpu), GPU_CHECK_SKIP_BUILD=1
 # (make test-gpu builds first), GPU_CHECK_CPU_TESTS (the CPU-side test
-# selection, default "tests/test_device_rules.py tests/gpu").
+# selection, default "tests/unit/test_device_rules.py tests/gpu").
 
 set -euo pipefail
 
@@ -52,7 +52,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 OUT=${GPU_CHECK_OUT:-$ROOT/gpu-check-out}
 VENV=${GPU_CHECK_VENV:-$ROOT/.venv-gpu}
 BASE_PY=${PYTHON:-python3}
-CPU_TESTS=${GPU_CHECK_CPU_TESTS:-tests/test_device_rules.py tests/gpu}
+CPU_TESTS=${GPU_CHECK_CPU_TESTS:-tests/unit/test_device_rules.py tests/gpu}
 SUITE_MAX=${GPU_CHECK_TIMEOUT:-360}
 BUDGET=${GPU_CHECK_BUDGET:-480}
 MARGIN=${GPU_CHECK_MARGIN:-20}

@@ -1,6 +1,6 @@
 """Shared pieces of the CUDA suite: the device, models, optimizers, the
 differential comparisons, and the rank function of the 2-process check
-(module level, so that tests.harness can start it in worker processes).
+(module level, so that tests.support.harness can start it in worker processes).
 
 The suite runs on ``cuda:0`` under ``make test-gpu`` (``DCP_OPTIM_GPU=1``)
 and on the CPU otherwise, so its code paths run in every ``make test``.
@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import dcp_optim
 
-from ..oracle import assert_same_tree
+from ..support.oracle import assert_same_tree
 
 GPU_MODE = os.environ.get("DCP_OPTIM_GPU") == "1"
 CPU = torch.device("cpu")

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint.state_dict as upstream
 
 import dcp_optim
 
-from .. import harness
-from ..oracle import live_storage
+from ..support import harness
+from ..support.oracle import live_storage
 from . import cases
 from .cases import (
     CAPTURABLE_ON_CPU,
@@ -376,7 +376,7 @@ def test_dcp_save_load_resume(dev, pg1, tmp_path):
 
 def _peak(dev, fn):
     """(result, peak CUDA bytes above the start) of fn(); (result, None)
-    on the CPU, where tests/test_collectives_memory.py measures RSS."""
+    on the CPU, where tests/distributed/test_collectives_memory.py measures RSS."""
     if not is_cuda(dev):
         return fn(), None
     torch.cuda.synchronize(dev)
@@ -415,7 +415,7 @@ def test_peak_memory_of_a_full_gather(offload, dev, pg1, record_property):
     MiB of moments): the same result as upstream, and a CUDA peak no
     larger than upstream's plus one bucket (dcp_optim gathers in buckets;
     with cpu_offload the results leave the GPU bucket by bucket)."""
-    from dcp_optim import _collectives
+    from dcp_optim._engine import collectives as _collectives
 
     model, optim = _big_fsdp2(dev)
     peaks, results = {}, {}
@@ -433,7 +433,7 @@ def test_peak_memory_of_a_broadcast_load(dev, pg1, record_property):
     """A full model + optimizer state broadcast from rank 0 into a fresh
     FSDP2 model: the same loaded state as upstream, and a CUDA peak no
     larger than upstream's plus one bucket."""
-    from dcp_optim import _collectives
+    from dcp_optim._engine import collectives as _collectives
 
     model, optim = _big_fsdp2(dev)
     full_opts = {"full_state_dict": True, "cpu_offload": True}

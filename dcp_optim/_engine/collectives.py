@@ -1,0 +1,249 @@
+"""Data movement for sharded tensors, through torch.distributed only.
+
+Full gathers are planned natively (``plan_gather``, one ``GatherPlan`` per
+mesh): DTensors are grouped by device mesh and packed into byte buckets.
+Evenly sharded tensors (a 1-D mesh and ``Shard(0)``, FSDP2's layout, padded
+or not) are planned in closed form -- the same slot in every rank's segment
+--, so planning and unpacking cost the same at any world size; every other
+layout (uneven per-rank geometry from strided shards, multi-dimensional
+meshes, replicas) gets every rank's shard geometry from the mesh and the
+placements.  Each bucket costs one collective per mesh dimension of
+size > 1 (one for FSDP2's 1-D mesh), instead of upstream's blocking
+collective per tensor, plus one small agreement exchange per call.
+
+Which collective depends on who keeps the result, which every rank learns
+from the agreement exchange (each rank's ``keep`` flag rides along):
+
+* every rank keeps it: ``all_gather_into_tensor``, in place (each rank packs
+  its segment straight into its slot of the gathered buffer);
+* exactly one rank keeps it (``cpu_offload=True``: rank 0 only): ``gather``
+  to that rank.  The other ranks hold only their own packed segment -- a
+  bucket divided by the number of ranks -- never a gathered bucket;
+* nobody on the mesh keeps it: no data moves at all.
+
+Peak extra memory is one gathered bucket on a keeping rank (plus, on gloo,
+the backend's own staging copy of it, which gloo's gather and all-gather
+allocate internally), one segment on the others.
+
+The bucket budget is the size of a *gathered* bucket in bytes.  By default
+it adapts to the tensors: ``min(256 MiB, max(largest tensor, 16 MiB))``;
+:func:`set_bucket_bytes` or the ``DCP_OPTIM_BUCKET_MB`` environment variable
+(read at import) fix it instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .consistency import all_gather_flat, check_agreement
+from .core import C
+
+__all__ = ["bucket_bytes", "bucket_setting", "set_bucket_bytes", "gather_full_tensors"]
+
+# Default budget: max(largest tensor, 16 MiB), at most 256 MiB.
+# * 16 MiB floor: measured with gloo on a 2-core host (benchmarks/README.md),
+#   a 16 MiB all-gather already runs at the loopback's bandwidth (~1 GB/s,
+#   15-20 ms), while 64 MiB ones were 4-10x slower per byte: buckets above
+#   the allocator's mmap threshold (32 MiB in glibc) are fresh mappings on
+#   every call, page-faulted in again each time (gloo's staging copy too).
+#   Every extra MiB of budget is an extra MiB of peak memory (two on gloo).
+# * largest tensor: a tensor never shares a bucket below its own size, so
+#   the budget may as well fit it (it is needed anyway).
+# * 256 MiB cap: collective latency is long amortised (NCCL reaches its
+#   bandwidth well below this size), and the bucket stays a small fraction
+#   of a GPU's or host's memory.
+_MIN_BUCKET_BYTES = 16 * 1024 * 1024
+_MAX_BUCKET_BYTES = 256 * 1024 * 1024
+_explicit_bytes: int | None = int(float(os.environ.get("DCP_OPTIM_BUCKET_MB", "0")) * 2**20) or None
+
+_PLACEMENT_CLASSES = (Shard, _StridedShard, Replicate)
+_CPU = torch.device("cpu")
+
+
+def bucket_bytes(largest: int = 0) -> int:
+    """The bucket budget in bytes for a transfer whose largest tensor has
+    ``largest`` bytes: the fixed setting if there is one, else
+    ``min(256 MiB, max(largest, 16 MiB))``."""
+    if _explicit_bytes is not None:
+        return _explicit_bytes
+    return min(_MAX_BUCKET_BYTES, max(_MIN_BUCKET_BYTES, int(largest)))
+
+
+def bucket_setting() -> int | None:
+    """The fixed budget (bytes), or None when it adapts to the tensors."""
+    return _explicit_bytes
+
+
+def set_bucket_bytes(nbytes: int | None) -> int | None:
+    """Fix the bucket budget (bytes), or restore the adaptive default with
+    None; returns the previous setting (None: it was adaptive)."""
+    global _explicit_bytes
+    if nbytes is not None and int(nbytes) < 1:
+        raise ValueError("bucket size must be positive")
+    previous, _explicit_bytes = _explicit_bytes, None if nbytes is None else int(nbytes)
+    return previous
+
+
+def _mesh_device(mesh) -> torch.device:
+    return torch.device(mesh.device_type)
+
+
+def gather_full_tensors(
+    leaves: list[Any],
+    *,
+    bucket_bytes: int | None = None,
+    cpu_offload: bool = False,
+    keep: bool = True,
+    options_key: Any = None,
+    names_fn: Callable[[], list[str]] | None = None,
+) -> list[Any]:
+    """Full tensors for a list of tensor leaves (plain tensors unchanged).
+
+    Every rank holding a shard must call this with the same DTensors (same
+    meshes, shapes and placements, in the same order): that is checked
+    first, per mesh, with one small all-gather (``options_key`` joins the
+    check; ``names_fn`` names the leaves if it fails).  With ``keep=False``
+    this rank assembles nothing (the ``cpu_offload`` rank-0-only mode): it
+    only sends its shards, to the one rank that keeps them when there is
+    exactly one.
+    """
+    results = list(leaves)
+    fixed = bucket_bytes or _explicit_bytes
+    offload = _CPU if cpu_offload else None
+    if fixed:
+        plans = C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, fixed, 0)
+    else:
+        plans = C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, _MAX_BUCKET_BYTES, _MIN_BUCKET_BYTES)
+    work = []
+    for mesh, plan, signature, leaf_indices, budget in plans:
+        flags = check_agreement(
+            mesh,
+            "sharded tensors to gather",
+            (options_key, budget, signature),
+            lambda: _details(signature, leaf_indices, names_fn, options_key, budget),
+            flag=1 if keep else 0,
+        )
+        keepers = [i for i, f in enumerate(flags) if f]
+        if plan.buckets and keepers:
+            root = keepers[0] if len(keepers) == 1 else None
+            work.append((mesh, plan, root))
+    for mesh, plan, root in work:
+        _gather_mesh(mesh, plan, root, keep, results, offload)
+    for i in C.indices_of(results, ShardedTensor):
+        results[i] = _gather_sharded_tensor(results[i])
+    return results
+
+
+def _schedule(mesh: Any, root: int | None):
+    """The collectives of one bucket on this rank, in units of segments.
+
+    Segments sit in row-major mesh order.  Gathering along the last mesh
+    dimension first and then outwards, the data a rank holds after each
+    stage is a contiguous block that contains the block it held before, so
+    every stage works in place in one buffer: its input is its slot of its
+    output.  ``root`` (row-major index) is the only rank that needs the
+    result (gather), or None (all-gather: everyone).  Returns
+    (my slot, span, stages): span = (first, count) is the largest block
+    this rank holds, the extent of its buffer; stages = [(group, dst, in
+    block, out block or None)] with dst the global destination rank (None:
+    all-gather) and out None where this rank only sends."""
+    shape = list(mesh.shape)
+    coord = list(mesh.get_coordinate())
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    me = sum(c * s for c, s in zip(coord, strides))
+    target = None if root is None else [(root // s) % n for s, n in zip(strides, shape)]
+    first, count = me, 1
+    stages: list[tuple[Any, int | None, tuple[int, int], tuple[int, int] | None]] = []
+    for d in reversed(range(len(shape))):
+        if shape[d] == 1:
+            continue
+        out = (first - coord[d] * strides[d], count * shape[d])
+        group = mesh.get_group(d)
+        if target is None:
+            stages.append((group, None, (first, count), out))
+        else:
+            at = list(coord)
+            at[d] = target[d]
+            dst = int(mesh.mesh[tuple(at)])
+            receives = coord[d] == target[d]
+            stages.append((group, dst, (first, count), out if receives else None))
+            if not receives:
+                break
+        first, count = out
+    return me, (first, count), stages
+
+
+def _gather_mesh(mesh, plan, root, keep, results, offload) -> None:
+    """Run the buckets of one mesh's plan; assemble the full tensors where
+    kept.  A "direct" bucket (one evenly sharded tensor whose unpadded
+    shards fill the segment) is gathered straight into its result tensor;
+    the others through one shared buffer, unpacked by the plan (a strided
+    copy or two per evenly sharded tensor, whatever the world size)."""
+    device = _mesh_device(mesh)
+    me, (first, count), stages = _schedule(mesh, root)
+    assemble = keep and count == mesh.size()
+    # One buffer for every bucket of the mesh (views of its first bytes):
+    # per-bucket allocations would let the allocator keep freed buckets
+    # resident.  A rank that only sends holds just its own segment.
+    storage = None
+    for b in range(plan.buckets):
+        segment = plan.segment(b)
+        direct = plan.direct(b) if assemble else None
+        if direct is not None:
+            leaf, dtype, shape = direct
+            full = torch.empty(shape, dtype=dtype, device=device)
+            buffer = full.view(-1).view(torch.uint8)
+        else:
+            if storage is None:
+                storage = torch.empty(plan.max_segment * count, dtype=torch.uint8, device=device)
+            buffer = storage[: segment * count]
+
+        def view(block: tuple[int, int], seg: int = segment, buf: torch.Tensor = buffer) -> torch.Tensor:
+            # bytes of the segments block[0] .. block[0] + block[1] - 1
+            start = (block[0] - first) * seg
+            return buf[start : start + block[1] * seg]
+
+        C.pack_bucket(view((me, 1)), plan, b, torch.uint8)
+        for group, dst, inp, out in stages:
+            if dst is None:
+                all_gather_flat(view(out), view(inp), group)
+            elif out is None:
+                dist.gather(view(inp), None, dst=dst, group=group)
+            else:
+                pieces = list(view(out).chunk(out[1] // inp[1]))
+                dist.gather(view(inp), pieces, dst=dst, group=group)
+        if direct is not None:
+            results[leaf] = full if offload is None else full.to(offload)
+        elif assemble:
+            C.unpack_bucket(buffer, plan, b, torch.empty, device, results, offload, torch.cat)
+
+
+def _details(signature, leaf_indices, names_fn, options_key, budget):
+    """Per-leaf description for the disagreement error (error path only)."""
+    names = names_fn() if names_fn is not None else None
+    out = [("options", f"options {options_key}, bucket {budget} bytes")]
+    for sig, i in zip(signature, leaf_indices):
+        name = names[i] if names is not None and i < len(names) else f"tensor #{i}"
+        shape, placements, itemsize = sig
+        out.append((name, f"shape {tuple(shape)}, placements {placements}, {itemsize}-byte dtype"))
+    return out
+
+
+def _gather_sharded_tensor(t: ShardedTensor) -> torch.Tensor:
+    """Legacy ShardedTensor (FSDP1 sharded dicts): upstream's gather."""
+    from torch.distributed._state_dict_utils import _all_gather_sharded_tensor
+
+    full = _all_gather_sharded_tensor(t)
+    shards = t.local_shards()
+    device = shards[0].tensor.device if shards else _CPU
+    return full if full.device == device else full.to(device)

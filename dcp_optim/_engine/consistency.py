@@ -1,0 +1,371 @@
+"""Cross-rank agreement before collectives start (issue: ranks that
+disagree on keys, shapes or options hang, or unpickle garbage).
+
+Every path that moves data between ranks first exchanges one small digest
+among the ranks involved (the ranks of the device mesh the tensors live
+on).  If the digests differ, a second exchange -- only on this error path
+-- carries the details, so that every rank raises the same error naming
+the first differing key and the ranks involved, before any data moves.
+
+The digest travels as a fixed-size byte tensor (one all-gather, no
+pickling: ``all_gather_object`` costs two collectives, sizes then
+payload); a one-byte per-rank flag rides along, which callers use to learn
+which ranks want the data (the rank-0-only gathers of ``cpu_offload``).
+
+Every such record has the same size (``RECORD_BYTES``), a getter's gather
+check as well as a load's agreement (``Agreement``: options, the full
+dicts' structure, the rank's verdict on its own checks), so that ranks
+that reached different ones still complete the exchange and raise the
+same error instead of aborting in the backend; the error paths exchange
+tagged payloads through ``all_gather_object`` (sizes first, then the
+payload: the same two collectives on every rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+
+__all__ = [
+    "all_gather_flat",
+    "mesh_all_gather_object",
+    "mesh_all_gather_bytes",
+    "mesh_all_gather_rows",
+    "check_agreement",
+]
+
+
+def mesh_all_gather_object(mesh: Any | None, obj: Any) -> tuple[list[Any], list[int]]:
+    """Every mesh rank's ``obj`` (row-major mesh order) and their global
+    ranks.  ``mesh=None`` means the default group."""
+    if mesh is None or mesh.size() == dist.get_world_size():
+        world = dist.get_world_size()
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, obj)
+        if mesh is None:
+            return gathered, list(range(world))
+        order = mesh.mesh.flatten().tolist()
+        return [gathered[r] for r in order], order
+    payload = obj
+    for d in reversed(range(mesh.ndim)):
+        if mesh.size(d) == 1:
+            payload = [payload]
+            continue
+        row: list[Any] = [None] * mesh.size(d)
+        dist.all_gather_object(row, payload, group=mesh.get_group(d))
+        payload = row
+    flat: list[Any] = []
+
+    def walk(node, depth):
+        if depth == mesh.ndim:
+            flat.append(node)
+            return
+        for child in node:
+            walk(child, depth + 1)
+
+    walk(payload, 0)
+    return flat, mesh.mesh.flatten().tolist()
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``all_gather_into_tensor``.  torch 2.13 renamed it (the old name now
+    warns) to ``all_gather_single``; older releases only have the former.
+    Looked up per call so that tools wrapping torch.distributed see it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], list[int]]:
+    """Every mesh rank's ``data`` (the same length on every rank) in
+    row-major mesh order, and their global ranks: one all-gather of a small
+    byte tensor -- on the default group when the mesh spans the world (or
+    ``mesh`` is None), else one per mesh dimension of size > 1."""
+    rows, ranks = mesh_all_gather_rows(mesh, data)
+    return [bytes(r) for r in rows.numpy()], list(ranks)
+
+
+def mesh_all_gather_rows(mesh: Any | None, data: bytes) -> tuple[torch.Tensor, Any]:
+    """``mesh_all_gather_bytes`` without a Python object per rank: every
+    mesh rank's ``data`` as the rows of one ``[ranks, len(data)]`` uint8
+    CPU tensor, and their global ranks (a ``range`` when they are
+    0 .. n-1 in order, the usual case; else a list)."""
+    n = len(data)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if mesh is None or mesh.size() == dist.get_world_size():
+        world = dist.get_world_size()
+        device = torch.device(dist.distributed_c10d._get_object_coll_device())
+        out = torch.empty(world * n, dtype=torch.uint8, device=device)
+        all_gather_flat(out, mine.to(device), None)
+        rows = out.cpu().view(world, n)
+        if mesh is None:
+            return rows, range(world)
+        return _in_mesh_order(rows, mesh.mesh.flatten())
+    device = torch.device(mesh.device_type)
+    payload = mine.to(device)
+    # last mesh dimension first: row-major mesh order (as the gathers do)
+    for d in reversed(range(mesh.ndim)):
+        if mesh.size(d) == 1:
+            continue
+        out = torch.empty(mesh.size(d) * payload.numel(), dtype=torch.uint8, device=device)
+        all_gather_flat(out, payload, mesh.get_group(d))
+        payload = out
+    return payload.cpu().view(mesh.size(), n), _ranks(mesh.mesh.flatten())
+
+
+def _ranks(order: torch.Tensor) -> Any:
+    if torch.equal(order, torch.arange(order.numel(), dtype=order.dtype)):
+        return range(order.numel())
+    return order.tolist()
+
+
+def _in_mesh_order(rows: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The default group's rows (by global rank) in mesh order."""
+    ranks = _ranks(order)
+    if isinstance(ranks, range):
+        return rows, ranks
+    return rows[order.long()], ranks
+
+
+def _all_equal(rows: torch.Tensor) -> bool:
+    return bool((rows == rows[:1]).all())
+
+
+# Every fixed-size exchange of dcp_optim (a getter's gather check, a
+# load's agreement) has this size, so that ranks that reached different
+# ones -- ranks that disagree on which call or which options -- still
+# complete the exchange, see records that differ, and raise instead of
+# aborting in the backend ("Received data size doesn't match").
+RECORD_BYTES = 64
+
+
+_DIGEST_BYTES = 20  # sha1
+
+
+def _digest(value: Any) -> bytes:
+    return hashlib.sha1(repr(value).encode()).digest()
+
+
+def check_agreement(
+    mesh: Any | None, what: str, summary: Any, details_fn, flag: int = 0
+) -> list[int]:
+    """Raise the same StateDictRuntimeError on every rank of ``mesh`` when
+    their ``summary`` values differ.  ``details_fn()`` returns a list of
+    (name, description) pairs that locate the difference; it runs only on
+    that error path.  ``flag`` (0-255) is not compared: the flags of every
+    mesh rank, in row-major mesh order, are returned."""
+    record = (_digest(summary) + bytes((flag,))).ljust(RECORD_BYTES, b"\0")
+    rows, ranks = mesh_all_gather_rows(mesh, record)
+    flag_at = _DIGEST_BYTES  # record: digest, flag, padding
+    if _all_equal(rows[:, :flag_at]) and _all_equal(rows[:, flag_at + 1 :]):
+        return rows[:, flag_at].tolist()  # small ints: no object per rank
+    ranks = list(ranks)
+    details, _ = mesh_all_gather_object(mesh, ("gather", what, details_fn()))
+    _check_same_call(details, ranks)
+    message = _describe_difference(what, [d[2] for d in details], ranks)
+    raise errors.StateDictRuntimeError(message)
+
+
+def _check_same_call(gathered: list[Any], ranks: list[int]) -> None:
+    """The error paths of a getter's gather check and of a load's
+    agreement exchange tagged payloads: ranks that reached different ones
+    (different calls, or options that send one rank down another path)
+    raise this, the same on every rank."""
+    calls: dict[str, list[int]] = {}
+    for rank, g in zip(ranks, gathered):
+        calls.setdefault(f"{g[0]} ({g[1]})", []).append(rank)
+    if len(calls) > 1:
+        per_rank = "; ".join(f"rank(s) {rs}: {c}" for c, rs in calls.items())
+        raise errors.StateDictRuntimeError(
+            "ranks are in different dcp_optim calls (or took different paths "
+            f"through one): {per_rank}. Every rank must make the same calls with "
+            "the same options."
+        )
+
+
+def _describe_difference(what: str, details: list[Any], ranks: list[int]) -> str:
+    """Name the first entry -- in the order the ranks list them -- whose
+    description differs between ranks or that some ranks lack (entries are
+    matched by name, not by position: an extra entry on one rank, such as
+    an optimizer state only ``amsgrad`` creates, is the difference, not
+    everything after it)."""
+    maps = [dict(d) for d in details]
+    seen: set[Any] = set()
+    longest = max((len(d) for d in details), default=0)
+    for i in range(longest):
+        for d in details:
+            if i >= len(d) or d[i][0] in seen:
+                continue
+            name = d[i][0]
+            seen.add(name)
+            entries = [m.get(name) for m in maps]
+            if all(e == entries[0] for e in entries):
+                continue
+            groups: dict[str, list[int]] = {}
+            for rank, entry in zip(ranks, entries):
+                text = "nothing (no such entry)" if entry is None else f"{entry}"
+                groups.setdefault(text, []).append(rank)
+            per_rank = "; ".join(f"rank(s) {rs}: {text}" for text, rs in groups.items())
+            return (
+                f"ranks disagree on the {what} before a collective; first "
+                f"difference at '{name}': {per_rank}. Every rank must pass the "
+                "same options and state dict structure for this call."
+            )
+    return (
+        f"ranks disagree on the {what} before a collective (ranks {ranks}); "
+        "every rank must pass the same options and state dict structure."
+    )
+
+
+# --- agreement on the outcome of a load -------------------------------------------
+#
+# A load is a sequence of steps, each either local (checks, planning) or
+# collective (metadata exchange, data stream).  Before every collective
+# step, and before anything is installed, the ranks of the load's mesh
+# exchange one fixed-size record -- 20-byte digest of the call's options,
+# a failed byte, 8 flag bytes -- whatever their options or outcome, so
+# that the exchange itself always matches.  If every digest agrees and no
+# rank failed, the load goes on; otherwise (error path only) every rank
+# contributes its option details and its exception to one object
+# all-gather, and every rank raises the same exception.
+
+_FLAG_BYTES = 8
+_AGREEMENT_TAG = b"load"
+
+
+class Agreement:
+    """The agreement points of one distributed load (``mesh`` None: the
+    default group).  ``options`` is a list of (name, value) pairs that must
+    be equal on every rank (the call's options: they decide which
+    collectives follow); ``structure`` another such list (the structure of
+    the dicts every rank holds: keys, shapes, dtypes, hyperparameters),
+    compared after the options and the flags."""
+
+    def __init__(
+        self,
+        mesh: Any | None,
+        what: str,
+        options: list[tuple[str, Any]],
+        structure: list[tuple[str, Any]] | None = None,
+    ):
+        self.mesh = mesh
+        self.what = what
+        self.options = options
+        self.structure = structure or []
+        self.digest = _digest(options) + _digest(self.structure)
+
+    def agree(
+        self,
+        error: BaseException | None = None,
+        flags: tuple[int, ...] = (),
+        flags_check: Any = None,
+    ) -> list[tuple[int, ...]]:
+        """One agreement point.  ``error``: this rank's failure since the
+        last point (None: it passed).  ``flags``: up to 8 small ints every
+        rank learns (returned per rank, in row-major mesh order);
+        ``flags_check(flags_per_rank, ranks)`` returns an error message
+        when the flags disagree in a way that must stop the load.  Raises
+        the same exception on every rank when the options differ, the
+        flags check fails, the structures differ, or any rank failed (the
+        lowest failing rank's exception, naming that rank)."""
+        if len(flags) > _FLAG_BYTES:
+            raise ValueError("at most 8 flags")
+        record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
+        record = (record + _AGREEMENT_TAG).ljust(RECORD_BYTES, b"\0")
+        rows, ranks = mesh_all_gather_rows(self.mesh, record)
+        # record: options digest, structure digest, failed byte, flags, tag
+        struct_at, failed_at = _DIGEST_BYTES, 2 * _DIGEST_BYTES
+        flags_at = failed_at + 1
+        flag_rows = rows[:, flags_at : flags_at + len(flags)]
+        if _all_equal(flag_rows):
+            # the usual case: one tuple shared by every rank's entry
+            per_rank = [tuple(flag_rows[0].tolist())] * rows.shape[0]
+        else:
+            per_rank = [tuple(r) for r in flag_rows.tolist()]
+        same_options = _all_equal(rows[:, :struct_at])
+        same_structure = _all_equal(rows[:, struct_at:failed_at])
+        failed = bool(rows[:, failed_at].any())
+        problem = None
+        if same_options and flags_check is not None:
+            problem = flags_check(per_rank, ranks)
+        if same_options and same_structure and not failed and problem is None:
+            return per_rank
+        # Error path: every rank is here (the records say so on every rank).
+        ranks = list(ranks)
+        mine = (
+            "load",
+            self.what,
+            None if same_options else self.options,
+            None if same_structure or not same_options or problem else self.structure,
+            None if error is None else _export_error(error),
+        )
+        gathered, ranks = mesh_all_gather_object(self.mesh, mine)
+        _check_same_call(gathered, ranks)
+        gathered = [g[2:] for g in gathered]
+        if not same_options:
+            raise errors.StateDictRuntimeError(
+                _describe_difference(f"options of {self.what}", [g[0] for g in gathered], ranks)
+            )
+        if problem is not None:
+            raise errors.StateDictValueError(problem)
+        if not same_structure:
+            raise errors.StateDictRuntimeError(
+                _describe_difference(
+                    f"state dicts passed to {self.what}", [g[1] for g in gathered], ranks
+                )
+            )
+        failures = [(r, g[2]) for r, g in zip(ranks, gathered) if g[2] is not None]
+        texts = {text for _, (_, text) in failures}
+        if error is not None and len(failures) == len(ranks) and len(texts) == 1:
+            raise error  # every rank failed alike: its own exception
+        rank, exported = failures[0]
+        agreed = _import_error(exported, rank, [r for r, _ in failures], len(failures) == len(ranks))
+        if error is not None:
+            raise agreed from error
+        raise agreed
+
+
+def option_pairs(options: Any, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(name, repr(value)) of the option fields ``names`` of ``options``
+    (a StateDictOptions or None), read without validating anything."""
+    return [(name, repr(getattr(options, name, None))) for name in names]
+
+
+def _export_error(error: BaseException) -> tuple[bytes | None, str]:
+    import pickle
+
+    text = f"{type(error).__name__}: {error}"
+    try:
+        blob = pickle.dumps(error)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - not picklable: its text travels
+        blob = None
+    return blob, text
+
+
+def _import_error(exported: tuple[bytes | None, str], rank: int, failing: list[int], everywhere: bool) -> BaseException:
+    import pickle
+
+    blob, text = exported
+    note = (
+        f" [raised on rank {rank}"
+        + ("" if everywhere else f"; rank(s) {failing} failed, the other ranks passed this check")
+        + "; nothing was loaded on any rank]"
+    )
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if not isinstance(exc, BaseException):
+        return errors.StateDictRuntimeError(text + note)
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (exc.args[0] + note, *exc.args[1:])
+    else:
+        exc.args = (*exc.args, note.strip())
+    return exc

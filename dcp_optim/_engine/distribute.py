@@ -1,0 +1,520 @@
+"""Loading full state dicts into (possibly sharded) models and optimizers.
+
+Two modes, both planned natively (``plan_full_load``):
+
+* every rank holds the full dict (``full_state_dict=True``): each rank
+  copies out its own shard locally -- no communication at all;
+* only the source holds it (``broadcast_from_rank0=True``): metadata goes
+  first in one object broadcast, then the tensors travel in byte buckets
+  (large tensors in row chunks), and each rank keeps only its shard of
+  each bucket before the next one arrives.  Peak memory on a receiving
+  rank is its local shards plus one bucket (adaptive budget, see
+  ``collectives``: 16 MiB unless a tensor is larger).
+
+The "rank 0" of a broadcast is the first rank of the model's device mesh
+(global rank 0 whenever the mesh spans all ranks; D18 in docs/differences.md): for a model
+sharded on a sub-mesh the data travels within that mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .. import errors
+from .collectives import bucket_bytes
+from .core import C, context
+
+_CLASSES = (Shard, _StridedShard, Replicate)
+_CPU = torch.device("cpu")
+
+
+class TensorMeta(NamedTuple):
+    """What a receiving rank learns about a tensor before its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def to_metadata(leaves: list[Any]) -> list[Any]:
+    """What a stream sends ahead of the tensor data, per tree leaf: the
+    (shape, dtype) of a tensor, a 0-dim tensor itself (on the CPU: it
+    travels in the metadata), any other value as it is."""
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            leaf = TensorMeta(shape, leaf.dtype) if shape else leaf.cpu()
+        out.append(leaf)
+    return out
+
+
+class Route:
+    """How data travels from the source rank to every rank of a model.
+
+    Without sharded tensors, or when their mesh spans the world: the default
+    group, source global rank 0.  For a mesh on a subset of the ranks: one
+    broadcast per mesh dimension, last dimension first, each from
+    coordinate 0 (the source is the mesh's rank at coordinate (0, ..., 0)).
+    """
+
+    def __init__(self, mesh: Any | None, device: torch.device | None):
+        self.device = device
+        self.mesh = mesh
+        if mesh is None or mesh.size() == dist.get_world_size():
+            self.stages = [(None, 0)]
+            self.is_source = dist.get_rank() == 0
+            self.source = 0
+            return
+        coord = list(mesh.get_coordinate())
+        grid = mesh.mesh
+        self.stages = []
+        for d in reversed(range(mesh.ndim)):
+            if mesh.size(d) == 1:
+                continue
+            at_zero = list(coord)
+            at_zero[d] = 0
+            self.stages.append((mesh.get_group(d), int(grid[tuple(at_zero)])))
+        self.source = int(grid[(0,) * mesh.ndim])
+        self.is_source = all(c == 0 for c in coord)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        for group, src in self.stages:
+            dist.broadcast(tensor, src=src, group=group)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        for group, src in self.stages:
+            box = [obj]
+            dist.broadcast_object_list(box, src=src, group=group)
+            obj = box[0]
+        return obj
+
+
+def route_for(index: Any, device: torch.device | None) -> Route:
+    """The broadcast route of the model an index describes (``device``:
+    where its buffers live, None for object broadcasts only)."""
+    tensors = index.tensors
+    first = None
+    for i in C.indices_of(tensors, DTensor):
+        mesh = tensors[i].device_mesh
+        if first is None:
+            first = mesh
+        elif mesh is not first:
+            return Route(None, device)  # several meshes
+    return Route(first, device)
+
+
+def run_full_load(
+    jobs: list[tuple[Any, Any, Any]],
+    *,
+    route: Route | None,
+    offload: torch.device | None = None,
+    in_place: bool = False,
+) -> list[Any]:
+    """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
+    local slicing when ``route`` is None, else a bucketed broadcast stream.
+    With ``in_place`` a DTensor template's shard lands straight in the
+    template's own local tensor where dtype, device and layout allow (the
+    caller has validated the whole load).  Returns the loaded value of each
+    job (None where not needed)."""
+    stream = route is not None
+    # Every rank of a stream derives the budget from the same metadata.
+    budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
+    plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
+    if route is not None and plan.nbuckets:
+        # One buffer for the whole stream: re-allocating per bucket lets
+        # the allocator keep several freed buckets resident.
+        storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
+        for b, nbytes in enumerate(plan.bucket_bytes):
+            buf = storage[:nbytes]
+            chunks = plan.chunks(b)
+            if route.is_source:
+                _pack_rows(buf, chunks)
+            route.broadcast(buf)
+            _extract_rows(buf, chunks)
+        del storage, buf, chunks
+    return C.finish_full_load(plan, DTensor.from_local, offload)
+
+
+# The stream's executors only call torch methods: a C version measured no
+# faster (docs/architecture.md, "What stays in C").
+
+
+def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+    """Source side of a stream bucket: the bytes of each row chunk of a
+    job's full value at its offset in ``buf``."""
+    for value, row_start, rows, offset, _, _, _, _, _ in chunks:
+        part = value if row_start < 0 else value[row_start : row_start + rows]
+        data = part.reshape(-1).view(torch.uint8)
+        n = data.numel()
+        if n:
+            buf[offset : offset + n].copy_(data)
+
+
+def _extract_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+    """Every rank's side of a stream bucket: each row chunk into its job's
+    destination -- the same rows of a full tensor, or the blocks of this
+    rank's shard clipped to the rows (jobs not needed here are skipped)."""
+    for _, row_start, rows, offset, nbytes, dtype, shape, dest, blocks in chunks:
+        if nbytes == 0 or dest is None:
+            continue
+        chunk = buf[offset : offset + nbytes].view(dtype).view(shape)
+        if blocks is not None:
+            C.copy_blocks(dest, chunk, blocks, 1, None if row_start < 0 else (row_start, rows))
+        elif row_start < 0:
+            dest.copy_(chunk)  # 0-dim values travel whole
+        else:
+            dest[row_start : row_start + rows] = chunk
+
+
+def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
+    """Bytes of the largest full tensor of a load (what the adaptive
+    bucket budget is sized for)."""
+    largest = 0
+    for value, _, _ in jobs:
+        n = value.dtype.itemsize
+        for d in value.shape:
+            n *= d
+        largest = max(largest, n)
+    return largest
+
+
+# --- model ---------------------------------------------------------------------
+
+
+class ModelFullLoad:
+    """A full model load in three steps, so that every check of every rank
+    is agreed on before any data moves (see ``consistency.Agreement``):
+
+    * ``source_meta()`` (local): what the source broadcasts -- the tree of
+      (shape, dtype) of its dict -- or None;
+    * ``validate(meta)`` (local, after the metadata exchange): the jobs,
+      every tensor's global shape against the parameter's, and ``precheck``
+      (the model load's whole validation) on the dict as it will be
+      loaded;
+    * ``move()``: the data -- local slicing when every rank holds the full
+      dict (``route`` None, upstream's _distribute_state_dict +
+      update(local)), else a bucketed stream from the route's source
+      (upstream's _broadcast_state_dict semantics).  Returns the dict to
+      load.
+
+    Where the checks ran on the whole dict (same keys as the model's, and a
+    ``precheck``), the shards are written straight into the parameters
+    (upstream's footprint: no second copy); otherwise DTensors are sliced
+    into new DTensors and nothing is written before load_state_dict."""
+
+    def __init__(
+        self, full, local, device, *, route=None, strict=True, cpu_offload=False, precheck=None, info=None
+    ):
+        self.info = info
+        self.full = full
+        self.local = local
+        self.device = device
+        self.route = route
+        self.strict = strict
+        self.cpu_offload = cpu_offload
+        self.precheck = precheck
+
+    def source_meta(self) -> Any:
+        route = self.route
+        if route is None or not route.is_source:
+            return None
+        ctx = context()
+        leaves = C.tree_leaves(ctx, self.full, False)
+        return C.tree_rebuild(ctx, self.full, to_metadata(leaves), False)
+
+    def validate(self, meta: Any = None) -> None:
+        if self.route is None:
+            self._validate_local()
+        else:
+            self._validate_stream(meta)
+
+    def _validate_local(self) -> None:
+        full, local = self.full, self.local
+        merged, jobs = C.full_load_merge(context(), full, local, self.device)
+        self.merged = merged
+        self.keys = [key for key, _, _ in jobs]
+        self.jobs = [(full_t, local_t, local_t.device) for _, full_t, local_t in jobs]
+        self.in_place = self.precheck is not None and full.keys() == local.keys()
+        if self.precheck is not None:
+            # The dict as it will be loaded, full tensors standing in for
+            # this rank's shards: torch's own errors, all of them.
+            pre = dict(merged)
+            for key, job in zip(self.keys, self.jobs):
+                pre[key] = job[0]
+            self.precheck(pre)
+        # Never cut a tensor with a parameter's sharding unless it has the
+        # parameter's global shape (whatever else is known about the load).
+        check_global_shapes(self.keys, self.jobs)
+
+    def _validate_stream(self, meta: Any) -> None:
+        route = self.route
+        if not isinstance(meta, dict):
+            raise errors.StateDictValueError(
+                "broadcast_from_rank0=True: the source rank "
+                f"({route.source}) did not provide a model state dict"
+            )
+        self.meta = meta
+        keys, jobs, non_tensor = _broadcast_jobs(
+            meta, self.full if route.is_source else None, self.local, self.device
+        )
+        check_global_shapes(keys, jobs)
+        out = dict(self.local)
+        for key, value in non_tensor:
+            if key in out:
+                out[key] = value
+        self.keys, self.jobs, self.out = keys, jobs, out
+        # In place (shards streamed straight into the parameters, peak one
+        # bucket, as upstream) only once the whole load is known to pass:
+        # the same keys as the model's, and the dict as it will be loaded
+        # -- the live tensors standing in for the streamed ones, whose
+        # shapes were just checked -- passes the model load's own checks.
+        self.in_place = self.precheck is not None and meta.keys() == self.local.keys()
+        if self.precheck is not None:
+            self.precheck(self._as_loaded(out))
+
+    def _as_loaded(self, out: dict[str, Any]) -> dict[str, Any]:
+        """What move() returns, with ``out``'s values (live tensors of the
+        global shapes just checked, for the streamed ones)."""
+        out = dict(out)
+        if self.strict:
+            for key in [k for k in out if k not in self.meta]:
+                del out[key]
+        if self.route.is_source:
+            merged = dict(self.full)
+            merged.update(out)
+            return merged
+        return out
+
+    def move(self) -> dict[str, Any]:
+        route = self.route
+        if not in_place_allowed(self.info):
+            self.in_place = False
+        if route is None:
+            if self.jobs:
+                values = run_full_load(self.jobs, route=None, in_place=self.in_place)
+                C.write_slots([(self.merged, key) for key in self.keys], values)
+            return self.merged
+        out = self.out
+        values = run_full_load(
+            self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place
+        )
+        C.write_slots([(out, k) for k in self.keys], values)
+        if self.strict:
+            for key in [k for k in out if k not in self.meta]:
+                del out[key]
+        if route.is_source:
+            merged = dict(self.full)
+            merged.update(out)
+            return merged
+        return out
+
+
+def _stand_in(job: tuple) -> Any:
+    """What validates in place of a job's result before the data moves:
+    its template (this rank's shard of the same global shape), else the
+    full tensor, else (metadata on a receiving rank) an uninitialised
+    tensor of its shape and dtype, freed before the data arrives in one of
+    the same size."""
+    value, template, device = job
+    if template is not None:
+        return template
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device=device)
+
+
+def in_place_allowed(info: Any) -> bool:
+    """Writes into live tensors before commit only while every part of
+    the load was validated in full before data moved (a model whose load
+    hooks may rename keys is validated after the data arrives: then
+    nothing of the load is written in place, so that its failure changes
+    nothing)."""
+    return info is None or not getattr(info, "validated_after_move", False)
+
+
+def check_global_shapes(keys: list[str], jobs: list[tuple], what: str = "") -> None:
+    """A full tensor is cut with its template's sharding only when it has
+    the template's global shape: raised with torch's wording, on every rank
+    that sees the mismatch, before any data moves."""
+    bad = C.shape_mismatches(jobs, torch.Tensor)
+    if bad:
+        i, got, want = bad[0]
+        raise errors.StateDictRuntimeError(
+            f"size mismatch for {what}{keys[i]}: copying a param with shape {torch.Size(got)} "
+            f"from checkpoint, the shape in current model is {torch.Size(want)}."
+        )
+
+
+def _broadcast_jobs(meta, full, local, device):
+    return C.broadcast_jobs(meta, full, local, device, DTensor, torch.Tensor)
+
+
+def collective_device(device: torch.device, index: Any) -> torch.device:
+    """Where broadcast buffers live: the DTensors' mesh device type, else
+    ``device`` when the default group's backend supports it (upstream's
+    rule), else the group's default device (a CPU model over NCCL)."""
+    dts = C.indices_of(index.tensors, DTensor)
+    if dts:
+        return torch.device(index.tensors[dts[0]].device_mesh.device_type)
+    group = dist.distributed_c10d._get_default_group()
+    types = {d.type for d in group._device_types}
+    return device if device.type in types else group._device_types[0]
+
+
+# --- optimizer -----------------------------------------------------------------
+
+
+class OptimLocalize:
+    """Make the tensors of a loaded optimizer view local to this rank, in
+    the three steps of ``ModelFullLoad`` (source_meta, validate, move).
+
+    full=True (full_state_dict loads): full tensors of DTensor parameters
+    become this rank's shard, as DTensors (D9); with broadcast_from_rank0
+    the view itself first travels from the source.
+    full=False (sharded loads): only plain tensors given for DTensor
+    parameters are converted (D9); everything else is left as is.
+
+    ``held()`` (the optimizers' current state by FQN) and ``precheck(view)``
+    (the load's whole validation): the view is validated first with the
+    current state tensors (or the parameters) standing in for the incoming
+    ones; on full loads where every streamed tensor belongs to a held
+    state tensor, the shards are then written straight into it where dtype
+    and layout allow -- upstream's footprint, without a second copy of the
+    optimizer state, and still nothing changed when a check fails.
+    """
+
+    def __init__(self, view: tuple, info: Any, *, full: bool, held=None, precheck=None):
+        self.view = view
+        self.info = info
+        self.full = full
+        self.held = held
+        self.precheck = precheck
+        self.route = None
+        if full and info.broadcast_from_rank0:
+            self.route = route_for(info.index, _state_device(info.index))
+
+    def source_meta(self) -> Any:
+        route = self.route
+        if route is None or not route.is_source:
+            return None
+        state, groups, fqn_group, empties, unexpected = self.view
+        ctx = context()
+        leaves = C.tree_leaves(ctx, state, False)
+        meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
+        return (meta_state, groups, fqn_group, empties, unexpected)
+
+    def validate(self, payload: Any = None) -> None:
+        state, groups, fqn_group, empties, unexpected = self.view
+        route = self.route
+        if route is not None:
+            if payload is None:
+                raise errors.StateDictValueError(
+                    "broadcast_from_rank0=True: the source rank "
+                    f"({route.source}) did not provide an optimizer state dict"
+                )
+            if not route.is_source:
+                state, groups, fqn_group, empties, unexpected = payload
+        full = self.full
+        existing = self.held() if full and self.held is not None and self.precheck is not None else None
+        new_state, jobs, slots, n_held = C.optim_state_jobs(
+            self.info.index, state, DTensor, 0 if full else 1, DTensor.from_local, existing
+        )
+        if full and jobs:
+            owner = {id(entry): fqn for fqn, entry in new_state.items() if isinstance(entry, dict)}
+            names = [f"{owner.get(id(slot[0]), '?')}.{slot[1]}" for slot in slots]
+            check_global_shapes(names, jobs, "optimizer state ")
+        # Only when every job's template is a held state tensor: an in-place
+        # load writes into its templates, and a parameter is never one here.
+        self.in_place = bool(jobs) and n_held == len(jobs)
+        self.result = (new_state, groups, fqn_group, empties, unexpected)
+        self.jobs, self.slots = jobs, slots
+        if self.precheck is not None and jobs:
+            # the templates stand in for the incoming tensors (same global
+            # shape, just checked; this rank's shard of it)
+            C.write_slots(slots, [_stand_in(job) for job in jobs])
+            self.precheck(self.result)
+            C.write_slots(slots, [None] * len(slots))
+
+    def move(self) -> tuple:
+        if not in_place_allowed(self.info):
+            self.in_place = False
+        if self.jobs:
+            values = run_full_load(self.jobs, route=self.route, in_place=self.in_place)
+            C.write_slots(self.slots, values)
+        return self.result
+
+
+def _state_device(index: Any) -> torch.device:
+    """Device of the collective buffers: the model's parameters' device
+    (for DTensors their mesh's device type)."""
+    dts = C.indices_of(index.tensors, DTensor)
+    if dts:
+        return torch.device(index.tensors[dts[0]].device_mesh.device_type)
+    devices = C.tensor_devices(context(), index.tensors)
+    devices = [d for d in devices if d.type != "meta"]
+    if devices:
+        return devices[0]
+    return dist.distributed_c10d._get_pg_default_device()
+
+
+def reshard_fsdp2(model: nn.Module) -> None:
+    """Bring every FSDP2 parameter group of ``model`` that a forward left
+    unsharded (a ``no_grad`` forward of the root, ``reshard_after_forward=
+    False``, between forward and backward) back to its sharded parameters,
+    as the state-dict hooks FSDP2 registers do when upstream calls
+    ``model.state_dict()`` / ``load_state_dict`` -- here before the model
+    is walked, so that the optimizers' (sharded) parameters are the
+    model's.  Local (no communication); the next forward all-gathers
+    again.  Costs one pass over the process's FSDP2 states when none is
+    unsharded."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # pragma: no cover - other torch layouts
+        return
+    # ``is_sharded`` is ``_sharded_state == SHARDED``: read directly (one
+    # property call per group is most of this pass's cost); the modules
+    # are looked at only where some group is not sharded.
+    sharded = ShardedState.SHARDED
+    if all(
+        g._sharded_state is sharded
+        for ref in list(_module_state_mapping.values())
+        if isinstance(state := ref(), FSDPState)
+        for g in getattr(state, "_fsdp_param_groups", ())
+    ):
+        return
+    pending = []
+    for module, ref in list(_module_state_mapping.items()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        groups = [g for g in getattr(state, "_fsdp_param_groups", ()) if not g.is_sharded]
+        if groups:
+            pending.append((module, groups))
+    if not pending:
+        return
+    inside = {id(m) for m in model.modules()}
+    for module, groups in pending:
+        if id(module) in inside:
+            for group in groups:
+                group._to_sharded()
+
+
+def drive_steps(steps: Any, info: Any) -> tuple[Any, Any]:
+    """Run a load generator (``optim.optim_load_steps``,
+    ``model.model_load_steps``) alone, without agreeing with other ranks:
+    the source's metadata travels by one object broadcast on broadcast
+    loads.  Returns (commit, report)."""
+    with torch.no_grad():
+        meta = next(steps)
+        if info.broadcast_from_rank0 and dist.is_initialized():
+            meta = route_for(info.index, None).broadcast_object(meta)
+        steps.send(meta)
+        return next(steps)

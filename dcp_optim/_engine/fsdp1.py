@@ -1,0 +1,727 @@
+"""FSDP1 (FullyShardedDataParallel) optimizer state, mapped natively.
+
+Upstream hands FSDP1 optimizers to FSDP's own ``_optim_utils``: for every
+FlatParameter and every state name it all-gathers the whole padded flat
+tensor (one blocking collective each) and then cuts it into the original
+parameters.  Here the flat <-> original mapping is index arithmetic in the
+C core (``flat_pieces``, ``flat_assemble``, ``flat_unflatten``) on the
+FlatParameter's metadata, and the data moves in buckets across all flat
+parameters and state names (``gather_full_tensors``).
+
+Output follows upstream's form exactly: keys are the original parameters'
+canonical FQNs in FSDP's order (rank 0's flat-parameter order with
+``use_orig_params=False``; sorted FQNs with ``use_orig_params=True``);
+state names sorted as FSDP sorts them (tensors, then 0-dim tensors, then
+other values) with ``use_orig_params=False``; values are full tensors
+(``full_state_dict=True``) or ShardedTensors chunked along dim 0 (the
+default), or DTensors when FSDP was built with a device mesh.
+
+Hybrid sharding (HSDP) keeps going through FSDP's own APIs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp._init_utils import HYBRID_SHARDING_STRATEGIES
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import errors
+from .collectives import gather_full_tensors
+from .core import C, context
+from .model import state_dict_fn
+from .pristine import pristine_states
+
+__all__ = ["get_fsdp1_optim", "localize_fsdp1_view", "load_via_fsdp", "native_supported", "fsdp_process_group"]
+
+
+def fsdp_process_group(model: nn.Module, info: Any):
+    """D18 in docs/differences.md: the FSDP1 instance's process group (None for HSDP)."""
+    if isinstance(model, FSDP):
+        fsdp_module = model
+    elif info.fsdp_modules:
+        fsdp_module = info.fsdp_modules[0]
+    else:
+        return None
+    if fsdp_module.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
+        return None
+    group = fsdp_module.process_group
+    return None if isinstance(group, tuple) else group
+
+
+@dataclass
+class _Handle:
+    module: Any            # the FSDP instance (its _FSDPState)
+    flat: Any              # FlatParameter
+    fqns: list[str]        # canonical FQNs of the original parameters
+    orig: bool             # use_orig_params
+    params: list[Any]      # original parameters (use_orig_params) else []
+    numels: tuple          # _numels_with_padding
+    mask: list             # _is_padding_mask
+    shapes: list           # _shapes
+    shard: int             # numel of this rank's shard of the flat tensor
+    group: Any
+    ws: int
+    rank: int
+    sharded: bool          # the state is sharded across ranks
+
+
+def _native_supported(info: Any) -> bool:
+    for module in info.fsdp_modules:
+        if module.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
+            return False
+        handle = module._handle
+        if handle is not None and not all(handle.flat_param._contiguities):
+            return False
+    return True
+
+
+def _handles(info: Any) -> list[_Handle]:
+    index = info.index
+    out = []
+    for module in info.fsdp_modules:
+        handle = module._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        orig = bool(handle._use_orig_params)
+        if orig:
+            params = list(flat._params)
+            slot = index.slot_of(params[0])
+            first = index.tensor_fqns[slot][0]
+            prefix = first[: len(first) - len(flat._fqns[0])]
+            fqns = [prefix + f for f in flat._fqns]
+        else:
+            params = []
+            fqns = list(index.tensor_fqns[index.slot_of(flat)])
+        group = module.process_group
+        ws = dist.get_world_size(group)
+        out.append(
+            _Handle(
+                module=module,
+                flat=flat,
+                fqns=fqns,
+                orig=orig,
+                params=params,
+                numels=tuple(flat._numels_with_padding),
+                mask=list(flat._is_padding_mask),
+                shapes=list(flat._shapes),
+                shard=flat.numel(),
+                group=group,
+                ws=ws,
+                rank=dist.get_rank(group),
+                sharded=ws > 1 and module.sharding_strategy != ShardingStrategy.NO_SHARD,
+            )
+        )
+    return out
+
+
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+
+
+def _mesh_for(group, device_type: str) -> DeviceMesh:
+    """A 1-D DeviceMesh over an FSDP process group (no communication)."""
+    key = (id(group), device_type)
+    mesh = _MESHES.get(key)
+    if mesh is None or mesh.get_group() is not group:
+        mesh = DeviceMesh.from_group(group, device_type)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def _sort_names(entry: dict[str, Any]) -> dict[str, Any]:
+    """FSDP's order of state names (use_orig_params=False): tensors with a
+    dimension, then 0-dim tensors, then other values, each sorted."""
+    tensors = sorted(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    scalars = sorted(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() == 0)
+    others = sorted(k for k, v in entry.items() if not isinstance(v, torch.Tensor))
+    return {k: entry[k] for k in tensors + scalars + others}
+
+
+# --- get -----------------------------------------------------------------------
+
+
+def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
+    if not _native_supported(info):
+        return _get_via_fsdp(model, optimizers, info)
+    handles = _handles(info)
+    by_flat = {id(h.flat): h for h in handles}
+    by_orig = {id(p): (h, i) for h in handles for i, p in enumerate(h.params)}
+    full = info.full_state_dict
+    rank0_only = full and (info.cpu_offload or info.broadcast_from_rank0)
+    group = fsdp_process_group(model, info)
+    rank = dist.get_rank(group)
+    to_save = not rank0_only or rank == 0 or not full
+
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for optim in optimizers:
+        osd = state_dict_fn(optim, "state_dict")()
+        params = [p for g in optim.param_groups for p in g["params"]]
+        pristine = pristine_states(info.index, optim)
+        if pristine:
+            # D2 in docs/differences.md for flat parameters too: never-stepped state from the
+            # schema, shaped like what the optimizer holds (the flat shard
+            # or the original parameter's piece)
+            pids = {id(p): i for i, p in enumerate(params)}
+            by_fqn = {}
+            for p in params:
+                slot = info.index.slot_of(p)
+                if slot is not None:
+                    by_fqn[info.index.tensor_fqns[slot][0]] = p
+            # an original parameter with no piece on this rank is empty
+            # here and never has state (FSDP does not step it)
+            empty = {id(p) for h in handles if h.orig for p in h.params if p.numel() == 0}
+            for h in handles:
+                if h.orig:
+                    by_fqn.update(zip(h.fqns, h.params))
+                else:
+                    by_fqn[h.fqns[0]] = h.flat
+            for fqn, entry in pristine.items():
+                p = by_fqn.get(fqn)
+                if p is not None and id(p) in pids and id(p) not in empty:
+                    osd["state"][pids[id(p)]] = entry
+        # local state per handle, keyed by original-parameter index (orig)
+        # or the flat parameter itself
+        per_handle: dict[int, dict[str, Any]] = {}
+        plain: list[tuple[str, dict[str, Any]]] = []
+        order: list[tuple[str, Any]] = []  # ("handle", h) / ("plain", fqn)
+        for pid, p in enumerate(params):
+            entry = osd["state"].get(pid)
+            flat_of = by_flat.get(id(p))
+            if flat_of is not None:
+                if entry is not None:
+                    per_handle[id(flat_of)] = {"flat": entry}
+                    order.append(("handle", flat_of))
+                continue
+            hi = by_orig.get(id(p))
+            if hi is not None:
+                h, i = hi
+                per_handle.setdefault(id(h), {"pieces": {}})["pieces"][i] = entry
+                continue
+            slot = info.index.slot_of(p)
+            if slot is None:
+                raise errors.StateDictKeyError(
+                    f"optimizer holds a parameter (shape {tuple(p.shape)}) that is not a parameter of the model"
+                )
+            fqn = info.index.tensor_fqns[slot][0]
+            if entry is not None:
+                plain.append((fqn, entry))
+                order.append(("plain", fqn))
+        entries = _gather_handles(handles, per_handle, info, to_save)
+        if not to_save:
+            continue
+        out_state: dict[str, Any] = {}
+        if any(h.orig for h in handles):
+            # use_orig_params: FSDP merges the keys of all ranks, sorted
+            for fqn, st in sorted(entries.items()):
+                out_state[fqn] = st
+            for fqn, entry in plain:
+                out_state[fqn] = _copy_plain(entry, info)
+            out_state = dict(sorted(out_state.items()))
+        else:
+            for kind, item in order:
+                if kind == "handle":
+                    for fqn in item.fqns:
+                        if fqn in entries:
+                            out_state[fqn] = entries[fqn]
+                else:
+                    out_state[item] = _copy_plain(dict(plain)[item], info)
+        state.update(out_state)
+        groups.extend(_groups_by_fqn(osd, params, handles, info))
+    if not to_save:
+        return {}
+    return {"state": state, "param_groups": groups}
+
+
+def _copy_plain(entry: dict[str, Any], info: Any) -> dict[str, Any]:
+    out = dict(entry)
+    if info.cpu_offload:
+        for k, v in list(out.items()):
+            if isinstance(v, torch.Tensor):
+                out[k] = v.cpu()
+    return out
+
+
+def _groups_by_fqn(osd, params, handles, info) -> list[dict[str, Any]]:
+    """The optimizer's groups with original-parameter FQNs (a flat
+    parameter expands to all of its originals)."""
+    names: dict[int, list[str]] = {}
+    for h in handles:
+        if h.orig:
+            for p, fqn in zip(h.params, h.fqns):
+                names[id(p)] = [fqn]
+        else:
+            names[id(h.flat)] = list(h.fqns)
+    out = []
+    pid = 0
+    for group in osd["param_groups"]:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        fqns = []
+        for _ in group["params"]:
+            p = params[pid]
+            pid += 1
+            if id(p) in names:
+                fqns.extend(names[id(p)])
+            else:
+                fqns.append(info.index.tensor_fqns[info.index.slot_of(p)][0])
+        packed["params"] = fqns
+        out.append(packed)
+    return out
+
+
+def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
+    """What this rank knows about a handle's state: "names" maps each state
+    name to ("t", dtype) for tensors with a dimension or ("s", value) for
+    0-dim tensors and other values; "present" lists the original
+    parameters (indices) with state here and "scalars" their 0-dim tensors
+    (on CPU, as FSDP exchanges them) and other values (use_orig_params:
+    each original parameter keeps its own, e.g. its step count)."""
+    names: dict[str, Any] = {}
+    present: list[int] = []
+    scalars: dict[int, dict[str, Any]] = {}
+    if local is not None:
+        if "flat" in local:
+            entries = [local["flat"]]
+        else:
+            entries = []
+            for i, entry in sorted(local["pieces"].items()):
+                if entry:
+                    entries.append(entry)
+                    present.append(i)
+                    scalars[i] = {
+                        name: _to_wire(value)
+                        for name, value in entry.items()
+                        if not (isinstance(value, torch.Tensor) and value.dim() > 0)
+                    }
+        for entry in entries:
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    names.setdefault(name, ("t", value.dtype))
+                else:
+                    names.setdefault(name, ("s", _to_wire(value)))
+    return {"names": names, "present": present, "scalars": scalars}
+
+
+def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, Any]]:
+    """Full (or chunk-sharded) state of every original parameter of every
+    handle that has state, keyed by canonical FQN."""
+    from .consistency import mesh_all_gather_object
+
+    metas = {h.fqns[0]: _state_meta(h, per_handle.get(id(h))) for h in handles}
+    # One small exchange: which handles have which state on which rank.
+    group_meshes = {}
+    for h in handles:
+        if h.sharded and id(h.group) not in group_meshes:
+            group_meshes[id(h.group)] = _mesh_for(h.group, h.flat.device.type)
+    gathered_meta: dict[str, dict[str, Any]] = {}
+    present: dict[str, set[int]] = {}
+    param_scalars: dict[str, dict[int, dict[str, Any]]] = {}
+    for mesh in group_meshes.values():
+        all_metas, _ = mesh_all_gather_object(mesh, metas)
+        for rank_meta in all_metas:
+            for key, meta in rank_meta.items():
+                merged = gathered_meta.setdefault(key, {})
+                for name, m in meta["names"].items():
+                    merged.setdefault(name, m)
+                present.setdefault(key, set()).update(meta["present"])
+                # the last rank holding a piece wins, as in FSDP
+                for i, values in meta["scalars"].items():
+                    param_scalars.setdefault(key, {}).setdefault(i, {}).update(
+                        (name, _from_wire(v)) for name, v in values.items()
+                    )
+    for h in handles:
+        if not h.sharded:
+            gathered_meta.setdefault(h.fqns[0], metas[h.fqns[0]]["names"])
+            present.setdefault(h.fqns[0], set(metas[h.fqns[0]]["present"]))
+            param_scalars.setdefault(
+                h.fqns[0],
+                {i: {n: _from_wire(v) for n, v in values.items()}
+                 for i, values in metas[h.fqns[0]]["scalars"].items()},
+            )
+
+    leaves: list[Any] = []
+    slots: list[tuple[_Handle, str]] = []
+    scalars: dict[int, dict[str, Any]] = {}
+    for h in handles:
+        meta = gathered_meta.get(h.fqns[0], {})
+        if not meta:
+            continue
+        local = per_handle.get(id(h))
+        pieces = C.flat_pieces(h.numels, h.mask, h.shard, h.rank) if h.orig else None
+        for name, (kind, value) in meta.items():
+            if kind == "s":
+                if not h.orig:
+                    scalars.setdefault(id(h), {})[name] = _scalar(local, name, value)
+                continue
+            if local is not None and "flat" in local:
+                flat_state = local["flat"][name]
+            else:
+                flat_state = torch.zeros(h.shard, dtype=value, device=h.flat.device)
+                if local is not None:
+                    values = [None] * len(h.fqns)
+                    for i, entry in local["pieces"].items():
+                        if entry and name in entry:
+                            values[i] = entry[name]
+                    C.flat_assemble(flat_state, pieces, values)
+            if h.sharded:
+                mesh = group_meshes[id(h.group)]
+                flat_state = DTensor.from_local(
+                    flat_state, mesh, [Shard(0)], run_check=False,
+                    shape=torch.Size([h.shard * h.ws]), stride=(1,),
+                )
+            leaves.append(flat_state)
+            slots.append((h, name))
+    full = gather_full_tensors(
+        leaves,
+        keep=to_save,
+        options_key=("fsdp1", info.full_state_dict, info.cpu_offload),
+    )
+    out: dict[str, dict[str, Any]] = {}
+    if not to_save:
+        return out
+    full = list(full)
+    for i, (h, name) in enumerate(slots):
+        # drop each gathered flat tensor once its originals are cut out
+        # (cloned), so the peak stays near the result plus one flat tensor
+        flat, full[i] = full[i], None
+        views = C.flat_unflatten(flat, h.numels, h.mask, h.shapes)
+        del flat
+        if h.orig:
+            # only parameters some rank has state for (frozen ones have none)
+            keep = present.get(h.fqns[0], set())
+            views = [v if j in keep else None for j, v in enumerate(views)]
+        views = _finish_values(h, views, info)
+        for fqn, view in zip(h.fqns, views):
+            if view is not None:
+                out.setdefault(fqn, {})[name] = view
+    for h in handles:
+        if h.orig:
+            for i, values in param_scalars.get(h.fqns[0], {}).items():
+                out.setdefault(h.fqns[i], {}).update(values)
+            continue
+        extra = scalars.get(id(h))
+        if not extra:
+            continue
+        for fqn in h.fqns:
+            out.setdefault(fqn, {}).update(extra)
+    for h in handles:
+        names = list(gathered_meta.get(h.fqns[0], {}))
+        for fqn in h.fqns:
+            entry = out.get(fqn)
+            if entry is None:
+                continue
+            # use_orig_params: the optimizer's own order of state names;
+            # flat parameters: FSDP's sorted order
+            out[fqn] = {n: entry[n] for n in names if n in entry} if h.orig else _sort_names(entry)
+    return out
+
+
+def _scalar(local, name, fallback):
+    if local is not None:
+        entries = [local["flat"]] if "flat" in local else [e for e in local["pieces"].values() if e]
+        for entry in entries:
+            if name in entry:
+                value = entry[name]
+                return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return _from_wire(fallback)
+
+
+@dataclass(frozen=True)
+class _WireScalar:
+    """A 0-dim tensor in the metadata exchange as a Python number and a
+    dtype: pickling a tensor costs a torch.save/torch.load per value (about
+    2 ms each), a number costs nothing.  Exact for every real dtype
+    (float32 -> Python float is lossless); rebuilt on CPU, as FSDP's own
+    exchange returns it."""
+
+    value: Any
+    dtype: torch.dtype
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return _WireScalar(value.item(), value.dtype)
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return value
+
+
+def _from_wire(value: Any) -> Any:
+    if isinstance(value, _WireScalar):
+        return torch.tensor(value.value, dtype=value.dtype)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _finish_values(h: _Handle, views: list[Any], info: Any) -> list[Any]:
+    """Full values as upstream returns them: clones (full), or chunked
+    ShardedTensors / DTensors (sharded)."""
+    if info.full_state_dict:
+        if info.cpu_offload:
+            return C.map_call(torch.Tensor.cpu, views, ())
+        return C.map_call(torch.Tensor.clone, views, ())
+    from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chunk_tensor
+
+    state = h.module
+    # FSDP.state_dict_type switches sharded optimizer state to DTensor
+    # whenever the FSDP instance was given a device mesh
+    # (_set_optim_use_dtensor); the native path does not enter that context
+    if state._device_mesh is not None:
+        return C.map_call(_ext_chunk_dtensor, views, (state.rank, state._device_mesh, state._fsdp_extension))
+    values = C.map_call(
+        _ext_chunk_tensor,
+        views,
+        (state.rank, state.world_size, state._device_handle.device_count(), state.process_group, state._fsdp_extension),
+    )
+    if info.cpu_offload:
+        values = C.map_call(_cpu, values, ())
+    return values
+
+
+def _cpu(value: Any) -> Any:
+    return value.cpu()
+
+
+def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
+    """FSDP's own APIs (HSDP, non-contiguous originals)."""
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for optim in optimizers:
+        osd = state_dict_fn(optim, "state_dict")()
+        with info.fsdp_context():
+            osd = FSDP.optim_state_dict(model, optim, osd, group=fsdp_process_group(model, info))
+        if not osd:
+            continue
+        for key in list(osd["state"].keys()):
+            if "_orig_mod" in key:
+                osd["state"][key.replace("_orig_mod.", "")] = osd["state"].pop(key)
+        for group in osd["param_groups"]:
+            group["params"] = [k.replace("_orig_mod.", "") for k in group["params"]]
+        state.update(osd["state"])
+        groups.extend(osd["param_groups"])
+    return {"state": state, "param_groups": groups}
+
+
+# --- set -------------------------------------------------------------------------
+
+
+def _to_dtensor(value: Any, h: _Handle) -> Any:
+    """A ShardedTensor chunked along dim 0 over the handle's group is a
+    DTensor Shard(0) in disguise: rewrap it so that the bucketed gather
+    handles it (other layouts keep their own gather)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(value, ShardedTensor) or not h.sharded:
+        return value
+    size = value.size()
+    if len(size) == 0:
+        return value
+    chunk = -(-size[0] // h.ws)
+    shards = value.local_shards()
+    expected = [r * chunk for r in range(h.ws) if r * chunk < size[0]]
+    offsets = [m.shard_offsets[0] for m in value.metadata().shards_metadata]
+    if offsets != expected or any(o != 0 for m in value.metadata().shards_metadata for o in m.shard_offsets[1:]):
+        return value
+    if shards:
+        local = shards[0].tensor
+    else:
+        local = torch.empty((0, *size[1:]), dtype=value.dtype, device=h.flat.device)
+    mesh = _mesh_for(h.group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=size,
+                              stride=torch.empty(size, device="meta").stride())
+
+
+def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
+    """The loaded view with every FSDP-managed original parameter's state
+    turned into what this rank's optimizer holds: the flat shard (keyed by
+    the flat parameter's first FQN) or, with use_orig_params, this rank's
+    piece of each original parameter."""
+    from .distribute import Route, run_full_load, to_metadata
+
+    state, groups, fqn_group, empties, unexpected = view
+    route = None
+    if info.full_state_dict and info.broadcast_from_rank0:
+        # FSDP1 parameters are plain tensors: the default group, rank 0
+        route = Route(None, handles[0].flat.device if handles else torch.device("cpu"))
+        ctx = context()
+        if route.is_source:
+            leaves = C.tree_leaves(ctx, state, False)
+            meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
+            payload = (meta_state, groups, fqn_group, empties, unexpected)
+        else:
+            payload = None
+        payload = route.broadcast_object(payload)
+        if payload is None:
+            raise errors.StateDictValueError("broadcast_from_rank0=True: rank 0 did not provide an optimizer state dict")
+        if not route.is_source:
+            state, groups, fqn_group, empties, unexpected = payload
+    elif not info.full_state_dict:
+        # sharded values (ShardedTensor / DTensor): gather them, bucketed
+        keys, leaves = [], []
+        by_fqn = {f: h for h in handles for f in h.fqns}
+        for fqn, entry in state.items():
+            h = by_fqn.get(fqn)
+            if h is None or not isinstance(entry, dict):
+                continue
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    keys.append((fqn, name))
+                    leaves.append(_to_dtensor(value, h))
+        full = gather_full_tensors(leaves, options_key=("fsdp1-load",))
+        state = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
+        for (fqn, name), value in zip(keys, full):
+            state[fqn][name] = value
+    new_state = {k: v for k, v in state.items()}
+    jobs: list[tuple] = []
+    for h in handles:
+        pieces = C.flat_pieces(h.numels, h.mask, h.shard, h.rank) if h.sharded else [
+            (i, 0, off, n) for i, (off, n) in enumerate(_offsets(h))
+        ]
+        entries = [state.get(f) if isinstance(state.get(f), dict) else None for f in h.fqns]
+        for f in h.fqns:
+            new_state.pop(f, None)
+        present = [e for e in entries if e]
+        if not present:
+            continue
+        # One job per (original parameter, state name), in the same order on
+        # every rank (a broadcast stream pairs the source's and receivers'
+        # jobs by position); each rank copies only the blocks it holds.
+        mine: dict[int, list[tuple[int, int, int]]] = {}
+        for i, pstart, sstart, length in pieces:
+            mine.setdefault(i, []).append((pstart, sstart, length))
+        if h.orig:
+            for i, entry in enumerate(entries):
+                if not entry:
+                    continue
+                held = mine.get(i, [])
+                out: dict[str, Any] = {}
+                for name, value in entry.items():
+                    if not _is_full_tensor(value):
+                        out[name] = value
+                        continue
+                    if not held:
+                        jobs.append((_flat_value(value), False, h.flat.device))
+                        continue
+                    total = sum(n for _, _, n in held)
+                    dest = torch.empty(total, dtype=value.dtype, device=h.flat.device)
+                    blocks, pos = [], 0
+                    for pstart, _, length in held:
+                        blocks.append(((pos,), (pstart,), (length,)))
+                        pos += length
+                    jobs.append((_flat_value(value), (dest, blocks), h.flat.device))
+                    # shaped like the original parameter as FSDP shows it
+                    # here: a 1-D piece when sharded, its own shape when
+                    # this rank holds it unsharded (world size 1, NO_SHARD)
+                    out[name] = dest.view(h.params[i].shape)
+                if held:
+                    new_state[h.fqns[i]] = out
+        else:
+            flat_entry: dict[str, Any] = {}
+            for name, value in present[0].items():
+                if not _is_full_tensor(value):
+                    flat_entry[name] = value
+                    continue
+                dest = torch.zeros(h.shard, dtype=value.dtype, device=h.flat.device)
+                for i, entry in enumerate(entries):
+                    if not entry or name not in entry:
+                        continue
+                    blocks = [((sstart,), (pstart,), (length,)) for pstart, sstart, length in mine.get(i, [])]
+                    jobs.append((_flat_value(entry[name]), (dest, blocks), h.flat.device))
+                flat_entry[name] = dest
+            new_state[h.fqns[0]] = flat_entry
+    if jobs:
+        if route is not None:
+            route.device = handles[0].flat.device
+        run_full_load(jobs, route=route)
+    return (new_state, groups, fqn_group, empties, unexpected)
+
+
+def _offsets(h: _Handle) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for n, pad in zip(h.numels, h.mask):
+        if not pad:
+            out.append((pos, n))
+        pos += n
+    return out
+
+
+def _is_full_tensor(value: Any) -> bool:
+    from .distribute import TensorMeta
+
+    if isinstance(value, TensorMeta):
+        return len(value.shape) > 0
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _flat_value(value: Any) -> Any:
+    from .distribute import TensorMeta
+
+    if isinstance(value, TensorMeta):
+        numel = 1
+        for d in value.shape:
+            numel *= d
+        return TensorMeta((numel,), value.dtype)
+    return value.reshape(-1)
+
+
+def localize_fsdp1_view(view: tuple, info: Any) -> tuple:
+    return _localize_fsdp1(view, _handles(info), info)
+
+
+def native_supported(info: Any) -> bool:
+    return _native_supported(info)
+
+
+def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) -> None:
+    _load_via_fsdp(model, optimizers, osd, info)
+
+
+def _load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any):
+    from torch.distributed.checkpoint import state_dict as upstream
+
+    ctx = context()
+    for optim in optimizers:
+        # upstream's OptimizerStateType: {"state": {fqn: {...}}, "param_groups": [{...}]}
+        split: dict[str, Any] = {}
+        if osd:
+            if "state" in osd:
+                split = cast(dict[str, Any], upstream._split_optim_state_dict(
+                    model, optim, osd, _compat_info(model, info)))
+            else:
+                split = cast(dict[str, Any], upstream._unflatten_optim_state_dict(
+                    optim, osd, _compat_info(model, info)))
+        for original_fqn, _ in model.named_parameters():
+            fqns = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, True)
+            with_compiler = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, False)
+            if fqns == with_compiler:
+                continue
+            if len(fqns) != 1:
+                raise AssertionError(f"Expected 1 FQN for '{original_fqn}', got {len(fqns)}")
+            fqn = fqns.pop()
+            fqn_with_compiler = with_compiler.pop()
+            for g in split["param_groups"]:
+                g["params"] = [k.replace(fqn, fqn_with_compiler) for k in g["params"]]
+            for k in list(split["state"].keys()):
+                if fqn in k:
+                    split["state"][k.replace(fqn, fqn_with_compiler)] = split["state"].pop(k)
+        with info.fsdp_context():
+            split = FSDP.optim_state_dict_to_load(
+                model, optim, split, group=fsdp_process_group(model, info)
+            )
+        state_dict_fn(optim, "load_state_dict")(state_dict=split)
+    return None
+
+
+def _compat_info(model: nn.Module, info: Any):
+    from .checks import _verify_options
+
+    compat = _verify_options(model, (), optim_only=False, options=None)
+    compat.strict = info.strict
+    return compat

@@ -1,0 +1,627 @@
+"""Model state dicts: get (canonical FQNs) and set (wrapper keys restored).
+
+Per-key work -- canonicalising every key of ``model.state_dict()``,
+dropping frozen parameters, re-keying for ``load_state_dict``, merging a
+full state dict -- runs in the C core; this module sequences it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from types import CodeType
+from typing import Any, NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.module import _IncompatibleKeys
+
+# torch/nn/parameter.pyi leaves out the mixin parameter.py defines and exports.
+from torch.nn.parameter import UninitializedTensorMixin, is_lazy  # type: ignore[attr-defined]
+
+from .. import errors
+from .core import C, context
+from .tree import maybe_full_or_cpu_state_dict
+
+__all__ = ["get_model", "load_model", "state_dict_fn", "unflatten_model_state_dict"]
+
+# Marks the closures _patch_*_state_dict installs (D17 in docs/differences.md: a marker on the
+# function instead of upstream's ever-growing registry of closures, which
+# keeps every patched model alive).
+PATCH_MARK = "_dcp_optim_patched"
+
+
+def _is_patched(call: Any) -> bool:
+    if getattr(call, PATCH_MARK, False):
+        return True
+    # Closures installed by upstream's own _patch_*_state_dict.
+    try:
+        from torch.distributed.checkpoint import state_dict as upstream
+    except ImportError:  # pragma: no cover
+        return False
+    return call in upstream._patched_state_dict
+
+
+def state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable:
+    """``obj.<api>``, or the class's method when it was patched by us or by
+    upstream (so a patched object does not call itself recursively)."""
+    call = getattr(obj, api)
+    if _is_patched(call):
+        call = functools.partial(getattr(type(obj), api), self=obj)
+    return call
+
+
+@torch.no_grad()
+def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
+    if not info.handle_model:
+        return {}
+    with info.fsdp_context():
+        state_dict = state_dict_fn(model, "state_dict")()
+    if not _keys_are_canonical(info.index, state_dict):
+        C.canonicalize_model_keys(context(), model, state_dict, info.dsd_fqn_modifiers)
+    if info.submodule_prefixes:
+        state_dict = C.filter_prefixes(
+            state_dict, list(info.submodule_prefixes), info.keep_submodule_prefixes
+        )
+    if info.ignore_frozen_params:
+        C.drop_frozen(info.index, state_dict)
+    return maybe_full_or_cpu_state_dict(state_dict, info)
+
+
+def _keys_are_canonical(index: Any, state_dict: Any) -> bool:
+    """True when canonicalising ``state_dict`` would rename nothing: every
+    key is a name the walk recorded as its own FQN, in a tree whose walk is
+    replayable (``index.trace``: no modifier hooks, no FSDP1, no overridden
+    ``named_*``/``get_extra_state``/attribute access -- csrc/walk.c).
+    Resolving such a name (upstream's ``_get_fqns``) steps through
+    registered, unwrapped modules only and returns it unchanged."""
+    if index is None or index.trace is None or not isinstance(state_dict, dict):
+        return False
+    raw = index.raw_names
+    if raw != index.fqns:  # a wrapper level or a hidden child somewhere
+        return False
+    return state_dict.keys() <= set(raw)
+
+
+def unflatten_model_state_dict(
+    model: nn.Module, state_dict: dict[Any, Any]
+) -> dict[str, Any]:
+    """The deprecated ``{submodule: state_dict}`` form, flattened (W2, E25)."""
+    if not isinstance(state_dict, dict):
+        raise errors.StateDictTypeError(
+            f"model state dict must be a dict, not {type(state_dict).__name__}"
+        )
+    if not state_dict:
+        return {}
+    if isinstance(next(iter(state_dict.keys())), nn.Module):
+        warnings.warn(errors.W2_MODULE_KEYED, FutureWarning, stacklevel=3)
+        ctx = context()
+        new_state_dict: dict[str, Any] = {}
+        for submodule, sub_state_dict in state_dict.items():
+            for name, module in model.named_modules():
+                if module != submodule:
+                    continue
+                fqns = C.get_fqns(ctx, model, name, "_fqn_modifiers", True, True)
+                if len(fqns) != 1:
+                    raise AssertionError(errors.E25_SUBMODULE_FQNS)
+                prefix = f"{next(iter(fqns))}."
+                new_state_dict.update(
+                    {prefix + subfqn: value for subfqn, value in sub_state_dict.items()}
+                )
+        return new_state_dict
+    return cast(dict[str, Any], state_dict)
+
+
+def _load_device(
+    info: Any, local: dict[str, Any], lazy: bool = False
+) -> tuple[torch.device, bool]:
+    """Upstream's device choice for full/broadcast loads: the one device of
+    the local tensors with dim() > 0 (meta dropped, then ``assign=True``).
+    Lazy parameters, which have no dim() yet, take no part (upstream
+    raises on them; torch's load materializes them)."""
+    values = [v for v in local.values() if not is_lazy(v)] if lazy else list(local.values())
+    devices = C.tensor_devices(context(), values)
+    assign = False
+    meta = torch.device("meta")
+    if meta in devices:
+        devices.remove(meta)
+        assign = True
+    if not devices:
+        devices.append(dist.distributed_c10d._get_pg_default_device())
+    elif len(devices) > 1:
+        raise ValueError(errors.E14_MULTIPLE_DEVICES)
+    return devices[0], assign
+
+
+@torch.no_grad()
+def load_model(
+    model: nn.Module, state_dict: dict[str, Any], info: Any
+) -> _IncompatibleKeys:
+    return prepare_model(model, state_dict, info)()
+
+
+@torch.no_grad()
+def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
+    """Everything of a model load that can fail or communicate; returns
+    commit(), which runs model.load_state_dict on the validated dict.
+    (Single-caller form of ``model_load_steps``, without agreement.)"""
+    from .distribute import drive_steps
+
+    return drive_steps(model_load_steps(model, state_dict, info), info)[0]
+
+
+def _noop_commit() -> _IncompatibleKeys:
+    return _IncompatibleKeys({}, {})  # upstream's, dicts included
+
+
+def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
+    """A model load as a generator of steps (see optim.optim_load_steps):
+    local checks (yields the source's metadata, receives the exchanged
+    one), validation of the whole load (yields None), data movement and
+    the final checks (yields (commit, None)).  Run under no_grad."""
+    if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
+        yield None
+        yield None
+        yield _noop_commit, None
+        return
+    from .distribute import ModelFullLoad, collective_device, route_for
+
+    rules = load_plan(model, info)
+    full_path = info.broadcast_from_rank0 or info.full_state_dict
+    route = route_for(info.index, None) if info.broadcast_from_rank0 else None
+    rename = route is None or route.is_source
+    # A private, re-keyed view: the caller's dict is never mutated (D11).
+    load_sd, local = C.rename_for_load(
+        info.index, state_dict, info.strict, rename, full_path
+    )
+    assign = False
+    plan = None
+    # Load rules only the modules' own code knows (rules.torch_path): no
+    # up-front key check; torch's load decides at commit.
+    native_checks = not info.fsdp_modules and not rules.torch_path
+    if full_path:
+        device, assign = _load_device(info, local, rules.lazy)
+        # Where the model load's checks can run before any data moves, the
+        # shards are written straight into the parameters (see
+        # _distribute); FSDP1 and models whose modules decide their own
+        # load rules keep the load-then-copy path.
+        precheck = None
+        if native_checks:
+            def precheck(sd: dict[str, Any]) -> None:
+                check_load(model, sd, info, rules)
+        else:
+            info.validated_after_move = True
+        if route is not None:
+            route.device = collective_device(device, info.index)
+        plan = ModelFullLoad(
+            load_sd, local, device, route=route, strict=info.strict,
+            cpu_offload=info.cpu_offload, precheck=precheck, info=info,
+        )
+    elif native_checks:
+        check_load(model, load_sd, info, rules)
+    meta = yield (plan.source_meta() if plan is not None else None)
+    if plan is not None:
+        plan.validate(meta)
+    yield None
+    if plan is not None:
+        load_sd = plan.move()
+        if native_checks:
+            check_load(model, load_sd, info, rules)
+    if not full_path and native_checks:
+        aliased = aliased_commit(model, load_sd, info, rules)
+        if aliased is not None:
+            yield aliased, None
+            return
+    if not info.fsdp_modules and rules.torch_path:
+        # torch's load decides, at commit: the setters commit the model
+        # before the optimizer, and what it wrote is put back if it raises.
+        def torch_commit() -> _IncompatibleKeys:
+            return load_restoring(model, load_sd, info, assign)
+
+        yield torch_commit, None
+        return
+
+    def commit() -> _IncompatibleKeys:
+        with info.fsdp_context():
+            return cast(
+                _IncompatibleKeys,
+                state_dict_fn(model, "load_state_dict")(
+                    state_dict=load_sd, strict=info.strict, assign=assign
+                ),
+            )
+
+    yield commit, None
+
+
+def aliased_commit(model: nn.Module, load_sd: dict[str, Any], info: Any, rules: LoadPlan):
+    """The commit of a sharded load whose every value holds the same data
+    as the tensor it loads into (C.aliased_load: the DCP resume, which
+    loads into the views get_state_dict returned), or None.  There
+    model.load_state_dict copies every tensor onto itself, a copy aten
+    returns from early, after walking the module tree with a filter of
+    the whole dict per child (quadratic in a module's children); what
+    remains of it is run here: the load hooks of the modules (only
+    FSDP2's, which reshard and re-register the sharded parameters) and
+    the version counters copy_ bumps.  The keys are exactly the model's,
+    so the report is empty, as torch's."""
+    index = info.index
+    if (
+        rules is not _NATIVE_PLAN
+        or nn.Module.load_state_dict is not _TORCH_LOAD
+        or index is None
+        or index.shared_modules
+        or torch.__future__.get_swap_module_params_on_conversion()
+        or _assigns(load_sd)
+    ):
+        return None
+    fsdp2 = _fsdp2_hook_codes()
+    pre_hooks: list[Any] = []
+    post_hooks: list[tuple[nn.Module, Any, Any]] = []
+    for module in index.load_modules:
+        if type(module)._load_from_state_dict is not _MODULE_LOAD:
+            return None
+        for hook in module._load_state_dict_pre_hooks.values():
+            if _hook_code(hook) not in fsdp2:
+                return None
+            pre_hooks.append(hook)
+        for hook in module._load_state_dict_post_hooks.values():
+            if _hook_code(hook) not in fsdp2:
+                return None
+            post_hooks.append((module, hook, _closure_self(hook)))
+    targets = C.aliased_load(index, load_sd, _DTensor(), _PLAIN_TYPES, torch.strided)
+    if targets is None:
+        return None
+    strict = info.strict
+
+    def commit() -> _IncompatibleKeys:
+        missing: list[str] = []
+        unexpected: list[str] = []
+        error_msgs: list[str] = []
+        for hook in pre_hooks:
+            hook({}, "", {}, strict, missing, unexpected, error_msgs)
+        if targets:
+            torch.autograd.graph.increment_version(targets)
+        report = _IncompatibleKeys(missing, unexpected)
+        for module, hook, fsdp_param in post_hooks:
+            if fsdp_param is not None and _reset_is_noop(fsdp_param):
+                continue
+            if hook(module, report) is not None:
+                raise AssertionError(
+                    "Hooks registered with ``register_load_state_dict_post_hook`` are not "
+                    "expected to return new values, if incompatible_keys need to be modified, "
+                    "it should be done inplace."
+                )
+        return _IncompatibleKeys(missing, unexpected)
+
+    return commit
+
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def _closure_self(hook: Any) -> Any:
+    """The FSDPParam an FSDP2 post-hook (``lambda: self.reset_sharded_param()``)
+    closes over, or None."""
+    fn = getattr(hook, "hook", hook)
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if code is None or not closure or "self" not in code.co_freevars:
+        return None
+    owner = closure[code.co_freevars.index("self")].cell_contents
+    return owner if hasattr(owner, "reset_sharded_param") else None
+
+
+def _reset_is_noop(fsdp_param: Any) -> bool:
+    """True when FSDPParam.reset_sharded_param would change nothing: the
+    module still holds the sharded parameter, whose local tensor (not
+    meta) lives in the padded storage FSDP2 keeps (so nothing is re-padded
+    nor re-registered), pinned where it must be, and the sharding spec is
+    the parameter's own.  Mirrors torch 2.13's reset_sharded_param."""
+    try:
+        info = fsdp_param._module_info
+        param = fsdp_param.sharded_param
+        if getattr(info.module, info.param_name) is not param:
+            return False
+        local = param._local_tensor
+        if local.is_meta:
+            return True
+        data = fsdp_param._sharded_param_data
+        if type(data) is not torch.Tensor:
+            return False
+        ptr = data.untyped_storage().data_ptr()
+        if ptr <= 0 or ptr != local.untyped_storage().data_ptr():
+            return False
+        if fsdp_param.pin_memory and not local.is_pinned():
+            return False
+        return fsdp_param._sharding_spec is param._spec
+    except AttributeError:  # another torch's FSDPParam: its hook decides
+        return False
+
+
+def _DTensor() -> type:  # noqa: N802 - a class
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _assigns(load_sd: Any) -> bool:
+    """A ``_metadata`` entry asking load_state_dict to assign (replace the
+    tensors) instead of copying."""
+    metadata = getattr(load_sd, "_metadata", None)
+    if not metadata:
+        return False
+    return any(isinstance(m, dict) and m.get("assign_to_params_buffers") for m in metadata.values())
+
+
+def check_load(
+    model: nn.Module, load_sd: dict[str, Any], info: Any, plan: LoadPlan | None = None
+) -> None:
+    """Raise what model.load_state_dict would raise, before it copies a
+    single tensor: torch copies parameter by parameter and reports errors
+    at the end, which leaves a half-loaded model behind.  Same text as
+    torch's.  Only for models whose load rules the native checks reproduce
+    (load_plan: a module's own key-editing rules send the model down
+    torch's path instead)."""
+    index = info.index
+    fills = norm_fills(plan, index, load_sd) if plan is not None else None
+    if fills:
+        # What BatchNorm's _load_from_state_dict inserts before loading
+        # (torch inserts the same values itself: the check only sees them).
+        load_sd = dict(load_sd)
+        load_sd.update(fills)
+    # A module under several paths (``self.b = self.a``): the walk, like
+    # upstream's, keeps the first path, but load_state_dict recurses into
+    # every one and wants the keys under each; those come from torch's own
+    # state_dict() (rare: one extra Python walk).
+    missing, unexpected, errs = C.check_model_load(
+        index, load_sd, info.strict, not index.shared_modules
+    )
+    if info.strict and index.shared_modules:
+        expected = model.state_dict(keep_vars=True).keys()
+        missing = [k for k in expected if k not in load_sd]
+        unexpected = [k for k in load_sd if k not in expected]
+    messages = list(errs)
+    if unexpected:
+        messages.insert(0, "Unexpected key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in unexpected)))
+    if missing:
+        messages.insert(0, "Missing key(s) in state_dict: {}. ".format(
+            ", ".join(f'"{k}"' for k in missing)))
+    if messages:
+        raise RuntimeError(
+            "Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(model).__name__, "\n\t".join(messages)
+            )
+        )
+
+
+# --- load rules of the modules' own ------------------------------------------
+#
+# torch's Module.load_state_dict lets every module decide how it loads:
+# an overridden _load_from_state_dict, load_state_dict pre-hooks (which
+# may rename or drop keys), post hooks (which may edit the report of
+# missing/unexpected keys), lazy parameters (materialized from the loaded
+# shapes).  The walk lists the modules that have any of these
+# (index.load_modules); load_plan() decides which of them the native
+# checks reproduce exactly -- BatchNorm's backward-compatible
+# num_batches_tracked, torch's own FSDP2 and activation-checkpoint hooks,
+# which edit no key -- and sends every other model down torch's own path:
+# model.load_state_dict, with the tensors it could write snapshotted first
+# and put back if it raises (load_restoring).
+
+_MODULE_LOAD = nn.Module._load_from_state_dict
+_TORCH_LOAD = nn.Module.load_state_dict
+_NORM_LOAD = _NormBase._load_from_state_dict
+_NBT = "num_batches_tracked"
+
+
+class LoadPlan(NamedTuple):
+    torch_path: bool
+    # (BatchNorm module, its num_batches_tracked load key)
+    norms: tuple[tuple[nn.Module, str], ...]
+    lazy: bool = False  # uninitialized parameters or buffers
+
+
+_NATIVE_PLAN = LoadPlan(False, ())
+_TORCH_PLAN = LoadPlan(True, ())
+
+
+def _nested_codes(func: Any, name: str) -> list[CodeType]:
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    return [c for c in code.co_consts if isinstance(c, CodeType) and c.co_name == name]
+
+
+@functools.cache
+def _benign_hook_codes() -> frozenset[CodeType]:
+    """Code of torch's own load hooks that edit no key: FSDP2's
+    (resharding before a load, padding after it) and the activation
+    checkpoint wrapper's (re-inserting its prefix, which the load keys
+    already have)."""
+    codes: list[CodeType] = []
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        codes += _nested_codes(FSDPParam.__init__, "<lambda>")
+        codes += _nested_codes(FSDPParamGroup._register_state_dict_hooks, "to_sharded_hook")
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            ActivationWrapper,
+        )
+
+        codes.append(ActivationWrapper._pre_load_state_dict_hook.__code__)
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    return frozenset(codes)
+
+
+@functools.cache
+def _fsdp2_hook_codes() -> frozenset[CodeType]:
+    """Code of FSDP2's load hooks: the pre-hook that reshards a parameter
+    group, the post-hook that re-registers (re-pads) a sharded parameter."""
+    codes: list[CodeType] = []
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        codes += _nested_codes(FSDPParam.__init__, "<lambda>")
+        codes += _nested_codes(FSDPParamGroup._register_state_dict_hooks, "to_sharded_hook")
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    return frozenset(codes)
+
+
+def _hook_code(hook: Any) -> Any:
+    fn = getattr(hook, "hook", hook)  # torch's _WrappedHook
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__code__", None)
+
+
+def _has_own_hooks(module: nn.Module) -> bool:
+    benign = _benign_hook_codes()
+    for registry in (module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
+        for hook in registry.values():
+            if _hook_code(hook) not in benign:
+                return True
+    return False
+
+
+def load_plan(model: nn.Module, info: Any) -> LoadPlan:
+    """Which load path a model takes (see the notes above)."""
+    index = info.index
+    if index is None:
+        return _NATIVE_PLAN
+    cls = type(model)
+    own = model.__dict__.get("load_state_dict")
+    if cls.load_state_dict is not nn.Module.load_state_dict or (
+        own is not None and not _is_patched(own)
+    ):
+        return _TORCH_PLAN
+    if C.indices_of(index.tensors, UninitializedTensorMixin):
+        return LoadPlan(True, (), True)  # lazy parameters: shapes come from the load
+    norms: list[tuple[nn.Module, str]] = []
+    for module in index.load_modules:
+        if _has_own_hooks(module):
+            return _TORCH_PLAN
+        tp = type(module)
+        if (tp.get_extra_state is nn.Module.get_extra_state) != (
+            tp.set_extra_state is nn.Module.set_extra_state
+        ):
+            return _TORCH_PLAN  # torch's load wants other keys than state_dict() gives
+        rule = tp._load_from_state_dict
+        if rule is _MODULE_LOAD:
+            continue
+        if rule is not _NORM_LOAD:
+            return _TORCH_PLAN
+        nbt = module._buffers.get(_NBT)
+        slot = None if nbt is None else index.slot_of(nbt)
+        loads = None if slot is None else index.tensor_loads[slot]
+        if module.track_running_stats and (loads is None or len(loads) != 1 or index.shared_modules):
+            # torch would fill a buffer we do not list, or fill it under
+            # several names: its own load decides.
+            return _TORCH_PLAN
+        if loads is not None:
+            norms.append((module, loads[0]))
+    return LoadPlan(False, tuple(norms)) if norms else _NATIVE_PLAN
+
+
+def norm_fills(plan: LoadPlan, index: Any, load_sd: dict[str, Any]) -> dict[str, Any]:
+    """The num_batches_tracked entries BatchNorm's _load_from_state_dict
+    adds to a state dict of version < 2 (or without version) that lacks
+    them: the live buffer, or a 0 for a meta one."""
+    fills: dict[str, Any] = {}
+    if not plan.norms:
+        return fills
+    metadata = getattr(load_sd, "_metadata", None)
+    for module, key in plan.norms:
+        if not module.track_running_stats or key in load_sd:
+            continue
+        prefix = key[: -len(_NBT)]
+        local = {} if metadata is None else metadata.get(prefix[:-1], {})
+        version = local.get("version", None)
+        if version is not None and version >= 2:
+            continue
+        nbt = module.num_batches_tracked
+        fills[key] = nbt if nbt.device.type != "meta" else torch.tensor(0, dtype=torch.long)
+    return fills
+
+
+class _Snapshot:
+    """What a load can change in a module tree: each module's parameter and
+    buffer entries (``assign=True`` replaces them), a copy of every
+    tensor's values (``copy_``), lazy parameters' uninitialized state, and
+    the extra state of modules that define both get_ and set_extra_state.
+    Costs one copy of the model's tensors while the load runs."""
+
+    def __init__(self, model: nn.Module):
+        self.modules: list[tuple[nn.Module, dict, dict, Any]] = []
+        self.tensors: list[tuple[torch.Tensor, Any, type]] = []
+        seen: set[int] = set()
+        for module in model.modules():
+            params, buffers = dict(module._parameters), dict(module._buffers)
+            tp = type(module)
+            extra = _NO_EXTRA
+            if (
+                tp.set_extra_state is not nn.Module.set_extra_state
+                and tp.get_extra_state is not nn.Module.get_extra_state
+            ):
+                extra = module.get_extra_state()
+            self.modules.append((module, params, buffers, extra))
+            for t in (*params.values(), *buffers.values()):
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if is_lazy(t) or t.is_meta:
+                    self.tensors.append((t, None, type(t)))
+                else:
+                    self.tensors.append((t, t.detach().clone(), type(t)))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for module, params, buffers, extra in self.modules:
+            for live, saved in ((module._parameters, params), (module._buffers, buffers)):
+                if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                    live.clear()
+                    live.update(saved)
+            if extra is not _NO_EXTRA:
+                module.set_extra_state(extra)
+        for t, saved, cls in self.tensors:
+            if saved is None:
+                if issubclass(cls, UninitializedTensorMixin) and not is_lazy(t):
+                    # materialize() gave it data and its final class
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    t.__class__ = cls
+            elif t.shape == saved.shape and t.dtype == saved.dtype:
+                t.copy_(saved)
+            else:
+                t.data = saved
+
+
+_NO_EXTRA = object()
+
+
+def load_restoring(
+    model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool
+) -> _IncompatibleKeys:
+    """model.load_state_dict(load_sd), all or nothing: if it raises, the
+    parameters and buffers it wrote are put back before the error
+    propagates (torch's own error, unchanged)."""
+    snapshot = _Snapshot(model)
+    try:
+        with info.fsdp_context():
+            return cast(
+                _IncompatibleKeys,
+                state_dict_fn(model, "load_state_dict")(
+                    state_dict=load_sd, strict=info.strict, assign=assign
+                ),
+            )
+    except BaseException:
+        snapshot.restore()
+        raise

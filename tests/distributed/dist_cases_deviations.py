@@ -1,0 +1,242 @@
+"""Issue 3's corrections under sharding: the same scenarios as
+tests/unit/test_deviations.py on an FSDP2 model (2 gloo ranks, uneven shards),
+in the nested and the flattened format.
+
+Each scenario runs on dcp_optim (must pass) and, where upstream is known to
+be wrong, on upstream too: the rank function returns, per scenario, "ok" or
+the failure text for each implementation, and tests/distributed/test_deviations_sharded.py
+asserts dcp_optim's passes and upstream's fails (a strict expected failure,
+as in the single-process tests).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as upstream
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import dcp_optim
+
+from ..support.oracle import assert_same_tree, optimizer_snapshot, params_snapshot
+from .dist_cases import fsdp2_model, train
+
+
+def _opts(impl, flat: bool, **kw):
+    return impl.StateDictOptions(flatten_optimizer_state_dict=flat, **kw)
+
+
+def _adamw(model, groups=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(groups(params) if groups else params, lr=0.01, weight_decay=0.1)
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _run(fn: Callable[[], None]) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the failure is the result
+        return f"{type(exc).__name__}: {exc}"[:400] or traceback.format_exc(limit=2)
+
+
+def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
+    mesh = init_device_mesh("cpu", (ws,))
+
+    def build(seed=0, frozen=False):
+        return fsdp2_model(mesh, seed, frozen=frozen)
+
+    results: dict[str, dict[str, str]] = {}
+
+    for flat in (False, True):
+        fmt = "flat" if flat else "nested"
+
+        # 1. a get never changes training (AdamW: upstream's fake step
+        #    starts `step` at 1, so bias correction differs from then on)
+        def getters_change_nothing(impl, flat=flat):
+            m0 = build()
+            o0 = _adamw(m0)
+            m3 = build()
+            o3 = _adamw(m3)
+            for _ in range(3):
+                impl.get_optimizer_state_dict(m3, o3, options=_opts(impl, flat))
+            train(m0, o0, steps=2, seed=1)
+            train(m3, o3, steps=2, seed=1)
+            assert_same_tree(params_snapshot(m0), params_snapshot(m3))
+            assert_same_tree(optimizer_snapshot([o0]), optimizer_snapshot([o3]))
+
+        # 2. a never-stepped template loads back and trains like a fresh
+        #    optimizer
+        def never_stepped_round_trip(impl, flat=flat):
+            src = build()
+            src_o = _adamw(src)
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat))
+            dst = build()
+            dst_o = _adamw(dst)
+            impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat))
+            ref = build()
+            ref_o = _adamw(ref)
+            train(dst, dst_o, steps=2, seed=2)
+            train(ref, ref_o, steps=2, seed=2)
+            assert_same_tree(params_snapshot(ref), params_snapshot(dst))
+
+        # 3. right after backward(), before the first step: every trainable
+        #    parameter has (pristine) state
+        def state_after_backward(impl, flat=flat):
+            m = build()
+            o = _adamw(m)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+            m(x).backward()
+            osd = impl.get_optimizer_state_dict(m, o, options=_opts(impl, flat))
+            if flat:
+                names = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in osd if k.startswith("state.")}
+            else:
+                names = set(osd["state"])
+            expected = {n for n, p in m.named_parameters() if p.requires_grad}
+            assert names == expected, sorted(expected - names)[:3]
+
+        # 4. partial loads: strict=False leaves the missing parameter
+        #    pristine and loads the rest; strict=True names it
+        def partial_load(impl, flat=flat):
+            src = build()
+            src_o = _adamw(src)
+            train(src, src_o, steps=2, seed=4)
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat))
+            gone = "layers.1.up.weight"
+            if flat:
+                osd = {k: v for k, v in osd.items() if not k.startswith(f"state.{gone}.")}
+            else:
+                osd = {"state": {k: v for k, v in osd["state"].items() if k != gone},
+                       "param_groups": osd["param_groups"]}
+            dst = build(seed=6)
+            dst_o = _adamw(dst)
+            impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat, strict=False))
+            params = dict(dst.named_parameters())
+            src_params = dict(src.named_parameters())
+            assert dst_o.state.get(params[gone], {}).get("step", torch.tensor(0.0)).item() == 0.0
+            loaded = dst_o.state[params["head.weight"]]["exp_avg"]
+            assert torch.equal(_local(loaded), _local(src_o.state[src_params["head.weight"]]["exp_avg"]))
+            dst2 = build(seed=6)
+            dst2_o = _adamw(dst2)
+            try:
+                impl.set_optimizer_state_dict(dst2, dst2_o, osd, options=_opts(impl, flat, strict=True))
+            except Exception as exc:  # noqa: BLE001
+                assert gone in str(exc), exc
+            else:
+                raise AssertionError("strict=True accepted missing state")
+
+        # 5. trained-then-frozen parameters keep their saved state
+        def trained_then_frozen(impl, flat=flat):
+            src = build()
+            src_o = _adamw(src)
+            train(src, src_o, steps=2, seed=5)
+            for p in src.layers[0].parameters():
+                p.requires_grad_(False)
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat))
+            dst = build(seed=8)
+            for p in dst.layers[0].parameters():
+                p.requires_grad_(False)
+            dst_o = torch.optim.AdamW(dst.parameters(), lr=0.01, weight_decay=0.1)
+            impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat))
+            frozen = dict(dst.named_parameters())["layers.0.up.weight"]
+            src_frozen = dict(src.named_parameters())["layers.0.up.weight"]
+            assert frozen in dst_o.state, "the frozen parameter's saved state was dropped"
+            assert torch.equal(_local(dst_o.state[frozen]["exp_avg"]), _local(src_o.state[src_frozen]["exp_avg"]))
+
+        # 6. empty groups (two of them) and every group key survive; step()
+        #    works after the load
+        def empty_groups_and_keys(impl, flat=flat):
+            def groups(params):
+                return [
+                    {"params": [], "lr": 0.5, "name": "empty-a"},
+                    {"params": params[:4], "lr_mult": 2.0, "name": "first"},
+                    {"params": [], "lr": 0.25, "name": "empty-b"},
+                    {"params": params[4:], "name": "rest"},
+                ]
+
+            src = build()
+            src_o = _adamw(src, groups)
+            sched = torch.optim.lr_scheduler.LambdaLR(src_o, lambda step: 0.5 ** step)
+            train(src, src_o, steps=2, seed=6)
+            sched.step()
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat))
+            dst = build(seed=9)
+            dst_o = _adamw(dst, groups)
+            impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat))
+            for a, b in zip(src_o.param_groups, dst_o.param_groups):
+                assert {k: v for k, v in a.items() if k != "params"} == {k: v for k, v in b.items() if k != "params"}, (a.get("name"), b.get("name"))
+            train(dst, dst_o, steps=1, seed=7)
+
+        # 9. types survive: bf16 moments stay bf16 DTensors with the
+        #    parameter's placements
+        def low_precision_state(impl, flat=flat):
+            src = build()
+            src_o = _adamw(src)
+            train(src, src_o, steps=1, seed=8)
+            for st in src_o.state.values():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = st[k].to(torch.bfloat16)
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat))
+            dst = build(seed=10)
+            dst_o = _adamw(dst)
+            # holds bf16 moments (a never-stepped optimizer casts to the
+            # parameter dtype, as torch: tests/distributed/dist_cases_precision.py)
+            train(dst, dst_o, steps=1, seed=9)
+            for st in dst_o.state.values():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = st[k].to(torch.bfloat16)
+            impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat))
+            for p, st in dst_o.state.items():
+                assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].placements == p.placements
+                assert st["exp_avg"].dtype == torch.bfloat16, st["exp_avg"].dtype
+
+        # 10. a load that fails changes nothing (on every rank)
+        def failed_load_changes_nothing(impl, flat=flat):
+            src = build()
+            src_o = _adamw(src)
+            train(src, src_o, steps=1, seed=9)
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat, full_state_dict=True))
+            bad_key = "layers.1.down.weight"
+            if flat:
+                osd = dict(osd)
+                osd[f"state.{bad_key}.exp_avg"] = torch.zeros(3, 3)
+            else:
+                osd = {"state": {k: dict(v) for k, v in osd["state"].items()}, "param_groups": osd["param_groups"]}
+                osd["state"][bad_key]["exp_avg"] = torch.zeros(3, 3)
+            dst = build(seed=11)
+            dst_o = _adamw(dst)
+            train(dst, dst_o, steps=1, seed=10)
+            before = optimizer_snapshot([dst_o])
+            try:
+                impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat, full_state_dict=True))
+            except Exception:  # noqa: BLE001
+                pass
+            assert_same_tree(before, optimizer_snapshot([dst_o]))
+
+        scenarios = {
+            "getters_change_nothing": getters_change_nothing,
+            "never_stepped_round_trip": never_stepped_round_trip,
+            "state_after_backward": state_after_backward,
+            "partial_load": partial_load,
+            "trained_then_frozen": trained_then_frozen,
+            "empty_groups_and_keys": empty_groups_and_keys,
+            "low_precision_state": low_precision_state,
+            "failed_load_changes_nothing": failed_load_changes_nothing,
+        }
+        for name, fn in scenarios.items():
+            key = f"{name}[{fmt}]"
+            results[key] = {}
+            for label, impl in (("dcp_optim", dcp_optim), ("upstream", upstream)):
+                dist.barrier()
+                results[key][label] = _run(lambda fn=fn, impl=impl: fn(impl))
+                # a failure on one rank only must not leave the other rank
+                # inside a collective: agree before the next scenario
+                dist.barrier()
+    return results

@@ -1,0 +1,379 @@
+"""Rank functions for the FSDP1 tests (tests/distributed/test_fsdp1.py).
+
+FSDP1 (`FullyShardedDataParallel`) runs on CPU with gloo when
+`device_id=torch.device("cpu")` is given.  Every configuration is compared
+with upstream on twin objects where upstream is right; where upstream fails
+on this torch (see FINDINGS_2_13.md) the expected values come from another
+upstream path that works (the same state loaded with other options, or the
+full state dict without the offload).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as upstream
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+import dcp_optim
+from dcp_optim import StateDictOptions as Opts
+from dcp_optim._engine import collectives as _collectives
+
+from ..support.oracle import assert_same_optimizers, assert_same_tree
+from .dist_cases import (
+    MLP,
+    Block,
+    CollectiveCounter,
+    PeakRSS,
+    fsdp2_model,
+    make_optimizer,
+    plain_model,
+    train,
+)
+
+CPU = torch.device("cpu")
+WRAPPER_TOKENS = ("_fsdp_wrapped_module", "_flat_param", "_fpw_module", "FlatParameter")
+
+
+def fsdp1_model(seed: int = 0, *, orig: bool, wrap: str, frozen: bool = False, mesh=None, layers: int = 2, hidden: int = 7):
+    """An MLP under FSDP1: "nested" wraps every Block and the root, "root"
+    wraps only the root (one flat parameter for everything)."""
+    torch.manual_seed(seed)
+    model = MLP(width=8, hidden=hidden, layers=layers, frozen=frozen)
+    policy = ModuleWrapPolicy({Block}) if wrap == "nested" else None
+    kwargs = dict(device_id=CPU, use_orig_params=orig, auto_wrap_policy=policy)
+    if mesh is not None:
+        kwargs["device_mesh"] = mesh
+    return FSDP(model, **kwargs)
+
+
+def _assert_canonical(tree: Any, what: str) -> None:
+    """No FSDP wrapper token in any key or parameter name."""
+    keys: list[str] = []
+    if "state" in tree and "param_groups" in tree:
+        keys += list(tree["state"])
+        for group in tree["param_groups"]:
+            keys += list(group["params"])
+    else:
+        keys += list(tree)
+    for key in keys:
+        assert not any(tok in str(key) for tok in WRAPPER_TOKENS), (what, key)
+
+
+def _full_model(model) -> dict[str, torch.Tensor]:
+    """Every full parameter (and buffer), through upstream's working path."""
+    return upstream.get_model_state_dict(model, options=upstream.StateDictOptions(full_state_dict=True))
+
+
+def _full_optim(model, optim) -> dict[str, Any]:
+    return upstream.get_optimizer_state_dict(model, optim, options=upstream.StateDictOptions(full_state_dict=True))
+
+
+def _sorted_state(osd: dict[str, Any]) -> dict[str, Any]:
+    """FQNs and state names in sorted order (FSDP1 sorts FQNs with
+    use_orig_params and iterates a set of state names when loading)."""
+    return {fqn: {k: osd["state"][fqn][k] for k in sorted(osd["state"][fqn])} for fqn in sorted(osd["state"])}
+
+
+def _betas_to_tuples(optim) -> None:
+    for g in optim.param_groups:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+
+
+def fsdp1_suite(rank: int, ws: int, tmp: str) -> list[str]:
+    """Gets (every option combination) and loads (sharded, full, broadcast,
+    flattened, from a differently wrapped run) for use_orig_params
+    False/True, nested/root wrapping, with and without a device mesh."""
+    done = []
+    mesh = init_device_mesh("cpu", (ws,))
+    configs = [
+        dict(orig=False, wrap="nested"),
+        dict(orig=False, wrap="root"),
+        dict(orig=True, wrap="nested"),
+        dict(orig=True, wrap="root", frozen=True),
+        dict(orig=False, wrap="nested", mesh=True),
+        dict(orig=True, wrap="nested", mesh=True),
+    ]
+    for cfg in configs:
+        label = "fsdp1[orig={orig},{wrap}{f}{m}]".format(
+            orig=cfg["orig"], wrap=cfg["wrap"], f=",frozen" if cfg.get("frozen") else "",
+            m=",mesh" if cfg.get("mesh") else "",
+        )
+
+        def twin(seed=0, step=True, cfg=cfg):
+            m = fsdp1_model(seed, orig=cfg["orig"], wrap=cfg["wrap"], frozen=cfg.get("frozen", False),
+                            mesh=mesh if cfg.get("mesh") else None)
+            o = make_optimizer(m, "adam", 2 if cfg["orig"] else 1)
+            if step:
+                train(m, o, seed=seed)
+            return m, o
+
+        (mu, ou), (md, od) = twin(), twin()
+
+        # --- gets: equal to upstream wherever upstream works ---------------
+        for options in (
+            {},
+            {"full_state_dict": True},
+            {"flatten_optimizer_state_dict": True},
+            {"full_state_dict": True, "flatten_optimizer_state_dict": True},
+        ):
+            a = upstream.get_state_dict(mu, ou, options=upstream.StateDictOptions(**options))
+            b = dcp_optim.get_state_dict(md, od, options=Opts(**options))
+            assert_same_tree(a, b)
+            _assert_canonical(b[0], label)
+            if not options.get("flatten_optimizer_state_dict"):
+                _assert_canonical(b[1], label)
+        # full + cpu_offload: upstream's optimizer path works and is the
+        # oracle; its model path fails on CPU (FSDP's offload frees the
+        # CPU storage it reads), so the model oracle is the full dict
+        # without offload, on rank 0 only
+        off = {"full_state_dict": True, "cpu_offload": True}
+        a_o = upstream.get_optimizer_state_dict(mu, ou, options=upstream.StateDictOptions(**off))
+        b_o = dcp_optim.get_optimizer_state_dict(md, od, options=Opts(**off))
+        if cfg["orig"]:
+            # upstream bug (FINDINGS_2_13.md): with use_orig_params, FSDP
+            # all-gathers every state name into one reused buffer and, on a
+            # CPU device, ".cpu()" returns views of it: every tensor state
+            # equals the last one gathered.  The oracle is the full state
+            # without offload, on rank 0.
+            expected_o = _full_optim(mu, ou)
+            if rank == 0:
+                with pytest.raises(AssertionError):
+                    assert_same_tree(expected_o, a_o)
+            else:
+                expected_o = {}
+            assert_same_tree(expected_o, b_o)
+        else:
+            assert_same_tree(a_o, b_o)
+        b_m = dcp_optim.get_model_state_dict(md, options=Opts(**off))
+        expected = _full_model(mu)  # collective: every rank
+        expected = expected if rank == 0 else {}
+        assert_same_tree(expected, b_m)
+        assert all(v.device.type == "cpu" for v in b_m.values())
+        # the optimizer's own state is untouched by every get
+        assert_same_optimizers(ou, od, skip_frozen=True, sort_names=True)
+
+        # --- sharded round trip into fresh twins, then one more step -------
+        msd_u, osd_u = upstream.get_state_dict(mu, ou)
+        msd_d, osd_d = dcp_optim.get_state_dict(md, od)
+        (fu, fou), (fd, fod) = twin(seed=5), twin(seed=5)
+        upstream.set_state_dict(fu, fou, model_state_dict=msd_u, optim_state_dict=osd_u)
+        dcp_optim.set_state_dict(fd, fod, model_state_dict=msd_d, optim_state_dict=osd_d)
+        assert_same_tree(_full_model(fu), _full_model(fd))
+        assert_same_optimizers(fou, fod, skip_frozen=True, sort_names=True)
+        train(fu, fou, steps=1, seed=9)
+        train(fd, fod, steps=1, seed=9)
+        assert_same_tree(_full_model(fu), _full_model(fd))
+        assert_same_optimizers(fou, fod, skip_frozen=True, sort_names=True)
+
+        # --- full loads: every rank holds the dict / broadcast from rank 0 --
+        full_msd = _full_model(mu)
+        full_osd = _full_optim(mu, ou)
+        for broadcast in (False, True):
+            opts = dict(full_state_dict=True, broadcast_from_rank0=broadcast)
+            give = not broadcast or rank == 0
+            (fu, fou), (fd, fod) = twin(seed=7), twin(seed=7)
+            upstream.set_optimizer_state_dict(fu, fou, full_osd if give else {}, options=upstream.StateDictOptions(**opts))
+            dcp_optim.set_state_dict(
+                fd, fod, model_state_dict=dict(full_msd) if give else {},
+                optim_state_dict=full_osd if give else {}, options=Opts(**opts),
+            )
+            _betas_to_tuples(fou)
+            assert_same_optimizers(fou, fod, skip_frozen=True, sort_names=True)
+            assert_same_tree(full_msd, _full_model(fd))
+            back = _full_optim(fd, fod)
+            assert_same_tree(_sorted_state(full_osd), _sorted_state(back))
+
+        # --- flattened loads ------------------------------------------------
+        flat_opts = dict(flatten_optimizer_state_dict=True)
+        flat = upstream.get_optimizer_state_dict(mu, ou, options=upstream.StateDictOptions(**flat_opts))
+        (tu, tou), (fd, fod) = twin(seed=8), twin(seed=8)
+        # upstream's flattened load aborts the process group with
+        # use_orig_params=True (a collective mismatch in FSDP's
+        # optim_state_dict_to_load): the oracle is upstream's nested load of
+        # the same state
+        upstream.set_optimizer_state_dict(tu, tou, upstream.get_optimizer_state_dict(mu, ou))
+        dcp_optim.set_optimizer_state_dict(fd, fod, flat, options=Opts(**flat_opts))
+        assert_same_optimizers(tou, fod, skip_frozen=True, sort_names=True)
+
+        # --- a never-stepped optimizer: its template, nothing installed ------
+        (tu, tou), (td, tod) = twin(step=False), twin(step=False)
+        template = dcp_optim.get_optimizer_state_dict(td, tod)
+        assert len(tod.state) == 0, "a get must not install state (D1)"
+        reference = upstream.get_optimizer_state_dict(tu, tou)
+        assert list(template["state"]) == list(reference["state"]), label
+        for fqn, st in reference["state"].items():
+            assert sorted(template["state"][fqn]) == sorted(st), fqn
+            for key, value in st.items():
+                mine = template["state"][fqn][key]
+                assert type(mine) is type(value) and mine.dtype == value.dtype and mine.shape == value.shape, (fqn, key)
+                if key == "step":
+                    assert float(mine) == 0.0  # D2: pristine, not fake-stepped
+        done.append(label)
+
+    # --- a checkpoint from a differently wrapped run -----------------------
+    # nested, flat parameters -> root, original parameters (and back)
+    src, src_o = fsdp1_model(3, orig=False, wrap="nested"), None
+    src_o = make_optimizer(src, "adam", 1)
+    train(src, src_o, seed=3)
+    for options in ({}, {"full_state_dict": True}):
+        msd, osd = dcp_optim.get_state_dict(src, src_o, options=Opts(**options))
+        dst = fsdp1_model(4, orig=True, wrap="root")
+        dst_o = make_optimizer(dst, "adam", 1)
+        if options:
+            dcp_optim.set_state_dict(dst, dst_o, model_state_dict=msd, optim_state_dict=osd, options=Opts(**options))
+        else:
+            # sharded ShardedTensors of another wrapping: through DCP
+            path = os.path.join(tmp, "rewrap")
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+            t_msd, t_osd = dcp_optim.get_state_dict(dst, dst_o)
+            state = {"model": t_msd, "optim": t_osd}
+            dcp.load(state, checkpoint_id=path)
+            dcp_optim.set_state_dict(dst, dst_o, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert_same_tree(_full_model(src), _full_model(dst))
+        assert_same_tree(_sorted_state(_full_optim(src, src_o)), _sorted_state(_full_optim(dst, dst_o)))
+        train(dst, dst_o, steps=1, seed=5)
+    done.append("rewrap")
+    dist.barrier()
+    return done
+
+
+# --- cross-framework moves through DCP ----------------------------------------------
+
+
+def build(kind: str, seed: int = 0):
+    """The same MLP (width 8, hidden 8) under every framework."""
+    if kind == "fsdp1":
+        return fsdp1_model(seed, orig=False, wrap="nested", hidden=8)
+    if kind == "fsdp1_orig":
+        return fsdp1_model(seed, orig=True, wrap="root", hidden=8)
+    if kind == "fsdp2":
+        return fsdp2_model(init_device_mesh("cpu", (dist.get_world_size(),)), seed, hidden=8)
+    if kind == "plain":
+        return plain_model(seed, hidden=8)
+    raise ValueError(kind)
+
+
+def save(rank: int, ws: int, path: str, kind: str) -> str:
+    """Train `kind`, save model + optimizer with DCP (sharded state dicts),
+    and write the full reference values (rank 0)."""
+    model = build(kind)
+    optim = make_optimizer(model, "adam", 1)
+    train(model, optim, steps=2, seed=3)
+    msd, osd = dcp_optim.get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    full = Opts(full_state_dict=True, cpu_offload=True)
+    full_m, full_o = dcp_optim.get_state_dict(model, optim, options=full)
+    if rank == 0:
+        torch.save({"model": full_m, "optim": full_o}, os.path.join(path, "reference.pt"))
+    dist.barrier()
+    return "saved"
+
+
+def load(rank: int, ws: int, path: str, kind: str) -> dict[str, Any]:
+    """Template flow into `kind` at this world size; every full tensor
+    equals the saved run's, and training continues."""
+    model = build(kind, seed=11)
+    optim = make_optimizer(model, "adam", 1)
+    msd, osd = dcp_optim.get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    dcp_optim.set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = Opts(full_state_dict=True, cpu_offload=True)
+    full_m, full_o = dcp_optim.get_state_dict(model, optim, options=full)
+    result: dict[str, Any] = {"rank": rank}
+    if rank == 0:
+        ref = torch.load(os.path.join(path, "reference.pt"), weights_only=False)
+        assert_same_tree(ref["model"], full_m)
+        assert_same_tree(_sorted_state(ref["optim"]), _sorted_state(full_o))
+        result["tensors"] = len(full_m) + sum(len(v) for v in full_o["state"].values())
+    train(model, optim, steps=1, seed=4)
+    dist.barrier()
+    return result
+
+
+# --- collectives and memory ----------------------------------------------------------
+
+
+def collectives_case(rank: int, ws: int, layers: int) -> dict[str, Any]:
+    """Collectives during a full optimizer-state gather of an FSDP1 model
+    with `layers` + 1 flat parameters, upstream vs dcp_optim."""
+    model = fsdp1_model(0, orig=False, wrap="nested", layers=layers)
+    optim = make_optimizer(model, "adam", 1)
+    train(model, optim, steps=1, seed=1)
+    full = dict(full_state_dict=True)
+    with CollectiveCounter() as ours:
+        b = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(**full))
+    with CollectiveCounter() as theirs:
+        a = upstream.get_optimizer_state_dict(model, optim, options=upstream.StateDictOptions(**full))
+    assert_same_tree(a, b)
+    flat_params = sum(1 for p in model.parameters())
+    dist.barrier()
+    return {
+        "flat_params": flat_params,
+        "ours": ours.total,
+        "ours_detail": ours.counts,
+        "upstream": theirs.total,
+        "upstream_detail": theirs.counts,
+    }
+
+
+def _return_freed_memory() -> None:
+    """glibc raises its mmap threshold after large frees, so freed tensors
+    stay resident and RSS stops measuring live memory: pin the threshold
+    (M_MMAP_THRESHOLD = -3) at 64 KiB and trim eagerly (M_TRIM_THRESHOLD =
+    -1)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)
+    libc.mallopt(-1, 0)
+
+
+def memory_case(rank: int, ws: int, state_mb: int, bucket_mb: int, impl: str = "dcp_optim") -> dict[str, Any]:
+    """Peak RSS above the start during a full optimizer-state gather of an
+    FSDP1 model whose full Adam moments total `state_mb` MB."""
+    _return_freed_memory()
+    n = state_mb * 2**20 // 8  # two fp32 moments per element
+    width = 256
+    rows = n // width // 8
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, rows, bias=False) for _ in range(8)])
+    model = FSDP(model, device_id=CPU, use_orig_params=False,
+                 auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    previous = _collectives.set_bucket_bytes(bucket_mb * 2**20)
+    dist.barrier()
+    try:
+        with PeakRSS() as mem:
+            if impl == "dcp_optim":
+                out = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(full_state_dict=True))
+            else:
+                out = upstream.get_optimizer_state_dict(
+                    model, optim, options=upstream.StateDictOptions(full_state_dict=True)
+                )
+        result_bytes = sum(
+            v.numel() * v.element_size() for st in out["state"].values() for v in st.values() if v.dim() > 0
+        )
+        del out
+    finally:
+        _collectives.set_bucket_bytes(previous)
+    dist.barrier()
+    return {
+        "rank": rank,
+        "peak_delta": mem.peak - mem.base,
+        "result_bytes": result_bytes,
+        "bucket_bytes": bucket_mb * 2**20,
+    }

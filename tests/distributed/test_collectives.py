@@ -1,0 +1,119 @@
+"""Collectives: cross-rank agreement errors, process groups, collective
+counts of a full gather, and peak memory of a broadcast load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ..support.harness import run_ranks
+from . import dist_cases
+
+pytestmark = pytest.mark.dist
+
+
+def test_disagreeing_ranks_raise_the_same_error_everywhere():
+    results = run_ranks(2, dist_cases.disagreement_cases, timeout=120)
+    assert results[0][:3] == results[1][:3], "every rank must raise the same error"
+    shapes, options, held_by_one, gathers = results[0]
+    assert "layers.0.up.weight" in shapes and "rank(s) [0]" in shapes and "rank(s) [1]" in shapes
+    assert "options" in options and "ranks disagree" in options
+    assert "broadcast_from_rank0=True" in held_by_one and "[1]" in held_by_one
+    # the full-gather layouts, exact against upstream (dist_cases.gather_exactness_cases)
+    assert gathers == ["13 layouts"] + [f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)]
+    assert results[1][3] == gathers[:3]  # rank 1 keeps nothing with cpu_offload
+
+
+@pytest.mark.slow
+def test_sub_meshes_and_broadcast_source():
+    results = run_ranks(4, dist_cases.submesh_case, timeout=300)
+    assert [r["mesh"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # the full-gather layouts at 4 ranks, exact against upstream (rank 0
+    # alone keeps them with cpu_offload)
+    assert results[0]["gathers"] == ["13 layouts"] + [
+        f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)
+    ]
+    assert all(r["gathers"] == ["13 layouts", "offload=False bucket=None", "offload=False bucket=1"]
+               for r in results[1:])
+
+
+def test_full_gather_collective_count(capsys):
+    bucket_mb = 0.05
+    results = run_ranks(2, dist_cases.collective_count_case, 40, bucket_mb, timeout=300)
+    r = results[0]
+    budget = int(bucket_mb * 2**20)
+    bound = math.ceil(r["bytes"] / budget) + 4  # + model/optim agreement
+    with capsys.disabled():
+        print(
+            f"\n40-layer FSDP2, {r['dtensors']} DTensors, {r['bytes']} bytes gathered: "
+            f"dcp_optim {r['ours']} collectives {r['ours_detail']} "
+            f"(bound {bound}), upstream {r['upstream']} {r['upstream_detail']}"
+        )
+    assert r["ours"] <= bound
+    assert r["upstream"] >= r["dtensors"]
+    assert r["ours"] < r["upstream"] / 10
+
+
+@pytest.mark.slow
+def test_broadcast_load_peak_memory(capsys):
+    """Peak RSS on the receiving rank during a broadcast_from_rank0 load of
+    a 256 MB Adam state stays within its local shard + 2 buckets."""
+    state_mb, bucket_mb = 256, 16
+    ours = run_ranks(2, dist_cases.broadcast_memory_case, state_mb, bucket_mb, "dcp_optim", timeout=400)
+    theirs = run_ranks(2, dist_cases.broadcast_memory_case, state_mb, bucket_mb, "upstream", timeout=400)
+    r1 = ours[1]
+    bound = r1["local_state_bytes"] + 2 * r1["bucket_bytes"]
+    with capsys.disabled():
+        mb = 2**20
+        print(
+            f"\nbroadcast load of {state_mb} MB Adam state, rank 1: local shard "
+            f"{r1['local_state_bytes'] / mb:.0f} MB, bucket {bucket_mb} MB; peak RSS growth "
+            f"dcp_optim {r1['peak_delta'] / mb:.0f} MB (bound {bound / mb:.0f} MB), "
+            f"upstream {theirs[1]['peak_delta'] / mb:.0f} MB"
+        )
+    assert r1["peak_delta"] <= bound
+
+
+def test_broadcast_model_load_writes_in_place(capsys):
+    """A broadcast model load that passes every check up front streams the
+    shards straight into the parameters (upstream's footprint: no second
+    copy of the local shards), and one that fails a check raises on every
+    rank and leaves the parameters as they were."""
+    bucket_mb = 16
+    results = run_ranks(2, dist_cases.broadcast_model_in_place_case, bucket_mb, timeout=300)
+    mb = 2**20
+    r1 = results[1]
+    with capsys.disabled():
+        print(
+            f"\nbroadcast model load, rank 1: local shard {r1['local_bytes'] / mb:.0f} MB, "
+            f"bucket {bucket_mb} MB, peak RSS growth {r1['peak_delta'] / mb:.1f} MB"
+        )
+    for r in results:
+        assert r["values_ok"] and r["same_storage"]
+        non_tensor, shape = r["errors"]["non-tensor value"], r["errors"]["wrong shape"]
+        assert non_tensor and non_tensor.startswith("RuntimeError") and r["first"] in non_tensor
+        assert shape and "size mismatch" in shape and r["first"] in shape
+    # one bucket and Python objects, never the 32 MB of local shards again
+    assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb
+
+
+def test_broadcast_optimizer_load_writes_into_held_state(capsys):
+    """An optimizer that already holds state receives a broadcast load in
+    place (no second copy of its state), after the whole load validated;
+    failing loads raise on every rank and change nothing."""
+    bucket_mb = 16
+    results = run_ranks(2, dist_cases.broadcast_optim_in_place_case, bucket_mb, timeout=300)
+    mb = 2**20
+    r1 = results[1]
+    with capsys.disabled():
+        print(
+            f"\nbroadcast optimizer load, rank 1: local state {r1['local_bytes'] / mb:.0f} MB, "
+            f"bucket {bucket_mb} MB, peak RSS growth {r1['peak_delta'] / mb:.1f} MB"
+        )
+    for r in results:
+        assert r["values_ok"] and r["same_storage"]
+        shape, missing = r["errors"]["shape"], r["errors"]["missing"]
+        assert shape and r["names"][1] in shape and "exp_avg" in shape, shape
+        assert missing and missing.startswith("MissingOptimizerStateError") and r["names"][2] in missing
+    assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb

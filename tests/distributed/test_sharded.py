@@ -1,0 +1,35 @@
+"""Sharded training on CPU gloo: FSDP2 (1-D, uneven shards), tensor
+parallel, FSDP2+TP on a 2x2 mesh, HSDP -- every getter and setter against
+upstream, optimizer state placement (D9), never-stepped templates (D1/D2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..support.harness import run_ranks
+from . import dist_cases
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_fsdp2(ws):
+    results = run_ranks(ws, dist_cases.compare_sharded_suite, "fsdp2", timeout=300)
+    assert all(r == ["fsdp2[0]", "fsdp2[1]", "fsdp2[2]"] for r in results)
+
+
+def test_tensor_parallel():
+    results = run_ranks(2, dist_cases.compare_sharded_suite, "tp", timeout=300)
+    assert all(r == ["tp[0]"] for r in results)
+
+
+@pytest.mark.slow
+def test_fsdp2_tp_2d():
+    results = run_ranks(4, dist_cases.compare_sharded_suite, "fsdp_tp", timeout=400)
+    assert all(r == ["fsdp_tp[0]"] for r in results)
+
+
+@pytest.mark.slow
+def test_hsdp():
+    results = run_ranks(4, dist_cases.compare_sharded_suite, "hsdp", timeout=400)
+    assert all(r == ["hsdp[0]"] for r in results)

@@ -1,0 +1,652 @@
+"""Hostile checkpoints: ``python -m dcp_optim`` (inspect, diff, plan,
+convert) and ``dcp_optim.Checkpoint`` never run code from a checkpoint,
+and fail with a clear error -- no crash, no hang, no large allocation --
+on truncated, corrupted and not-a-pickle metadata and on enormous declared
+sizes.  Legitimate checkpoints read exactly as with torch's own
+(unrestricted) unpickling.
+
+A marker file proves nothing ran: every payload creates it when unpickled
+(shown by the ``trusted=True`` / ``--trust`` runs, which do run it)."""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import io
+import json
+import os
+import pickle
+import resource
+import shutil
+import struct
+import tracemalloc
+import zipfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+import dcp_optim
+from dcp_optim import Checkpoint, MalformedCheckpointError, NotLoaded, UnsafeCheckpointError
+from dcp_optim.__main__ import main
+
+from ..distributed import dist_cases_adoption as cases
+
+pytestmark = pytest.mark.timeout(120)
+
+ENTRY = "tests.distributed.dist_cases_adoption:plan_entry"
+SYSTEM = f"{os.system.__module__}.{os.system.__name__}"  # what a pickle of os.system names
+
+
+class RunsShell:
+    """Unpickling it runs a shell command (os.system) creating ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+class RunsPython:
+    """Unpickling it runs Python code (builtins.exec) creating ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return builtins.exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def _save(path, *, evil=None):
+    model, optim = cases.build(1, seed=3, sharded=False)
+    cases.train(model, optim, 1)
+    msd, osd = dcp_optim.get_state_dict(model, optim)
+    extra = {"step": 1, "note": "demo"}
+    if evil is not None:
+        osd["param_groups"][0]["lr"] = evil
+        extra["evil"] = evil
+    dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("hostile") / "clean")
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _metadata(path):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return pickle.load(f)  # our own test checkpoint
+
+
+def _write_metadata(path, obj=None, raw=None):
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        if raw is not None:
+            f.write(raw)
+        else:
+            pickle.dump(obj, f)
+
+
+def _zip(records, compress=zipfile.ZIP_STORED):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=compress) as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def all_commands(capsys, bad, clean, tmp_path, *extra):
+    """Every command on ``bad``: (name, exit code, stdout, stderr)."""
+    out_dir = tmp_path / f"converted{len(list(tmp_path.iterdir()))}"
+    calls = {
+        "inspect": ("inspect", bad, "-q"),
+        "inspect --json": ("inspect", bad, "--json", "-q"),
+        "inspect --metadata-only": ("inspect", bad, "--metadata-only", "-q"),
+        "inspect --values": ("inspect", bad, "--values", "-q"),
+        "diff A": ("diff", bad, clean, "-q"),
+        "diff B --values": ("diff", clean, bad, "--values", "-q"),
+        "plan": ("plan", bad, "--entry", ENTRY),
+        "convert": ("convert", bad, str(out_dir), "--to", "flat", "-q"),
+    }
+    return {name: run(capsys, *argv, *extra) for name, argv in calls.items()}
+
+
+# --- code in the metadata ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", [RunsShell, RunsPython], ids=["os.system", "exec"])
+@pytest.mark.parametrize("where", ["inside", "whole"])
+def test_metadata_payload_never_runs(clean, tmp_path, capsys, payload, where):
+    marker = tmp_path / "ran"
+    bad = _copy(clean, tmp_path / "bad")
+    if where == "inside":  # a legitimate Metadata carrying the payload
+        md = _metadata(bad)
+        md.planner_data["model.head.weight"] = payload(marker)
+        _write_metadata(bad, md)
+    else:
+        _write_metadata(bad, payload(marker))
+    name = SYSTEM if payload is RunsShell else "builtins.exec"
+    with pytest.raises(UnsafeCheckpointError) as info:
+        Checkpoint(bad)
+    assert isinstance(info.value, pickle.UnpicklingError)
+    assert name in str(info.value) and os.path.join(bad, ".metadata") in str(info.value)
+    for what, (code, out, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        assert code == 2 and out == "", what
+        assert err.startswith(f"dcp-optim {what.split()[0]}: error: {bad}/.metadata: ")
+        assert name in err and "--trust" in err, err
+    assert not list(tmp_path.glob("converted*"))
+    assert not marker.exists()
+    # what the restricted reader prevents: torch's own unpickling runs it
+    try:
+        Checkpoint(bad, trusted=True)
+    except dcp_optim.CheckpointError:
+        pass  # the payload's return value is no Metadata
+    assert marker.exists()
+
+
+# --- code in a non-tensor entry ---------------------------------------------------------------------
+
+
+def test_entry_payload_never_runs(tmp_path, capsys, clean):
+    marker = tmp_path / "ran"
+    bad = _save(tmp_path / "bad", evil=RunsShell(marker))
+    shown = f"<object of class {SYSTEM}, not loaded>"
+    ck = Checkpoint(bad)
+    value = ck.value("extra.evil")
+    assert isinstance(value, NotLoaded) and repr(value) == shown
+    assert ck.value("optim.param_groups.0.lr") == value  # the same pickled bytes
+    results = all_commands(capsys, bad, clean, tmp_path)
+    code, out, _ = results["inspect"]
+    assert code == 0
+    assert any(line.split()[:2] == ["extra.evil", "object"] and shown in line for line in out.splitlines())
+    assert f"lr={shown}" in out
+    code, out, _ = results["inspect --json"]
+    report = json.loads(out)
+    assert {e["key"]: e["value"] for e in report["other"]}["extra.evil"] == shown
+    assert report["optimizers"][0]["param_groups"][0]["hyperparameters"]["lr"] == shown
+    code, out, _ = results["diff A"]
+    assert code == 1 and f"lr: {shown} vs 0.01" in out and "extra.evil: only in A (object)" in out
+    assert results["diff B --values"][0] == 1
+    code, out, _ = results["plan"]
+    assert code in (0, 1) and f"lr 0.01 -> {shown}" in out
+    code, out, err = results["convert"]  # cannot write what it did not read
+    assert code == 2 and out == ""
+    assert err.startswith(f"dcp-optim convert: error: {bad}/__0_0.distcp: '")
+    assert f"pickles {SYSTEM}, which the safe reader does not unpickle" in err and "--trust" in err
+    with pytest.raises(UnsafeCheckpointError, match="'extra.evil' pickles"):
+        Checkpoint(bad).read(["extra.evil"], placeholders=False)
+    assert not marker.exists()
+    # --trust opts back into full unpickling: the payload runs
+    code, out, _ = run(capsys, "inspect", bad, "--trust", "-q")
+    assert code == 0 and marker.exists()
+
+
+# --- truncated, corrupted, not a pickle -------------------------------------------------------------
+
+
+NOT_PICKLES = ["empty", "truncated to 1 byte", "truncated to half", "truncated by 1 byte", "text", "json",
+               "zeros", "bad opcode", "a dict", "a zip"]
+
+
+def _not_pickles(clean_bytes):
+    return {
+        "empty": b"",
+        "truncated to 1 byte": clean_bytes[:1],
+        "truncated to half": clean_bytes[: len(clean_bytes) // 2],
+        "truncated by 1 byte": clean_bytes[:-1],
+        "text": b"this is not a pickle\n",
+        "json": json.dumps({"state_dict_metadata": {}}).encode(),
+        "zeros": bytes(4096),
+        "bad opcode": clean_bytes[:2] + b"\xff" + clean_bytes[3:],
+        "a dict": pickle.dumps({"state_dict_metadata": {}}),
+        "a zip": _zip({"archive/data.pkl": pickle.dumps(1, 2)}),
+    }
+
+
+@pytest.mark.parametrize("case", NOT_PICKLES)
+def test_metadata_not_a_checkpoint_pickle(clean, tmp_path, capsys, case):
+    with open(os.path.join(clean, ".metadata"), "rb") as f:
+        raw = _not_pickles(f.read())[case]
+    bad = _copy(clean, tmp_path / "bad")
+    _write_metadata(bad, raw=raw)
+    with pytest.raises(MalformedCheckpointError, match="cannot read the checkpoint metadata: "):
+        Checkpoint(bad)
+    for what, (code, out, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        assert code == 2 and out == "", what
+        assert err.startswith(f"dcp-optim {what.split()[0]}: error: {bad}/.metadata: cannot read the "
+                              "checkpoint metadata: "), err
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "/dev/zero"])
+def test_metadata_not_a_regular_file(clean, tmp_path, capsys, kind):
+    bad = _copy(clean, tmp_path / "bad")
+    meta = os.path.join(bad, ".metadata")
+    os.remove(meta)
+    if kind == "directory":
+        os.mkdir(meta)
+    elif kind == "fifo":
+        os.mkfifo(meta)  # opening it for reading would block
+    else:
+        os.symlink("/dev/zero", meta)  # reading it would never end
+    with pytest.raises(MalformedCheckpointError, match="not a regular file"):
+        Checkpoint(bad)
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        assert code == 2 and "cannot read the checkpoint metadata: not a regular file" in err, what
+
+
+def test_metadata_byte_flips(clean, tmp_path):
+    """Every corruption of one byte reads or fails with a CheckpointError."""
+    with open(os.path.join(clean, ".metadata"), "rb") as f:
+        raw = f.read()
+    bad = _copy(clean, tmp_path / "bad")
+    outcomes = collections.Counter()
+    for pos in range(0, len(raw), max(1, len(raw) // 150)):
+        for flip in (0x01, 0x80):
+            _write_metadata(bad, raw=raw[:pos] + bytes([raw[pos] ^ flip]) + raw[pos + 1:])
+            try:
+                ck = Checkpoint(bad)
+                ck.read(["extra.step", "optim.param_groups.0.lr"])
+                outcomes["read"] += 1
+            except dcp_optim.CheckpointError as exc:
+                outcomes[type(exc).__name__] += 1
+    assert outcomes["MalformedCheckpointError"] > 30, outcomes
+    assert set(outcomes) <= {"read", "MalformedCheckpointError", "UnsafeCheckpointError", "CheckpointError"}
+
+
+def _with_entry(clean, dst, key, blob, offset=None):
+    """A copy of ``clean`` whose entry ``key`` (a tensor's chunk at
+    ``offset``) holds ``blob``."""
+    bad = _copy(clean, dst)
+    with open(os.path.join(bad, "extra.distcp"), "wb") as f:
+        f.write(blob)
+    md = _metadata(bad)
+    md.storage_data[MetadataIndex(key, offset)] = _StorageInfo("extra.distcp", 0, len(blob))
+    _write_metadata(bad, md)
+    return bad
+
+
+class _Storage:
+    pass
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickles like torch.save: _Storage objects become persistent ids."""
+
+    def __init__(self, file, numel):
+        super().__init__(file, protocol=2)
+        self.numel = numel
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, "0", "cpu", self.numel)
+        return None
+
+
+class _Tensor:
+    def __init__(self, size, stride):
+        self.size, self.stride = size, stride
+
+    def __reduce__(self):
+        from torch._utils import _rebuild_tensor_v2
+
+        return _rebuild_tensor_v2, (_Storage(), 0, self.size, self.stride, False, collections.OrderedDict())
+
+
+def _torch_save_blob(obj, *, numel=2, record=8):
+    buf = io.BytesIO()
+    _TensorPickler(buf, numel).dump(obj)
+    return _zip({"archive/data.pkl": buf.getvalue(), "archive/byteorder": b"little",
+                 "archive/data/0": bytes(record)})
+
+
+ENTRY_CASES = ["not an archive", "truncated archive", "compressed record", "truncated pickle",
+               "nested too deep", "shared containers", "huge int", "storage bigger than its record",
+               "tensor bigger than its storage", "negative stride"]
+
+
+def _entry_case(case):
+    if case == "not an archive":
+        return b"garbage" * 10
+    if case == "truncated archive":
+        return torch_blob()[:-30]
+    if case == "compressed record":  # deflate: the declared size is not bounded by the entry
+        return _zip({"archive/data.pkl": pickle.dumps(1, 2) + bytes(10**6)}, zipfile.ZIP_DEFLATED)
+    if case == "truncated pickle":
+        return _zip({"archive/data.pkl": pickle.dumps([1, 2, 3], 2)[:-3]})
+    if case == "nested too deep":  # 5000 nested lists: beyond Python's recursion limit when printed
+        return _zip({"archive/data.pkl": b"\x80\x02" + b"]" * 5000 + b"a" * 4999 + b"."})
+    if case == "shared containers":  # L(i) = (L(i-1), L(i-1)): 2**64 leaves when printed
+        return _zip({"archive/data.pkl": b"\x80\x02K\x01" + b"q\x000h\x00h\x00\x86" * 64 + b"."})
+    if case == "huge int":  # 8 million bits: too long to print
+        return _zip({"archive/data.pkl": b"\x80\x02\x8b" + struct.pack("<i", 10**6) + b"\x01" * 10**6 + b"."})
+    if case == "storage bigger than its record":
+        return _torch_save_blob(_Tensor((2,), (1,)), numel=1 << 50)
+    if case == "tensor bigger than its storage":
+        return _torch_save_blob(_Tensor((1 << 40,), (1,)))
+    assert case == "negative stride"
+    return _torch_save_blob(_Tensor((2,), (-1,)))
+
+
+def torch_blob():
+    buf = io.BytesIO()
+    torch.save({"a": (torch.ones(2), 1.5)}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("case", ENTRY_CASES)
+def test_corrupt_entry(clean, tmp_path, capsys, case):
+    bad = _with_entry(clean, tmp_path / "bad", "extra.note", _entry_case(case))
+    with pytest.raises(MalformedCheckpointError, match="extra.distcp: cannot read 'extra.note': "):
+        Checkpoint(bad).read(["extra.note"])
+    for what, (code, out, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        if what == "inspect --metadata-only":
+            assert code == 0, err
+            continue
+        assert code == 2 and out == "", what
+        assert "extra.distcp: cannot read 'extra.note': " in err, (what, err)
+
+
+@pytest.mark.parametrize("payload", ["os.system", "bytearray(2**40)", "not a tensor", "wrong shape"])
+def test_tensor_chunk_payloads(clean, tmp_path, capsys, bounded_memory, payload):
+    """Tensor data goes through the same restricted unpickler (torch.load's
+    weights_only would call bytearray(2**40))."""
+    marker = tmp_path / "ran"
+    obj = {"os.system": RunsShell(marker), "not a tensor": [1.5],
+           "wrong shape": torch.zeros(2, 2)}.get(payload)
+    if payload == "bytearray(2**40)":
+        data = b"\x80\x02c__builtin__\nbytearray\n\x8a\x06\x00\x00\x00\x00\x00\x01\x85R."
+        blob = _zip({"archive/data.pkl": data})
+    else:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        blob = buf.getvalue()
+    bad = _with_entry(clean, tmp_path / "bad", "model.head.weight", blob, torch.Size([0, 0]))
+    error = UnsafeCheckpointError if payload == "os.system" else MalformedCheckpointError
+    with pytest.raises(error, match="extra.distcp: .*'model.head.weight'"):
+        Checkpoint(bad).value("model.head.weight")
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        if what in ("inspect --values", "diff B --values", "convert"):
+            assert code == 2 and "'model.head.weight'" in err, (what, err)
+        else:
+            assert code in (0, 1), (what, err)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("params", ["payload", "an int"])
+def test_group_params_unreadable(clean, tmp_path, capsys, params):
+    """A nested param group's 'params' list decides group membership: when
+    it is not loaded, or not a list, the commands that need it stop."""
+    marker = tmp_path / "ran"
+    buf = io.BytesIO()
+    torch.save(RunsShell(marker) if params == "payload" else 5, buf)
+    bad = _with_entry(clean, tmp_path / "bad", "optim.param_groups.0.params", buf.getvalue())
+    error = UnsafeCheckpointError if params == "payload" else MalformedCheckpointError
+    text = f"pickles {SYSTEM}" if params == "payload" else "is a int, not a list of parameters"
+    with pytest.raises(error, match=f"{bad}: 'optim.param_groups.0.params' {text}"):
+        ck = Checkpoint(bad)
+        ck.optimizers[0].logical_groups(ck.read([it.key for it in ck.optimizers[0].group_items()]))
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        if what == "inspect --metadata-only":
+            assert code == 0
+        elif what == "convert" and params == "payload":
+            assert code == 2 and "'optim.param_groups.0.params' pickles" in err
+        elif what != "convert":  # converting the nested 'params' list needs no list
+            assert code == 2 and f"'optim.param_groups.0.params' {text}" in err, (what, err)
+    assert not marker.exists()
+
+
+def test_legit_tensor_in_an_entry(clean, tmp_path):
+    """A tuple of tensors (a non-tensor entry holding tensors) reads as with
+    torch.load."""
+    bad = _with_entry(clean, tmp_path / "ok", "extra.note", torch_blob())
+    got = Checkpoint(bad).value("extra.note")
+    want = Checkpoint(bad, trusted=True).value("extra.note")
+    assert list(got) == ["a"] and got["a"][1] == 1.5
+    assert torch.equal(got["a"][0], want["a"][0]) and got["a"][0].dtype == want["a"][0].dtype
+
+
+# --- enormous declared sizes --------------------------------------------------------------------
+
+
+@pytest.fixture
+def bounded_memory():
+    """Python allocations traced (peak checked) and the address space capped
+    at 1 GiB above the current size (so any allocation from a declared size
+    fails loudly; not under ASan, whose shadow memory is huge)."""
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    capped = vm < (64 << 30)
+    if capped:
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), hard))
+    tracemalloc.start()
+    try:
+        yield
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < (64 << 20), f"peak Python allocation {peak} bytes"
+    finally:
+        tracemalloc.stop()
+        if capped:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _big_tensor(md, key, size, dtype=torch.float32):
+    md.state_dict_metadata[key] = TensorStorageMetadata(
+        TensorProperties(dtype=dtype), torch.Size(size),
+        [ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size))])
+    for index in [i for i in md.storage_data if i.fqn == key]:
+        info = md.storage_data.pop(index)
+    md.storage_data[MetadataIndex(key, torch.Size([0] * len(size)))] = info
+
+
+def test_enormous_tensor_sizes(clean, tmp_path, capsys, bounded_memory):
+    # 4 TiB declared, a few bytes stored: listed, never allocated
+    bad = _copy(clean, tmp_path / "bad")
+    md = _metadata(bad)
+    _big_tensor(md, "model.head.weight", (1 << 40,))
+    _write_metadata(bad, md)
+    ck = Checkpoint(bad)
+    assert ck.by_key["model.head.weight"].nbytes == 1 << 42
+    with pytest.raises(MalformedCheckpointError, match=r"'model.head.weight': chunk at \(0,\) declares "
+                       r"4398046511104 bytes, its storage holds \d+"):
+        ck.read(["model.head.weight"])
+    results = all_commands(capsys, bad, clean, tmp_path)
+    assert results["inspect"][0] == 0 and "(1099511627776,)" in results["inspect"][1]
+    assert results["inspect --metadata-only"][0] == 0
+    assert results["diff A"][0] == 1 and "shape (1099511627776,) vs (3, 8)" in results["diff A"][1]
+    assert results["plan"][0] == 1 and "shape: checkpoint (1099511627776,), live (3, 8)" in results["plan"][1]
+    for what in ("inspect --values", "convert"):
+        code, out, err = results[what]
+        assert code == 2 and "cannot read 'model.head.weight': chunk at (0,) declares" in err, (what, err)
+    # more bytes than any tensor can hold: the metadata itself is refused
+    md = _metadata(bad)
+    _big_tensor(md, "model.head.weight", (1 << 31, 1 << 31, 1 << 31))
+    _write_metadata(bad, md)
+    with pytest.raises(MalformedCheckpointError, match="'model.head.weight' declares .* more bytes than"):
+        Checkpoint(bad)
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        assert code == 2 and "more bytes than a tensor can hold" in err, what
+
+
+def test_enormous_storage_lengths(clean, tmp_path, capsys, bounded_memory):
+    bad = _copy(clean, tmp_path / "bad")
+    md = _metadata(bad)
+    index = next(i for i in md.storage_data if i.fqn == "extra.note")
+    info = md.storage_data[index]
+    md.storage_data[index] = _StorageInfo(info.relative_path, info.offset, 1 << 62)
+    _write_metadata(bad, md)
+    with pytest.raises(MalformedCheckpointError, match=f"cannot read 'extra.note': it declares {1 << 62} bytes"):
+        Checkpoint(bad).read(["extra.note"])
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        if what != "inspect --metadata-only":
+            assert code == 2 and f"cannot read 'extra.note': it declares {1 << 62} bytes" in err, what
+
+
+@pytest.mark.parametrize("stream", [
+    b"\x80\x04\x8e" + struct.pack("<Q", 1 << 62) + b"xx.",  # BINBYTES8
+    b"\x80\x04\x8d" + struct.pack("<Q", 1 << 62) + b"xx.",  # BINUNICODE8
+    b"\x80\x05\x96" + struct.pack("<Q", 1 << 40) + b"xx.",  # BYTEARRAY8
+    b"\x80\x04\x95" + struct.pack("<Q", 1 << 62) + b"N.",  # FRAME
+    b"\x80\x04N" + b"r\xff\xff\xff\xff" + b".",  # LONG_BINPUT 2**32-1 (a memo list would be 32 GiB)
+    b"\x80\x02\x8b" + struct.pack("<i", (1 << 31) - 1) + b"xx.",  # LONG4
+    b"\x80\x02}K\x01" + b"\x85" * 10**6 + b"Ns.",  # a dict key nested 10**6 deep (hashing it overflows the C stack)
+], ids=["BINBYTES8", "BINUNICODE8", "BYTEARRAY8", "FRAME", "LONG_BINPUT", "LONG4", "deep tuple key"])
+def test_enormous_lengths_in_the_pickle(clean, tmp_path, capsys, bounded_memory, stream):
+    bad = _copy(clean, tmp_path / "bad")
+    _write_metadata(bad, raw=stream)
+    with pytest.raises(MalformedCheckpointError, match="cannot read the checkpoint metadata: "):
+        Checkpoint(bad)
+    for what, (code, _, err) in all_commands(capsys, bad, clean, tmp_path).items():
+        assert code == 2 and "cannot read the checkpoint metadata: " in err, what
+    # the same streams inside a non-tensor entry (NONE, LONG_BINPUT: None,
+    # fine as a value)
+    bad = _with_entry(clean, tmp_path / "entry", "extra.note", _zip({"archive/data.pkl": stream}))
+    if stream[2:3] == b"N":
+        assert Checkpoint(bad).value("extra.note") is None
+    else:
+        with pytest.raises(MalformedCheckpointError, match="cannot read 'extra.note': "):
+            Checkpoint(bad).read(["extra.note"])
+
+
+# --- legitimate checkpoints read exactly as before -----------------------------------------------------
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                                b.view(-1).view(torch.uint8) if b.numel() else b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return a == b or (a != a and b != b)
+
+
+def _legit_states():
+    """State dicts of every kind the tests write, one process."""
+
+    def trained():
+        model, optim = cases.build(1, seed=3, sharded=False)
+        cases.train(model, optim, 2)
+        return model, optim
+
+    def nested():
+        model, optim = trained()
+        msd, osd = dcp_optim.get_state_dict(model, optim)
+        return {"model": msd, "optim": osd, "extra": {"step": 2, "note": "demo"}}
+
+    def flat():
+        model, optim = trained()
+        msd, osd = dcp_optim.get_state_dict(
+            model, optim, options=dcp_optim.StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"app": {"model": msd, "optim": osd}}
+
+    def titan():  # torchtitan: model FQNs at the top level, flat optimizer, schedulers, train state
+        model, optim = cases.build(1, seed=3, sharded=False)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.9**s)]
+        scheds.append(torch.optim.lr_scheduler.SequentialLR(optim, [
+            torch.optim.lr_scheduler.LinearLR(optim, 0.5, total_iters=2),
+            torch.optim.lr_scheduler.CosineAnnealingLR(optim, 10)], milestones=[2]))
+        scheds.append(torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=0.1, total_steps=10))
+        scheds.append(torch.optim.lr_scheduler.ReduceLROnPlateau(optim))
+        scheds.append(torch.optim.lr_scheduler.CyclicLR(optim, 0.001, 0.01))
+        cases.train(model, optim, 2)
+        for s in scheds[:3]:
+            s.step()
+        msd, osd = dcp_optim.get_state_dict(
+            model, optim, options=dcp_optim.StateDictOptions(flatten_optimizer_state_dict=True))
+        state = dict(msd)
+        state["optimizer"] = osd
+        state["lr_schedulers"] = {f"sched_{i}": s.state_dict() for i, s in enumerate(scheds)}
+        state["train_state"] = {"step": 2, "global_avg_losses": [1.5, 1.25], "ntokens": 10**12}
+        return state
+
+    def tensor_hyperparameters():  # tensor lr, tensor betas (a tuple of tensors), empty group
+        model, optim = cases.build(1, seed=3, sharded=False)
+        optim.add_param_group({"params": [], "lr": 0.5})
+        for group in optim.param_groups[:2]:
+            group["lr"] = torch.tensor(0.01)
+            group["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+        cases.train(model, optim, 2)
+        nested = dcp_optim.get_state_dict(model, optim)
+        flat = dcp_optim.get_state_dict(
+            model, optim, options=dcp_optim.StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"n": {"model": nested[0], "optim": nested[1]}, "f": {"optim": flat[1]},
+                "misc": {"s": {1, 2}, "c": 1j, "b": b"xy", "dt": torch.bfloat16, "dev": torch.device("cpu"),
+                         "size": torch.Size([2, 3]), "od": collections.OrderedDict(a=1), "none": None,
+                         "nan": float("nan"), "fs": frozenset({"x"})}}
+
+    return {"nested": nested, "flat_app": flat, "torchtitan": titan, "tensor_hyper": tensor_hyperparameters}
+
+
+def assert_reads_as_trusted(path, capsys=None):
+    safe, trusted = Checkpoint(path), Checkpoint(path, trusted=True)
+    safe.metadata.storage_meta.load_id = trusted.metadata.storage_meta.load_id = None
+    assert safe.metadata == trusted.metadata
+    assert [(i.key, i.path, i.meta) for i in safe.items] == [(i.key, i.path, i.meta) for i in trusted.items]
+    assert [(m.name, list(m.entries)) for m in safe.models] == [(m.name, list(m.entries)) for m in trusted.models]
+    assert [(o.name, o.layout, {f: list(s) for f, s in o.state.items()}) for o in safe.optimizers] == [
+        (o.name, o.layout, {f: list(s) for f, s in o.state.items()}) for o in trusted.optimizers]
+    keys = [it.key for it in safe.items]
+    a, b = safe.read(keys), trusted.read(keys)
+    assert not any(isinstance(v, NotLoaded) for v in a.values())
+    bad = [k for k in keys if not _same(a[k], b[k])]
+    assert not bad, bad
+    if capsys is not None:
+        outputs = [run(capsys, "inspect", path, "--json", "--values", "-q", *t) for t in ((), ("--trust",))]
+        assert outputs[0][0] == 0 and outputs[0] == outputs[1]
+    return len(keys)
+
+
+@pytest.mark.parametrize("kind", list(_legit_states()))
+def test_legit_checkpoints_read_as_before(tmp_path, capsys, kind):
+    state = _legit_states()[kind]()
+    dcp.save(state, checkpoint_id=str(tmp_path / kind))
+    assert assert_reads_as_trusted(str(tmp_path / kind), capsys) > 10
+
+
+def save_distributed_kinds(rank, ws, base):
+    """Rank function: the sharded checkpoints the distributed tests write."""
+    from ..distributed import dist_cases, dist_cases_fsdp1, dist_cases_pp
+
+    for kind in ("fsdp1", "fsdp1_orig", "fsdp2"):
+        dist_cases_fsdp1.save(rank, ws, os.path.join(base, kind), kind)
+    dist_cases.dcp_save(rank, ws, os.path.join(base, "tp"), "tp", False)
+    dist_cases.dcp_save(rank, ws, os.path.join(base, "fsdp2_flat"), "fsdp2", True)
+    dist_cases_pp.save(rank, ws, os.path.join(base, "pipeline"), "2x1")
+    return "saved"
+
+
+@pytest.mark.dist
+def test_legit_sharded_checkpoints_read_as_before(tmp_path, capsys):
+    """FSDP1 (ShardedTensor; flat and original params), FSDP2 and TP
+    (DTensor; nested and flattened) and a two-stage pipeline (flattened,
+    an empty group's reserved keys), saved by 2 gloo ranks."""
+    from ..support.harness import run_ranks
+
+    assert run_ranks(2, save_distributed_kinds, str(tmp_path)) == ["saved", "saved"]
+    kinds = ["fsdp1", "fsdp1_orig", "fsdp2", "tp", "fsdp2_flat", "pipeline"]
+    for kind in kinds:
+        assert assert_reads_as_trusted(str(tmp_path / kind), capsys) > 10, kind
