@@ -10,7 +10,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dcp_optim import _dcp_optim as C
-from dcp_optim._engine.distribute import _CLASSES, _extract_rows, _pack_rows, run_full_load, to_metadata
+from dcp_optim._engine.distribute import (
+    _CLASSES,
+    _extract_rows,
+    _pack_rows,
+    run_full_load,
+    to_metadata,
+)
 
 
 def _values():

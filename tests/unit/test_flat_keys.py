@@ -21,8 +21,8 @@ import torch.nn as nn
 
 import dcp_optim
 from dcp_optim import convert
-from dcp_optim.tools.checkpoint import Checkpoint
 from dcp_optim._engine.core import C
+from dcp_optim.tools.checkpoint import Checkpoint
 from dcp_optim.tools.planner import is_empty_group_key
 
 from ..support.oracle import assert_same_tree
