@@ -105,7 +105,7 @@ class Shims:
         self.key = ""
         self.prefix = ""
         self.pos = 0
-        self.filled = Counter()  # what the shims did, for the smoke test
+        self.filled: Counter[str] = Counter()  # what the shims did, for the smoke test
         self._patched: list[tuple[Any, str, Any]] = []
 
     def start(self, key: str) -> None:
@@ -249,7 +249,7 @@ def _group(arg: Any):
     import torch.distributed.distributed_c10d as c10d
 
     if isinstance(arg, str):
-        return c10d._resolve_process_group(arg)
+        return c10d._resolve_process_group(arg)  # type: ignore[arg-type]  # a group name, str at run time
     if isinstance(arg, torch.ScriptObject):
         return torch._C._distributed_c10d.ProcessGroup.unbox(arg)
     return arg
@@ -434,8 +434,9 @@ def build(model_name: str, layout: str, world: int):
     torch.manual_seed(0)
     if model_name == "rows":
         # 100 x Linear(16, 16384): whole rows on every rank up to 16384
-        model = nn.Sequential(*[nn.Linear(16, 16384) for _ in range(100)])
-        units = list(model)
+        seq = nn.Sequential(*[nn.Linear(16, 16384) for _ in range(100)])
+        model: nn.Module = seq
+        units = list(seq)
         tp_plan = "*"
     elif model_name == "tiles":
         # 400 tensors of 64x64 in 20 blocks: padded shards at large worlds
@@ -503,12 +504,14 @@ def full_bytes(model_name: str) -> int:
 # --- the operations -------------------------------------------------------------------
 
 
-def _impl(name: str):
+def _impl(name: str) -> Any:
     if name == "upstream":
-        import torch.distributed.checkpoint.state_dict as m
-    else:
-        import dcp_optim as m
-    return m
+        import torch.distributed.checkpoint.state_dict as upstream
+
+        return upstream
+    import dcp_optim
+
+    return dcp_optim
 
 
 def _copy(obj: Any) -> Any:
@@ -576,8 +579,8 @@ class Case:
         self.optim = optim
         self.rank = rank
         self.saved_world = saved_world
-        self.full = None
-        self.sharded = None
+        self.full: tuple[Any, Any] | None = None
+        self.sharded: tuple[Any, Any] | None = None
         self.meta_bytes = None
 
     def prepare(self, op: str):
@@ -820,8 +823,8 @@ def _one_rank(cfg, rank, world, model_name, layout, ops, impls, reps, shims) -> 
     check = cfg.get("check", False)
     for op in ops:
         per: dict[str, Any] = {}
-        timings = {i: [] for i in impls}
-        peaks = {i: [] for i in impls}
+        timings: dict[str, list[tuple[float, float]]] = {i: [] for i in impls}  # (cpu, wall)
+        peaks: dict[str, list[Any]] = {i: [] for i in impls}
         described = {}
         try:
             # warm-up: one untimed call per implementation under the wire
@@ -906,7 +909,7 @@ def object_census(cases, ops, shims) -> dict[str, Any]:
     between worlds: an O(world) structure shows up as growth."""
     import tracemalloc
 
-    out = {}
+    out: dict[str, Any] = {}
     case = cases.get("dcp_optim")
     if case is None:
         return out
