@@ -452,6 +452,9 @@ dcp_module_traverse(PyObject *module, visitproc visit, void *arg)
 #define DCP_VISIT_STR(name, text) Py_VISIT(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_VISIT_STR)
 #undef DCP_VISIT_STR
+#define DCP_VISIT_ERR(name, text) Py_VISIT(st->err_##name);
+    DCP_ERROR_CLASSES(DCP_VISIT_ERR)
+#undef DCP_VISIT_ERR
     return 0;
 }
 
@@ -465,6 +468,9 @@ dcp_module_clear(PyObject *module)
 #define DCP_CLEAR_STR(name, text) Py_CLEAR(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_CLEAR_STR)
 #undef DCP_CLEAR_STR
+#define DCP_CLEAR_ERR(name, text) Py_CLEAR(st->err_##name);
+    DCP_ERROR_CLASSES(DCP_CLEAR_ERR)
+#undef DCP_CLEAR_ERR
     return 0;
 }
 
@@ -472,6 +478,35 @@ static void
 dcp_module_free(void *module)
 {
     (void)dcp_module_clear((PyObject *)module);
+}
+
+/* The exception classes of the contract in dcp.h, from
+ * dcp_optim.errors; each must be an exception class. */
+static int
+dcp_load_error_classes(dcp_state *st)
+{
+    PyObject *errors = PyImport_ImportModule("dcp_optim.errors");
+    if (errors == NULL) {
+        return -1;
+    }
+    int rc = 0;
+#define DCP_LOAD_ERR(name, text)                                    \
+    if (rc == 0) {                                                  \
+        st->err_##name = PyObject_GetAttrString(errors, text);      \
+        if (st->err_##name == NULL) {                               \
+            rc = -1;                                                \
+        }                                                           \
+        else if (!PyExceptionClass_Check(st->err_##name)) {         \
+            PyErr_Format(PyExc_TypeError,                           \
+                         "dcp_optim.errors.%s is not an exception", \
+                         text);                                     \
+            rc = -1;                                                \
+        }                                                           \
+    }
+    DCP_ERROR_CLASSES(DCP_LOAD_ERR)
+#undef DCP_LOAD_ERR
+    Py_DECREF(errors);
+    return rc;
 }
 
 static int
@@ -486,6 +521,9 @@ dcp_module_exec(PyObject *module)
     }
     DCP_INTERNED_STRINGS(DCP_INTERN_STR)
 #undef DCP_INTERN_STR
+    if (dcp_load_error_classes(st) < 0) {
+        return -1;
+    }
     if (dcp_context_init_type(module, st) < 0) {
         return -1;
     }
