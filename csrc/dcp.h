@@ -161,10 +161,7 @@ dcp_get_state_by_type(PyTypeObject *tp)
     X(float32)               /* torch.float32 */                         \
     X(cpu_device)            /* torch.device("cpu") */                   \
     X(bytesio_type)          /* io.BytesIO */                            \
-    X(deepcopy)              /* copy.deepcopy */                         \
-    X(err_key)               /* dcp_optim KeyError subclass */           \
-    X(err_value)             /* dcp_optim ValueError subclass */         \
-    X(err_type)              /* dcp_optim TypeError subclass */
+    X(deepcopy)              /* copy.deepcopy */
 
 typedef struct {
     PyObject_HEAD

@@ -335,22 +335,6 @@ class FakeOptimizer:
         self.__dict__.update(d)
 
 
-class StateDictKeyError(KeyError):
-    pass
-
-
-class StateDictValueError(ValueError):
-    pass
-
-
-class StateDictTypeError(TypeError):
-    pass
-
-
-class StateDictRuntimeError(RuntimeError):
-    pass
-
-
 def make_context(core=None, **overrides):
     core = core or load_core()
     fields = dict(
@@ -371,9 +355,6 @@ def make_context(core=None, **overrides):
         cpu_device="cpu",
         bytesio_type=io.BytesIO,
         deepcopy=copy.deepcopy,
-        err_key=StateDictKeyError,
-        err_value=StateDictValueError,
-        err_type=StateDictTypeError,
     )
     fields.update(overrides)
     return core.Context(**fields)
