@@ -480,10 +480,10 @@ dcp_module_free(void *module)
     (void)dcp_module_clear((PyObject *)module);
 }
 
-/* The exception classes of the contract in dcp.h, from
+/* Exec-slot step: the exception classes of the contract in dcp.h, from
  * dcp_optim.errors; each must be an exception class. */
 static int
-dcp_load_error_classes(dcp_state *st)
+dcp_errors_exec(dcp_state *st)
 {
     PyObject *errors = PyImport_ImportModule("dcp_optim.errors");
     if (errors == NULL) {
@@ -521,7 +521,7 @@ dcp_module_exec(PyObject *module)
     }
     DCP_INTERNED_STRINGS(DCP_INTERN_STR)
 #undef DCP_INTERN_STR
-    if (dcp_load_error_classes(st) < 0) {
+    if (dcp_errors_exec(st) < 0) {
         return -1;
     }
     if (dcp_context_init_type(module, st) < 0) {
