@@ -85,7 +85,9 @@
  * API (a wrong key, shape, dtype or type in a state dict, an unknown FQN,
  * a bad param group) is raised with one of the package's classes from
  * dcp_optim/errors.py, held here; each subclasses the built-in exception
- * upstream raises in that case, so `except KeyError` keeps working.
+ * upstream raises in that case, so `except KeyError` keeps working
+ * (OptimizerDictTypeError is a TypeError and an AttributeError: where a
+ * malformed optimizer dict makes upstream fail on a missing method).
  * Where upstream raises its own type and text (AssertionError,
  * NotImplementedError, the E* texts of errors.py), the core raises the
  * same built-in so the two compare equal.  Errors only internal misuse of
@@ -98,11 +100,12 @@
  * the package imports the core while its own __init__ runs, by which
  * time importing a torch-free submodule is no cycle.  Classes defined in
  * Python keep errors.py the one readable place that documents them. */
-#define DCP_ERROR_CLASSES(X)        \
-    X(key, "StateDictKeyError")     \
-    X(value, "StateDictValueError") \
-    X(type, "StateDictTypeError")   \
-    X(runtime, "StateDictRuntimeError")
+#define DCP_ERROR_CLASSES(X)            \
+    X(key, "StateDictKeyError")         \
+    X(value, "StateDictValueError")     \
+    X(type, "StateDictTypeError")       \
+    X(runtime, "StateDictRuntimeError") \
+    X(optim_dict, "OptimizerDictTypeError")
 
 typedef struct {
     PyTypeObject *Context_Type;

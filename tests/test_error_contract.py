@@ -232,6 +232,21 @@ PUBLIC = [
     ("loaded-group-not-dict",
      lambda api, m, o: api.set_optimizer_state_dict(m, o, {"state": {}, "param_groups": [1]}),
      ["param_groups[0]"]),
+    # upstream fails on these with AttributeError (a method the wrong type
+    # lacks): ours is an OptimizerDictTypeError, a TypeError and an
+    # AttributeError
+    ("optimizer-group-not-dict",
+     lambda api, m, o: (o.param_groups.append(5), api.get_optimizer_state_dict(m, o)),
+     ["param group 1", "int"]),
+    ("loaded-state-not-dict",
+     lambda api, m, o: api.set_optimizer_state_dict(
+         m, o, {"state": [], "param_groups": [{"params": ["0.weight", "0.bias", "1.weight",
+                                                          "1.bias"], "lr": 0.1}]}),
+     ["['state']", "list"]),
+    ("flattened-key-not-str",
+     lambda api, m, o: api.set_optimizer_state_dict(
+         m, o, {1: 2}, options=api.StateDictOptions(flatten_optimizer_state_dict=True)),
+     ["got 1"]),
     ("model-key-not-str",
      lambda api, m, o: api.set_model_state_dict(m, {1: torch.zeros(2)}), ["int key 1"]),
 ]
