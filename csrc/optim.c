@@ -65,7 +65,7 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
     }
     for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
         if (!PyDict_Check(PyList_GET_ITEM(groups, g))) {
-            PyErr_Format(st->err_type,
+            PyErr_Format(st->err_optim_dict,
                          "optimizer %zd param group %zd must be a dict, not "
                          "%.200s",
                          opt_i,
