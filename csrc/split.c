@@ -55,7 +55,7 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         state = PyDict_New();
     }
     else if (!PyDict_Check(state)) {
-        PyErr_Format(st->err_type,
+        PyErr_Format(st->err_optim_dict,
                      "optimizer state dict['state'] must be a dict, not "
                      "%.200s",
                      Py_TYPE(state)->tp_name);
