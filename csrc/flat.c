@@ -835,7 +835,7 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         int rc = 0;
         Py_ssize_t is_state = 0, is_pg = 0; /* PyUnicode_Tailmatch */
         if (!PyUnicode_Check(key)) {
-            PyErr_Format(st->err_type,
+            PyErr_Format(st->err_optim_dict,
                          "flattened optimizer state dict keys must be str, "
                          "got %R",
                          key);
