@@ -481,11 +481,23 @@ dcp_module_free(void *module)
 }
 
 /* Exec-slot step: the exception classes of the contract in dcp.h, from
- * dcp_optim.errors; each must be an exception class. */
+ * dcp_optim.errors; each must be an exception class.  A dcp_optim.errors
+ * already in sys.modules is taken as it is: PyImport_ImportModule would
+ * also import the package dcp_optim (to return the top-level module),
+ * whose __init__ imports torch, and the torch-free suites load errors.py
+ * and the core without the package. */
 static int
 dcp_errors_exec(dcp_state *st)
 {
-    PyObject *errors = PyImport_ImportModule("dcp_optim.errors");
+    PyObject *name = PyUnicode_FromString("dcp_optim.errors");
+    if (name == NULL) {
+        return -1;
+    }
+    PyObject *errors = PyImport_GetModule(name);
+    if (errors == NULL && !PyErr_Occurred()) {
+        errors = PyImport_Import(name);
+    }
+    Py_DECREF(name);
     if (errors == NULL) {
         return -1;
     }
