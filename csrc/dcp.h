@@ -92,6 +92,32 @@
     X(getattr_hook, "__getattr__")                   \
     X(dunder_class, "__class__")
 
+/* The exception contract.  An error a caller can cause through the public
+ * API (a wrong key, shape, dtype or type in a state dict, an unknown FQN,
+ * a bad param group) is raised with one of the package's classes from
+ * dcp_optim/errors.py, held here; each subclasses the built-in exception
+ * upstream raises in that case, so `except KeyError` keeps working
+ * (OptimizerDictTypeError is a TypeError and an AttributeError: where a
+ * malformed optimizer dict makes upstream fail on a missing method).
+ * Where upstream raises its own type and text (AssertionError,
+ * NotImplementedError, the E* texts of errors.py), the core raises the
+ * same built-in so the two compare equal.  Errors only internal misuse of
+ * the private _dcp_optim functions can cause (a wrong argument type or
+ * count, a plan or job tuple the Python layer did not build, a broken
+ * invariant) stay plain built-ins: they are bugs, not user errors.
+ *
+ * The exec slot imports dcp_optim.errors (which imports nothing from the
+ * package) and fills these slots, so they are never looked up lazily;
+ * the package imports the core while its own __init__ runs, by which
+ * time importing a torch-free submodule is no cycle.  Classes defined in
+ * Python keep errors.py the one readable place that documents them. */
+#define DCP_ERROR_CLASSES(X)            \
+    X(key, "StateDictKeyError")         \
+    X(value, "StateDictValueError")     \
+    X(type, "StateDictTypeError")       \
+    X(runtime, "StateDictRuntimeError") \
+    X(optim_dict, "OptimizerDictTypeError")
+
 typedef struct {
     PyTypeObject *Context_Type;
     PyTypeObject *ModelIndex_Type;
@@ -102,6 +128,9 @@ typedef struct {
 #define DCP_STATE_STR_FIELD(name, text) PyObject *str_##name;
     DCP_INTERNED_STRINGS(DCP_STATE_STR_FIELD)
 #undef DCP_STATE_STR_FIELD
+#define DCP_STATE_ERR_FIELD(name, text) PyObject *err_##name;
+    DCP_ERROR_CLASSES(DCP_STATE_ERR_FIELD)
+#undef DCP_STATE_ERR_FIELD
 } dcp_state;
 
 extern PyModuleDef dcp_moduledef;
@@ -149,10 +178,7 @@ dcp_get_state_by_type(PyTypeObject *tp)
     X(float32)               /* torch.float32 */                         \
     X(cpu_device)            /* torch.device("cpu") */                   \
     X(bytesio_type)          /* io.BytesIO */                            \
-    X(deepcopy)              /* copy.deepcopy */                         \
-    X(err_key)               /* dcp_optim KeyError subclass */           \
-    X(err_value)             /* dcp_optim ValueError subclass */         \
-    X(err_type)              /* dcp_optim TypeError subclass */
+    X(deepcopy)              /* copy.deepcopy */
 
 typedef struct {
     PyObject_HEAD

@@ -163,7 +163,7 @@ flatten_state(dcp_state *st,
                 goto done;
             }
             if (PyDict_GET_SIZE(value) != n) {
-                PyErr_SetString(PyExc_RuntimeError,
+                PyErr_SetString(st->err_runtime,
                                 "optimizer state changed size during "
                                 "iteration");
                 goto done;
@@ -506,7 +506,7 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
 {
     PyObject *params = NULL;
     if (!PyDict_Check(group)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "param_groups[%zd] must be a dict, not "
                      "%.200s",
                      g,
@@ -517,7 +517,7 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
     if (rc <= 0) {
         if (rc == 0) {
             PyErr_Format(
-                PyExc_KeyError, "param_groups[%zd] has no 'params' entry", g);
+                st->err_key, "param_groups[%zd] has no 'params' entry", g);
         }
         return NULL;
     }
@@ -528,7 +528,7 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         if (!PyUnicode_Check(PyList_GET_ITEM(list, i))) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "param_groups[%zd]['params'] must hold FQN strings, "
                          "got %R",
                          g,
@@ -661,7 +661,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!PyDict_Check(osd)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "optimizer state dict must be a dict, not %.200s",
                      Py_TYPE(osd)->tp_name);
         return NULL;
@@ -680,7 +680,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_dict_get_ref(osd, st->str_state, &state) <= 0 ||
         dcp_dict_get_ref(osd, st->str_param_groups, &groups) <= 0) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_KeyError,
+            PyErr_SetString(st->err_key,
                             "optimizer state dict needs 'state' and "
                             "'param_groups'");
         }
@@ -704,7 +704,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
             if (PyDict_GET_SIZE(state) != n) {
-                PyErr_SetString(PyExc_RuntimeError,
+                PyErr_SetString(st->err_runtime,
                                 "optimizer state changed size during "
                                 "iteration");
                 goto done;
@@ -920,7 +920,7 @@ nested_store(dcp_state *st,
             }
         }
         else if (!PyDict_Check(next)) {
-            PyErr_Format(PyExc_ValueError,
+            PyErr_Format(st->err_value,
                          "flattened optimizer key '%S' nests under a "
                          "non-dict state value",
                          key_for_errors);
@@ -1313,7 +1313,7 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
     PyObject *flat = args[1];
     if (!PyDict_Check(flat)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "flattened optimizer state dict must be a dict, not "
                      "%.200s",
                      Py_TYPE(flat)->tp_name);
@@ -1351,7 +1351,7 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         int rc = 0;
         Py_ssize_t is_state = 0, is_pg = 0; /* PyUnicode_Tailmatch */
         if (!PyUnicode_Check(key)) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_optim_dict,
                          "flattened optimizer state dict keys must be str, "
                          "got %R",
                          key);

@@ -228,7 +228,7 @@ resolve_token(dcp_resolver *r,
                     if (!PyUnicode_Check(PyList_GET_ITEM(list, i))) {
                         /* callers treat the FQNs as str (%S, lengths) */
                         PyErr_Format(
-                            PyExc_TypeError,
+                            st->err_type,
                             "FlatParameter._fqns must hold str, "
                             "got %.200s",
                             Py_TYPE(PyList_GET_ITEM(list, i))->tp_name);
@@ -846,7 +846,7 @@ dcp_canonicalize_model_keys(PyObject *module,
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
         if (!PyUnicode_Check(key)) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "model state_dict keys must be str, got %R",
                          key);
             goto done;

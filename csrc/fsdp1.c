@@ -50,8 +50,11 @@ flat_layout(PyObject *numels_obj,
     for (Py_ssize_t i = 0; i < total; i++) {
         Py_ssize_t k =
             PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(numels_seq, i));
-        int pad = PyObject_IsTrue(PySequence_Fast_GET_ITEM(mask_seq, i));
-        if ((k == -1 && PyErr_Occurred()) || pad < 0) {
+        /* no call into Python (__bool__) with the error of k pending */
+        int pad = (k == -1 && PyErr_Occurred())
+                      ? -1
+                      : PyObject_IsTrue(PySequence_Fast_GET_ITEM(mask_seq, i));
+        if (pad < 0) {
             goto done;
         }
         if (k < 0) {

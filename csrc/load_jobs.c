@@ -289,9 +289,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                             Py_XDECREF(wrapped);
                         }
                         else if (local_match == 0) {
-                            PyErr_Format(ctx->err_value != Py_None
-                                             ? ctx->err_value
-                                             : PyExc_ValueError,
+                            PyErr_Format(st->err_value,
                                          "optimizer state '%S' of parameter "
                                          "'%S' has shape %R, which is neither "
                                          "the parameter's global shape %R "
@@ -454,7 +452,7 @@ dcp_broadcast_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int found = dcp_dict_get_ref(full, key, &value);
             if (found <= 0) {
                 if (found == 0) {
-                    PyErr_SetObject(PyExc_KeyError, key);
+                    PyErr_SetObject(st->err_key, key);
                 }
                 goto done;
             }

@@ -51,7 +51,7 @@ check_str_keys(dcp_Context *ctx, PyObject *sd)
             continue;
         }
         Py_INCREF(key); /* repr() may run code that drops it */
-        PyErr_Format(ctx->err_type,
+        PyErr_Format(dcp_get_state_by_type(Py_TYPE(ctx))->err_type,
                      "model state dict keys must be str (FQNs), got the "
                      "%.200s key %R; nothing was loaded",
                      Py_TYPE(key)->tp_name,
@@ -99,7 +99,7 @@ dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!PyDict_Check(sd)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "model state dict must be a dict, not %.200s",
                      Py_TYPE(sd)->tp_name);
         return NULL;
@@ -312,7 +312,7 @@ dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!PyDict_Check(sd)) {
-        PyErr_SetString(PyExc_TypeError, "state_dict must be a dict");
+        PyErr_SetString(st->err_type, "state_dict must be a dict");
         return NULL;
     }
     PyObject *missing = PyList_New(0), *unexpected = PyList_New(0);

@@ -224,6 +224,9 @@ dcp_module_traverse(PyObject *module, visitproc visit, void *arg)
 #define DCP_VISIT_STR(name, text) Py_VISIT(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_VISIT_STR)
 #undef DCP_VISIT_STR
+#define DCP_VISIT_ERR(name, text) Py_VISIT(st->err_##name);
+    DCP_ERROR_CLASSES(DCP_VISIT_ERR)
+#undef DCP_VISIT_ERR
     return 0;
 }
 
@@ -239,6 +242,9 @@ dcp_module_clear(PyObject *module)
 #define DCP_CLEAR_STR(name, text) Py_CLEAR(st->str_##name);
     DCP_INTERNED_STRINGS(DCP_CLEAR_STR)
 #undef DCP_CLEAR_STR
+#define DCP_CLEAR_ERR(name, text) Py_CLEAR(st->err_##name);
+    DCP_ERROR_CLASSES(DCP_CLEAR_ERR)
+#undef DCP_CLEAR_ERR
     return 0;
 }
 
@@ -246,6 +252,47 @@ static void
 dcp_module_free(void *module)
 {
     (void)dcp_module_clear((PyObject *)module);
+}
+
+/* Exec-slot step: the exception classes of the contract in dcp.h, from
+ * dcp_optim.errors; each must be an exception class.  A dcp_optim.errors
+ * already in sys.modules is taken as it is: PyImport_ImportModule would
+ * also import the package dcp_optim (to return the top-level module),
+ * whose __init__ imports torch, and the torch-free suites load errors.py
+ * and the core without the package. */
+static int
+dcp_errors_exec(dcp_state *st)
+{
+    PyObject *name = PyUnicode_FromString("dcp_optim.errors");
+    if (name == NULL) {
+        return -1;
+    }
+    PyObject *errors = PyImport_GetModule(name);
+    if (errors == NULL && !PyErr_Occurred()) {
+        errors = PyImport_Import(name);
+    }
+    Py_DECREF(name);
+    if (errors == NULL) {
+        return -1;
+    }
+    int rc = 0;
+#define DCP_LOAD_ERR(name, text)                                    \
+    if (rc == 0) {                                                  \
+        st->err_##name = PyObject_GetAttrString(errors, text);      \
+        if (st->err_##name == NULL) {                               \
+            rc = -1;                                                \
+        }                                                           \
+        else if (!PyExceptionClass_Check(st->err_##name)) {         \
+            PyErr_Format(PyExc_TypeError,                           \
+                         "dcp_optim.errors.%s is not an exception", \
+                         text);                                     \
+            rc = -1;                                                \
+        }                                                           \
+    }
+    DCP_ERROR_CLASSES(DCP_LOAD_ERR)
+#undef DCP_LOAD_ERR
+    Py_DECREF(errors);
+    return rc;
 }
 
 static int
@@ -260,6 +307,9 @@ dcp_module_exec(PyObject *module)
     }
     DCP_INTERNED_STRINGS(DCP_INTERN_STR)
 #undef DCP_INTERN_STR
+    if (dcp_errors_exec(st) < 0) {
+        return -1;
+    }
     if (dcp_context_init_type(module, st) < 0) {
         return -1;
     }

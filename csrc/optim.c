@@ -22,9 +22,7 @@ unknown_param_error(dcp_ModelIndex *ix,
                     PyObject *param)
 {
     dcp_state *st = dcp_get_state_by_type(Py_TYPE(ix));
-    dcp_Context *ctx = (dcp_Context *)ix->ctx;
-    PyObject *exc_type =
-        ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError;
+    PyObject *exc_type = st->err_key;
     PyObject *shape = PyObject_GetAttr(param, st->str_shape);
     if (shape == NULL) {
         PyErr_Clear();
@@ -51,7 +49,7 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
     if (raw == NULL) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "optimizer %zd (%.200s) has no 'param_groups'; pass "
                          "torch.optim.Optimizer instances (for a composite "
                          "optimizer, pass its sub-optimizers)",
@@ -67,7 +65,7 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
     }
     for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
         if (!PyDict_Check(PyList_GET_ITEM(groups, g))) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_optim_dict,
                          "optimizer %zd param group %zd must be a dict, not "
                          "%.200s",
                          opt_i,
@@ -99,7 +97,7 @@ group_params_list(dcp_state *st,
         return NULL;
     }
     if (rc == 0) {
-        PyErr_Format(PyExc_KeyError,
+        PyErr_Format(st->err_key,
                      "optimizer %zd param group %zd has no 'params' entry",
                      opt_i,
                      group_i);
@@ -348,10 +346,9 @@ pack_state_entry(dcp_ModelIndex *ix,
     }
     if (at < 0) {
         /* Upstream: KeyError from Optimizer.state_dict's id map. */
-        dcp_Context *ctx = (dcp_Context *)ix->ctx;
         Py_ssize_t slot = dcp_index_param_slot(ix, key);
         PyObject *what = slot >= 0 ? PyList_GET_ITEM(ix->np_fqns, slot) : key;
-        PyErr_Format(ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError,
+        PyErr_Format(dcp_get_state_by_type(Py_TYPE(ix))->err_key,
                      "optimizer %zd has state for %R, which is not in any "
                      "of its param groups",
                      opt_i,
@@ -374,7 +371,7 @@ pack_state(dcp_state *st,
     if (state == NULL) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "optimizer %zd (%.200s) has no 'state'; pass "
                          "torch.optim.Optimizer instances (for a composite "
                          "optimizer, pass its sub-optimizers)",
@@ -401,7 +398,7 @@ pack_state(dcp_state *st,
                 goto done;
             }
             if (PyDict_GET_SIZE(state) != n) {
-                PyErr_Format(PyExc_RuntimeError,
+                PyErr_Format(st->err_runtime,
                              "optimizer %zd state changed size during "
                              "iteration",
                              opt_i);
@@ -571,7 +568,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(params);
     }
     if (!PyDict_Check(osd)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "optimizer.state_dict() returned %.200s, not a dict",
                      Py_TYPE(osd)->tp_name);
         goto done;
@@ -579,7 +576,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_dict_get_ref(osd, st->str_state, &state) <= 0 ||
         dcp_dict_get_ref(osd, st->str_param_groups, &saved_groups) <= 0) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_KeyError,
+            PyErr_SetString(st->err_key,
                             "optimizer.state_dict() must return 'state' and "
                             "'param_groups'");
         }
@@ -598,7 +595,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         if (id < 0 || id >= PyList_GET_SIZE(id_fqns)) {
-            PyErr_Format(PyExc_KeyError,
+            PyErr_Format(st->err_key,
                          "optimizer state key %R is not a parameter ID of "
                          "the optimizer's param groups",
                          key);
@@ -615,7 +612,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *glist = saved_groups;
     if (!PyList_Check(glist)) {
-        PyErr_SetString(PyExc_TypeError, "'param_groups' must be a list");
+        PyErr_SetString(st->err_type, "'param_groups' must be a list");
         goto done;
     }
     for (Py_ssize_t g = 0; g < PyList_GET_SIZE(glist); g++) {
@@ -625,7 +622,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             dcp_dict_get_ref(group, st->str_params, &ids) <= 0) {
             if (!PyErr_Occurred()) {
                 PyErr_Format(
-                    PyExc_KeyError, "param group %zd has no 'params'", g);
+                    st->err_key, "param group %zd has no 'params'", g);
             }
             goto done;
         }
@@ -641,7 +638,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t id = PyLong_Check(key) ? PyLong_AsSsize_t(key) : -1;
             if (id < 0 || id >= PyList_GET_SIZE(id_fqns)) {
                 if (!PyErr_Occurred()) {
-                    PyErr_Format(PyExc_KeyError,
+                    PyErr_Format(st->err_key,
                                  "param group %zd lists %R, which is not a "
                                  "parameter ID of the optimizer",
                                  g,

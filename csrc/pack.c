@@ -17,6 +17,11 @@ static PyObject *
 block_slices(PyObject *starts, PyObject *lengths, Py_ssize_t shift0)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(starts);
+    if (PyTuple_GET_SIZE(lengths) != n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "block: starts and lengths differ in length");
+        return NULL;
+    }
     PyObject *t = PyTuple_New(n);
     for (Py_ssize_t d = 0; t != NULL && d < n; d++) {
         Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(starts, d));
@@ -26,7 +31,13 @@ block_slices(PyObject *starts, PyObject *lengths, Py_ssize_t shift0)
             break;
         }
         if (d == 0) {
-            s -= shift0;
+            s = (s < 0 || shift0 < 0) ? -1 : s - shift0;
+        }
+        if (s < 0 || l < 0 || s > PY_SSIZE_T_MAX - l) {
+            PyErr_SetString(PyExc_ValueError,
+                            "block: negative or overflowing start/length");
+            Py_CLEAR(t);
+            break;
         }
         PyObject *a = PyLong_FromSsize_t(s), *b = PyLong_FromSsize_t(s + l);
         PyObject *sl = (a && b) ? PySlice_New(a, b, NULL) : NULL;

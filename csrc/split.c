@@ -46,7 +46,7 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *osd = args[0];
     if (!PyDict_Check(osd)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "optimizer state dict must be a dict, not %.200s",
                      Py_TYPE(osd)->tp_name);
         return NULL;
@@ -59,7 +59,7 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         state = PyDict_New();
     }
     else if (!PyDict_Check(state)) {
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_optim_dict,
                      "optimizer state dict['state'] must be a dict, not "
                      "%.200s",
                      Py_TYPE(state)->tp_name);
@@ -80,7 +80,7 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *group = PyList_GET_ITEM(glist, g);
         PyObject *params = NULL, *plist = NULL;
         if (!PyDict_Check(group)) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "param_groups[%zd] must be a dict, not %.200s",
                          g,
                          Py_TYPE(group)->tp_name);
@@ -172,8 +172,7 @@ choose_fqn(dcp_state *st,
     Py_ssize_t t = dcp_index_tensor_slot(ix, param);
     Py_ssize_t np = dcp_index_param_slot(ix, param);
     if (t < 0 && np < 0) {
-        dcp_Context *ctx = (dcp_Context *)ix->ctx;
-        PyErr_Format(ctx->err_key != Py_None ? ctx->err_key : PyExc_KeyError,
+        PyErr_Format(st->err_key,
                      "optimizer %zd, param group %zd holds a parameter "
                      "(%.200s) that is not a parameter of the model",
                      opt_i,
@@ -287,7 +286,7 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
             Py_DECREF(key);
             Py_DECREF(value);
             if (rc == 0 && PyDict_GET_SIZE(group) != n) {
-                PyErr_SetString(PyExc_RuntimeError,
+                PyErr_SetString(st->err_runtime,
                                 "loaded param group changed size during "
                                 "iteration");
                 rc = -1;
@@ -359,7 +358,7 @@ list_of_params(dcp_state *st,
         if (!PyDict_Check(group) ||
             dcp_dict_get_ref(group, st->str_params, &params) <= 0) {
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_KeyError,
+                PyErr_Format(st->err_key,
                              "optimizer %zd param group %zd has no "
                              "'params'",
                              o,
@@ -992,8 +991,7 @@ validate_state(dcp_state *st,
     if (expected == Py_None) {
         return 0;
     }
-    PyObject *err =
-        ctx->err_value != Py_None ? ctx->err_value : PyExc_ValueError;
+    PyObject *err = st->err_value;
     if (!PyDict_Check(value)) {
         PyErr_Format(err,
                      "optimizer state of parameter '%S' must be a dict, got "
@@ -1019,7 +1017,7 @@ validate_state(dcp_state *st,
             PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1));
         if ((need == -1 && PyErr_Occurred()) || !PyUnicode_Check(key)) {
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_TypeError,
+                PyErr_Format(st->err_type,
                              "optimizer state schema keys must be str, got %R",
                              key);
             }
@@ -1179,9 +1177,8 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!PyDict_Check(sgroup) ||
             dcp_dict_get_ref(sgroup, st->str_params, &fqns) <= 0) {
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_KeyError,
-                             "split param group %zd has no 'params'",
-                             g);
+                PyErr_Format(
+                    st->err_key, "split param group %zd has no 'params'", g);
             }
             goto done;
         }
@@ -1229,7 +1226,7 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyDict_SetItem(new_group, st->str_params, live_params) < 0 ||
             PyDict_Update(new_group, copy) < 0) {
             if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_KeyError, "params");
+                PyErr_SetString(st->err_key, "params");
             }
             Py_XDECREF(new_group);
             Py_XDECREF(live_params);
@@ -1279,7 +1276,7 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (!PyUnicode_Check(key)) {
             /* the messages below name the FQN with %S */
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "optimizer state keys must be FQN strings, got %R",
                          key);
             Py_DECREF(target);

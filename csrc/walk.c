@@ -415,7 +415,7 @@ walker_flat_param_fqns(dcp_walker *w, PyObject *prefix, PyObject *flat_param)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         PyObject *name = PyList_GET_ITEM(list, i);
         if (!PyUnicode_Check(name)) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(w->st->err_type,
                          "FlatParameter._fqns must hold str, got %.200s",
                          Py_TYPE(name)->tp_name);
             Py_CLEAR(result);
@@ -474,7 +474,7 @@ walker_record_tensors(dcp_walker *w,
             continue;
         }
         if (!PyUnicode_Check(name)) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "module member names must be str, got %.200s in "
                          "module '%S'",
                          Py_TYPE(name)->tp_name,
@@ -602,7 +602,7 @@ walker_members(dcp_walker *w,
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         PyObject *pair = PyList_GET_ITEM(list, i);
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(w->st->err_type,
                          "%S() of %.200s must yield (name, value) pairs",
                          method,
                          Py_TYPE(module)->tp_name);
@@ -852,7 +852,7 @@ walker_visit_children(dcp_walker *w,
             continue;
         }
         if (!PyUnicode_Check(name)) {
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->err_type,
                          "child module names must be str, got %.200s under "
                          "'%S'",
                          Py_TYPE(name)->tp_name,

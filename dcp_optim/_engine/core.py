@@ -27,8 +27,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import errors
-
 __all__ = ["C", "context", "EXTRA_STATE"]
 
 
@@ -66,9 +64,6 @@ def _build(compiled_types: tuple[type, ...]) -> C.Context:
         cpu_device=torch.device("cpu"),
         bytesio_type=io.BytesIO,
         deepcopy=copy.deepcopy,
-        err_key=errors.StateDictKeyError,
-        err_value=errors.StateDictValueError,
-        err_type=errors.StateDictTypeError,
     )
 
 

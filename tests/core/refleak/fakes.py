@@ -20,6 +20,7 @@ import copy
 import importlib.util
 import io
 import os
+import sys
 
 __all__ = [
     "FakeTensor",
@@ -51,6 +52,16 @@ def load_core():
         return _core
     path = os.environ.get("DCP_OPTIM_CORE")
     if path:
+        # The core's exec slot imports dcp_optim.errors (its exception
+        # classes); that module imports nothing else, so it is loaded from
+        # the source tree under its own name without the package.
+        if "dcp_optim.errors" not in sys.modules:
+            source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+                os.path.abspath(__file__)))), "dcp_optim", "errors.py")
+            espec = importlib.util.spec_from_file_location("dcp_optim.errors", source)
+            errors = importlib.util.module_from_spec(espec)
+            sys.modules["dcp_optim.errors"] = errors
+            espec.loader.exec_module(errors)
         spec = importlib.util.spec_from_file_location("dcp_optim._dcp_optim", path)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load the core from {path}")
@@ -324,22 +335,6 @@ class FakeOptimizer:
         self.__dict__.update(d)
 
 
-class StateDictKeyError(KeyError):
-    pass
-
-
-class StateDictValueError(ValueError):
-    pass
-
-
-class StateDictTypeError(TypeError):
-    pass
-
-
-class StateDictRuntimeError(RuntimeError):
-    pass
-
-
 def make_context(core=None, **overrides):
     core = core or load_core()
     fields = dict(
@@ -360,9 +355,6 @@ def make_context(core=None, **overrides):
         cpu_device="cpu",
         bytesio_type=io.BytesIO,
         deepcopy=copy.deepcopy,
-        err_key=StateDictKeyError,
-        err_value=StateDictValueError,
-        err_type=StateDictTypeError,
     )
     fields.update(overrides)
     return core.Context(**fields)
