@@ -56,12 +56,17 @@ def load_core():
         # classes); that module imports nothing else, so it is loaded from
         # the source tree under its own name without the package.
         if "dcp_optim.errors" not in sys.modules:
-            source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-                os.path.abspath(__file__)))), "dcp_optim", "errors.py")
+            # this file is <repo>/tests/core/refleak/fakes.py
+            root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+            source = os.path.join(root, "dcp_optim", "errors.py")
             espec = importlib.util.spec_from_file_location("dcp_optim.errors", source)
             errors = importlib.util.module_from_spec(espec)
             sys.modules["dcp_optim.errors"] = errors
-            espec.loader.exec_module(errors)
+            try:
+                espec.loader.exec_module(errors)
+            except BaseException:
+                del sys.modules["dcp_optim.errors"]
+                raise
         spec = importlib.util.spec_from_file_location("dcp_optim._dcp_optim", path)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load the core from {path}")
