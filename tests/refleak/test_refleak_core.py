@@ -809,16 +809,6 @@ def _():
     C.copy_blocks(FakeTensor(), FakeTensor(), [1], 0, None)
 
 
-@case("pack_bytes", "ok")
-def _():
-    C.pack_bytes(FakeTensor((64,), UINT8), [(FakeTensor((2,)), 0), (FakeTensor((0,)), 16)], UINT8)
-
-
-@case("pack_bytes", "bad-item", TypeError)
-def _():
-    C.pack_bytes(FakeTensor((64,), UINT8), [(FakeTensor(),)], UINT8)
-
-
 def _gather_plan(leaves, budget=1 << 20, mesh=None):
     """The GatherPlan of fake DTensor leaves on one mesh."""
     (_, plan, _, _, _), = C.plan_gather(leaves, FakeDTensor, PLACEMENT_CLASSES, budget)
