@@ -90,7 +90,16 @@
     X(is_conj, "is_conj")                            \
     X(getattribute, "__getattribute__")              \
     X(getattr_hook, "__getattr__")                   \
-    X(dunder_class, "__class__")
+    X(dunder_class, "__class__")                     \
+    X(get_coordinate, "get_coordinate")              \
+    X(itemsize, "itemsize")                          \
+    X(split_factor, "split_factor")                  \
+    X(narrow, "narrow")                              \
+    X(numel, "numel")                                \
+    X(copy, "copy")                                  \
+    X(metadata, "_metadata")                         \
+    X(get, "get")                                    \
+    X(pop, "pop")
 
 typedef struct {
     PyTypeObject *Context_Type;
@@ -320,7 +329,10 @@ PyObject *dcp_shard_layout(const Py_ssize_t *gshape,
                            const placement_t *pl);
 /* Encodes one Placement object; classes = (Shard, _StridedShard,
  * Replicate), anything else is Partial.  0 / -1. */
-int dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out);
+int dcp_encode_placement(dcp_state *st,
+                         PyObject *p,
+                         PyObject *classes,
+                         placement_t *out);
 
 /* ----------------------------------------------------------------------
  * Block and byte copies (pack.c)

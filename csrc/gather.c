@@ -393,8 +393,7 @@ plan_item(dcp_state *st,
     if (it->dtype == NULL) {
         goto done;
     }
-    isz = PyObject_GetAttrString(it->dtype,
-                                 "itemsize"); /* cpylint-ignore: per leaf */
+    isz = PyObject_GetAttr(it->dtype, st->str_itemsize);
     if (isz == NULL) {
         goto done;
     }
@@ -424,8 +423,11 @@ plan_item(dcp_state *st,
         goto done;
     }
     for (Py_ssize_t m = 0; m < mdim; m++) {
-        if (dcp_encode_placement(
-                PySequence_Fast_GET_ITEM(plseq, m), classes, &pl[m]) < 0) {
+        if (dcp_encode_placement(st,
+
+                                 PySequence_Fast_GET_ITEM(plseq, m),
+                                 classes,
+                                 &pl[m]) < 0) {
             goto done;
         }
         if (pl[m].kind == PL_PARTIAL) {

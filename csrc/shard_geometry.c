@@ -445,7 +445,10 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* Encodes one Placement object as (kind, dim, split_factor). */
 int
-dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
+dcp_encode_placement(dcp_state *st,
+                     PyObject *p,
+                     PyObject *classes,
+                     placement_t *out)
 {
     /* classes: (Shard, _StridedShard, Replicate) */
     PyObject *shard = PyTuple_GET_ITEM(classes, 0);
@@ -474,8 +477,7 @@ dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
     out->dim = 0;
     out->split_factor = 1;
     if (kind == PL_SHARD || kind == PL_STRIDED) {
-        PyObject *dim = PyObject_GetAttrString(
-            p, "dim"); /* cpylint-ignore: placement objects, cold */
+        PyObject *dim = PyObject_GetAttr(p, st->str_dim);
         out->dim = dim ? PyLong_AsSsize_t(dim) : -1;
         Py_XDECREF(dim);
         if (out->dim < 0) {
@@ -486,8 +488,7 @@ dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
         }
     }
     if (kind == PL_STRIDED) {
-        PyObject *sf = PyObject_GetAttrString(
-            p, "split_factor"); /* cpylint-ignore: cold */
+        PyObject *sf = PyObject_GetAttr(p, st->str_split_factor);
         out->split_factor = sf ? PyLong_AsSsize_t(sf) : -1;
         Py_XDECREF(sf);
         if (out->split_factor < 1) {

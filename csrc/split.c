@@ -570,10 +570,8 @@ split_one(dcp_state *st,
                  * on this rank) has no state to miss. */
                 int trainable = requires_grad(st, PyList_GET_ITEM(params, i));
                 if (trainable > 0) {
-                    PyObject *n = PyObject_CallMethod(
-                        PyList_GET_ITEM(params, i),
-                        "numel",
-                        NULL); /* cpylint-ignore: missing-state path only */
+                    PyObject *n = PyObject_CallMethodNoArgs(
+                        PyList_GET_ITEM(params, i), st->str_numel);
                     Py_ssize_t numel = n ? PyLong_AsSsize_t(n) : -1;
                     Py_XDECREF(n);
                     trainable = numel < 0 ? -1 : numel > 0;
