@@ -423,11 +423,8 @@ plan_item(dcp_state *st,
         goto done;
     }
     for (Py_ssize_t m = 0; m < mdim; m++) {
-        if (dcp_encode_placement(st,
-
-                                 PySequence_Fast_GET_ITEM(plseq, m),
-                                 classes,
-                                 &pl[m]) < 0) {
+        if (dcp_encode_placement(
+                st, PySequence_Fast_GET_ITEM(plseq, m), classes, &pl[m]) < 0) {
             goto done;
         }
         if (pl[m].kind == PL_PARTIAL) {
