@@ -785,13 +785,7 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *a = kw ? PyTuple_Pack(3, dest, mesh, pls) : NULL;
             value = a ? PyObject_Call(from_local, a, kw) : NULL;
             if (value != NULL && offload != Py_None) {
-                PyObject *call[2] = {value, offload};
-                Py_SETREF(value,
-                          PyObject_VectorcallMethod(
-                              st->str_to,
-                              call,
-                              2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                              NULL));
+                Py_SETREF(value, dcp_call_method1(st->str_to, value, offload));
             }
             Py_DECREF(tmpl);
             Py_DECREF(dest);
@@ -803,9 +797,7 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(a);
         }
         else if (offload != Py_None) {
-            PyObject *call[2] = {plan->jobs[i].dest, offload};
-            value = PyObject_VectorcallMethod(
-                st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            value = dcp_call_method1(st->str_to, plan->jobs[i].dest, offload);
         }
         else {
             value = Py_NewRef(plan->jobs[i].dest);

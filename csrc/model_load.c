@@ -250,12 +250,7 @@ dcp_full_load_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *detached =
                 PyObject_CallMethodNoArgs(value, st->str_detach);
             if (detached != NULL) {
-                PyObject *call[2] = {detached, device};
-                new_value = PyObject_VectorcallMethod(
-                    st->str_to,
-                    call,
-                    2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                    NULL);
+                new_value = dcp_call_method1(st->str_to, detached, device);
                 Py_DECREF(detached);
             }
         }

@@ -783,12 +783,11 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
             return PyObject_VectorcallMethod(
                 st->str_to, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         }
-        PyObject *args[2] = {value,
-                             c->step_on_device == STEP_ON_DEVICE
-                                 ? c->device
-                                 : c->ctx->cpu_device};
-        return PyObject_VectorcallMethod(
-            st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        return dcp_call_method1(st->str_to,
+                                value,
+                                c->step_on_device == STEP_ON_DEVICE
+                                    ? c->device
+                                    : c->ctx->cpu_device);
     }
     PyObject *dtype = NULL;
     if (c->floating && live != NULL) {
@@ -828,9 +827,7 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
         Py_DECREF(dtype);
     }
     else {
-        PyObject *args[2] = {value, c->device};
-        result = PyObject_VectorcallMethod(
-            st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        result = dcp_call_method1(st->str_to, value, c->device);
     }
     return result;
 }
