@@ -793,6 +793,11 @@ def _():
     C.shard_layouts((8,), (2,), [(9, 0, 1)], [(0,)])
 
 
+@case("shard_layouts", "shape-not-a-sequence", TypeError, "global_shape must be a sequence")
+def _():
+    C.shard_layouts(8, (2,), [(1, 0, 1)], [(0,)])
+
+
 @case("shard_layouts", "coordinate", ValueError, "outside the mesh")
 def _():
     C.shard_layouts((8,), (2,), [(1, 0, 1)], [(2,)])
