@@ -90,7 +90,16 @@
     X(is_conj, "is_conj")                            \
     X(getattribute, "__getattribute__")              \
     X(getattr_hook, "__getattr__")                   \
-    X(dunder_class, "__class__")
+    X(dunder_class, "__class__")                     \
+    X(get_coordinate, "get_coordinate")              \
+    X(itemsize, "itemsize")                          \
+    X(split_factor, "split_factor")                  \
+    X(narrow, "narrow")                              \
+    X(numel, "numel")                                \
+    X(copy, "copy")                                  \
+    X(metadata, "_metadata")                         \
+    X(get, "get")                                    \
+    X(pop, "pop")
 
 /* The exception contract.  An error a caller can cause through the public
  * API (a wrong key, shape, dtype or type in a state dict, an unknown FQN,
@@ -320,8 +329,12 @@ dcp_align_up(Py_ssize_t n)
     return (n + DCP_ALIGN - 1) / DCP_ALIGN * DCP_ALIGN;
 }
 
+/* a * b for sizes >= 0; -1 with ValueError ("<what>: negative size") or
+ * OverflowError ("<what>: size overflows"). */
+Py_ssize_t dcp_size_product(Py_ssize_t a, Py_ssize_t b, const char *what);
 /* Bytes of a tensor of `shape` (a tuple of ints) with `itemsize`-byte
- * elements; -1 with an exception on a bad or overflowing shape. */
+ * elements; -1 with an exception (errors named by `what`) on a shape that
+ * is not a tuple, is negative or overflows. */
 Py_ssize_t dcp_shape_nbytes(PyObject *shape,
                             Py_ssize_t itemsize,
                             const char *what);
@@ -342,7 +355,10 @@ PyObject *dcp_shard_layout(const Py_ssize_t *gshape,
                            const placement_t *pl);
 /* Encodes one Placement object; classes = (Shard, _StridedShard,
  * Replicate), anything else is Partial.  0 / -1. */
-int dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out);
+int dcp_encode_placement(dcp_state *st,
+                         PyObject *p,
+                         PyObject *classes,
+                         placement_t *out);
 
 /* ----------------------------------------------------------------------
  * Block and byte copies (pack.c)
@@ -354,10 +370,9 @@ int dcp_parse_block(PyObject *block,
                     PyObject **ls,
                     PyObject **gs,
                     PyObject **ln);
-/* A 1-D uint8 view of `buffer` bytes [offset, offset + nbytes). */
-PyObject *dcp_byte_window(PyObject *buffer,
-                          Py_ssize_t offset,
-                          Py_ssize_t nbytes);
+/* obj[start:stop] (a slice along dim 0: byte windows of a bucket,
+ * rows of a tensor). */
+PyObject *dcp_slice(PyObject *obj, Py_ssize_t start, Py_ssize_t stop);
 /* `window` (uint8) reinterpreted as `dtype` with `shape`. */
 PyObject *dcp_typed_view(dcp_state *st,
                          PyObject *window,
@@ -407,15 +422,21 @@ extern PyMethodDef dcp_gather_methods[];         /* gather.c */
 int dcp_gather_init_type(PyObject *module, dcp_state *st);
 
 /* Entries still in module.c's own table, and the entry points other files
- * call. */
+ * call (none: C code calls the C-typed helpers above). */
 #define DCP_DECLARE_FASTCALL(name) \
     PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 DCP_DECLARE_FASTCALL(dcp_walk_model)
-/* pack.c's copy_blocks and shard_geometry.c's shard_layouts entries,
- * which the gather code calls. */
-DCP_DECLARE_FASTCALL(dcp_copy_blocks)
-DCP_DECLARE_FASTCALL(dcp_shard_layouts)
 #undef DCP_DECLARE_FASTCALL
+
+/* obj.<name>(arg) through an interned method name; new reference or
+ * NULL. */
+static inline PyObject *
+dcp_call_method1(PyObject *name, PyObject *obj, PyObject *arg)
+{
+    PyObject *args[2] = {obj, arg};
+    return PyObject_VectorcallMethod(
+        name, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
 
 /* Argument helpers for METH_FASTCALL functions. */
 static inline int

@@ -314,7 +314,7 @@ resolve_token(dcp_resolver *r,
             if (mapping == NULL) {
                 return -1;
             }
-            hidden = PyObject_CallMethod(mapping, "get", "O", tok);
+            hidden = PyObject_CallMethodOneArg(mapping, st->str_get, tok);
             Py_DECREF(mapping);
             if (hidden == NULL) {
                 return -1;
@@ -587,7 +587,7 @@ done:
 }
 
 static PyObject *
-mapping_pop(PyObject *mapping, PyObject *key)
+mapping_pop(dcp_state *st, PyObject *mapping, PyObject *key)
 {
     if (PyDict_CheckExact(mapping)) {
         PyObject *value = NULL;
@@ -604,7 +604,7 @@ mapping_pop(PyObject *mapping, PyObject *key)
         return value;
     }
     /* OrderedDict keeps its own order bookkeeping: go through its API. */
-    return PyObject_CallMethod(mapping, "pop", "O", key);
+    return PyObject_CallMethodOneArg(mapping, st->str_pop, key);
 }
 
 /* ----------------------------------------------------------------------
@@ -895,7 +895,7 @@ dcp_canonicalize_model_keys(PyObject *module,
                 Py_DECREF(fqn);
                 goto done;
             }
-            PyObject *value = mapping_pop(sd, key);
+            PyObject *value = mapping_pop(st, sd, key);
             if (value == NULL || PyObject_SetItem(sd, fqn, value) < 0) {
                 Py_XDECREF(value);
                 Py_DECREF(fqn);
@@ -964,7 +964,7 @@ dcp_drop_frozen(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyList_SET_ITEM(names, 0, Py_NewRef(fqn));
         }
         for (Py_ssize_t j = 0; j < PyList_GET_SIZE(names); j++) {
-            PyObject *value = mapping_pop(sd, PyList_GET_ITEM(names, j));
+            PyObject *value = mapping_pop(st, sd, PyList_GET_ITEM(names, j));
             if (value == NULL) {
                 Py_DECREF(names);
                 goto done;

@@ -86,15 +86,21 @@ done:
 }
 
 static PyObject *
-narrow1d(PyObject *tensor, Py_ssize_t start, Py_ssize_t length)
+narrow1d(dcp_state *st, PyObject *tensor, Py_ssize_t start, Py_ssize_t length)
 {
-    return PyObject_CallMethod(
-        tensor,
-        "narrow",
-        "inn",
-        0,
-        start,
-        length); /* cpylint-ignore: per piece, torch op */
+    PyObject *dim = PyLong_FromLong(0);
+    PyObject *a = dim ? PyLong_FromSsize_t(start) : NULL;
+    PyObject *n = a ? PyLong_FromSsize_t(length) : NULL;
+    PyObject *result = NULL;
+    if (n != NULL) {
+        PyObject *args[4] = {tensor, dim, a, n};
+        result = PyObject_VectorcallMethod(
+            st->str_narrow, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    Py_XDECREF(dim);
+    Py_XDECREF(a);
+    Py_XDECREF(n);
+    return result;
 }
 
 PyDoc_STRVAR(
@@ -111,6 +117,7 @@ PyDoc_STRVAR(
 static PyObject *
 dcp_flat_unflatten(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    dcp_state *st = dcp_get_state(module);
     Py_ssize_t *offsets = NULL, *numels = NULL;
     PyObject *shapes = NULL, *out = NULL;
     if (dcp_check_nargs("flat_unflatten", nargs, 4) < 0) {
@@ -131,14 +138,12 @@ dcp_flat_unflatten(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *piece = narrow1d(args[0], offsets[i], numels[i]);
+        PyObject *piece = narrow1d(st, args[0], offsets[i], numels[i]);
         PyObject *view =
-            piece ? PyObject_CallMethod(
-                        piece,
-                        "view",
-                        "O", /* cpylint-ignore: per param, torch op */
-                        PySequence_Fast_GET_ITEM(shapes, i))
-                  : NULL;
+            piece
+                ? dcp_call_method1(
+                      st->str_view, piece, PySequence_Fast_GET_ITEM(shapes, i))
+                : NULL;
         Py_XDECREF(piece);
         if (view == NULL) {
             Py_CLEAR(out);
@@ -223,13 +228,16 @@ PyDoc_STRVAR(dcp_flat_assemble__doc__,
 static PyObject *
 dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("flat_assemble", nargs, 3) < 0) {
         return NULL;
     }
     PyObject *pieces = dcp_sequence_fast(args[1], "pieces");
     PyObject *values = pieces ? dcp_sequence_fast(args[2], "values") : NULL;
-    if (values == NULL) {
+    PyObject *flat_shape = values ? Py_BuildValue("(i)", -1) : NULL;
+    if (flat_shape == NULL) {
         Py_XDECREF(pieces);
+        Py_XDECREF(values);
         return NULL;
     }
     int ok = 1;
@@ -253,20 +261,17 @@ dcp_flat_assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (value == Py_None) {
             continue;
         }
-        PyObject *flat = PyObject_CallMethod(
-            value, "reshape", "(i)", -1); /* cpylint-ignore: per piece */
-        PyObject *src = flat ? narrow1d(flat, 0, len) : NULL;
-        PyObject *dst = src ? narrow1d(args[0], sstart, len) : NULL;
-        PyObject *r = dst ? PyObject_CallMethod(dst, "copy_", "O", src)
-                          : NULL; /* cpylint-ignore: per piece */
-        ok = r != NULL;
+        PyObject *flat = dcp_call_method1(st->str_reshape, value, flat_shape);
+        PyObject *src = flat ? narrow1d(st, flat, 0, len) : NULL;
+        PyObject *dst = src ? narrow1d(st, args[0], sstart, len) : NULL;
+        ok = dst != NULL && dcp_copy_into(st, dst, src) == 0;
         Py_XDECREF(flat);
         Py_XDECREF(src);
         Py_XDECREF(dst);
-        Py_XDECREF(r);
     }
     Py_DECREF(pieces);
     Py_DECREF(values);
+    Py_DECREF(flat_shape);
     if (!ok) {
         return NULL;
     }

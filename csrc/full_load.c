@@ -15,7 +15,11 @@
 /* My coordinate in `mesh` (cached per mesh in `cache`, a dict keyed by
  * the mesh object), as a tuple; also the mesh shape.  0 / -1. */
 static int
-mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord, PyObject **shape)
+mesh_info(dcp_state *st,
+          PyObject *cache,
+          PyObject *mesh,
+          PyObject **coord,
+          PyObject **shape)
 {
     PyObject *entry = NULL;
     int found = dcp_dict_get_ref(cache, mesh, &entry);
@@ -23,10 +27,8 @@ mesh_info(PyObject *cache, PyObject *mesh, PyObject **coord, PyObject **shape)
         return -1;
     }
     if (!found) {
-        PyObject *c = PyObject_CallMethod(
-            mesh, "get_coordinate", NULL); /* cpylint-ignore: once per mesh */
-        PyObject *s = c ? PyObject_GetAttrString(mesh, "shape")
-                        : NULL; /* cpylint-ignore: once per mesh */
+        PyObject *c = PyObject_CallMethodNoArgs(mesh, st->str_get_coordinate);
+        PyObject *s = c ? PyObject_GetAttr(mesh, st->str_shape) : NULL;
         if (c != NULL && c == Py_None) {
             PyErr_SetString(PyExc_ValueError,
                             "this rank is not part of the tensor's device "
@@ -58,7 +60,7 @@ my_layout(dcp_state *st,
     PyObject *mesh = PyObject_GetAttr(tmpl, st->str_device_mesh);
     PyObject *pls = mesh ? PyObject_GetAttr(tmpl, st->str_placements) : NULL;
     PyObject *coord = NULL, *mshape_obj = NULL, *result = NULL;
-    if (pls == NULL || mesh_info(cache, mesh, &coord, &mshape_obj) < 0) {
+    if (pls == NULL || mesh_info(st, cache, mesh, &coord, &mshape_obj) < 0) {
         goto done;
     }
     Py_ssize_t gshape[DCP_MAX_DIMS], mshape[DCP_MAX_DIMS], c[DCP_MAX_DIMS];
@@ -82,7 +84,7 @@ my_layout(dcp_state *st,
     int ok = 1;
     for (Py_ssize_t m = 0; ok && m < mdim; m++) {
         ok = dcp_encode_placement(
-                 PySequence_Fast_GET_ITEM(seq, m), classes, &pl[m]) == 0;
+                 st, PySequence_Fast_GET_ITEM(seq, m), classes, &pl[m]) == 0;
     }
     Py_DECREF(seq);
     if (ok) {
@@ -588,9 +590,7 @@ dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *dtype =
             shape ? PyObject_GetAttr(value, st->str_dtype) : NULL;
         PyObject *isz =
-            dtype ? PyObject_GetAttrString(
-                        dtype, "itemsize") /* cpylint-ignore: per job */
-                  : NULL;
+            dtype ? PyObject_GetAttr(dtype, st->str_itemsize) : NULL;
         Py_ssize_t itemsize = isz ? PyLong_AsSsize_t(isz) : -1;
         Py_XDECREF(isz);
         PyObject *shape_t = shape ? PySequence_Tuple(shape) : NULL;
@@ -772,12 +772,8 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 mesh ? PyObject_GetAttr(tmpl, st->str_placements) : NULL;
             PyObject *shape =
                 pls ? PyObject_GetAttr(tmpl, st->str_shape) : NULL;
-            PyObject *stride = shape
-                                   ? PyObject_CallMethod(
-                                         tmpl,
-                                         "stride",
-                                         NULL) /* cpylint-ignore: per tensor */
-                                   : NULL;
+            PyObject *stride =
+                shape ? PyObject_CallMethodNoArgs(tmpl, st->str_stride) : NULL;
             PyObject *kw = stride ? Py_BuildValue("{sOsOsO}",
                                                   "shape",
                                                   shape,
@@ -789,13 +785,7 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *a = kw ? PyTuple_Pack(3, dest, mesh, pls) : NULL;
             value = a ? PyObject_Call(from_local, a, kw) : NULL;
             if (value != NULL && offload != Py_None) {
-                PyObject *call[2] = {value, offload};
-                Py_SETREF(value,
-                          PyObject_VectorcallMethod(
-                              st->str_to,
-                              call,
-                              2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                              NULL));
+                Py_SETREF(value, dcp_call_method1(st->str_to, value, offload));
             }
             Py_DECREF(tmpl);
             Py_DECREF(dest);
@@ -807,9 +797,7 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(a);
         }
         else if (offload != Py_None) {
-            PyObject *call[2] = {plan->jobs[i].dest, offload};
-            value = PyObject_VectorcallMethod(
-                st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            value = dcp_call_method1(st->str_to, plan->jobs[i].dest, offload);
         }
         else {
             value = Py_NewRef(plan->jobs[i].dest);

@@ -33,19 +33,6 @@
 
 #include <structmember.h>
 
-#define GATHER_MAX_DIMS 64
-/* Byte alignment of every slot: the widest scalar (complex128) is 16
- * bytes, and Tensor.view(dtype) needs offsets divisible by it. */
-#define GATHER_ALIGN 16
-
-enum { G_REPLICATE = 0, G_SHARD = 1, G_STRIDED = 2, G_PARTIAL = 3 };
-
-typedef struct {
-    int kind;
-    Py_ssize_t dim;
-    Py_ssize_t split_factor;
-} gplacement_t;
-
 /* One tensor of a plan. */
 typedef struct {
     Py_ssize_t leaf;      /* index in the leaves / results list */
@@ -73,116 +60,8 @@ typedef struct {
 } dcp_GatherPlan;
 
 /* ----------------------------------------------------------------------
- * Small helpers
+ * Small helpers (the shared ones are in dcp.h)
  */
-
-static Py_ssize_t
-gather_align_up(Py_ssize_t n)
-{
-    return (n + GATHER_ALIGN - 1) / GATHER_ALIGN * GATHER_ALIGN;
-}
-
-/* a * b for sizes >= 0; -1 with OverflowError when it does not fit. */
-static Py_ssize_t
-gather_mul(Py_ssize_t a, Py_ssize_t b)
-{
-    if (b > 0 && a > PY_SSIZE_T_MAX / b) {
-        PyErr_SetString(PyExc_OverflowError, "gather plan: size overflows");
-        return -1;
-    }
-    return a * b;
-}
-
-/* Bytes of a tensor of `shape` (a tuple of ints): -1 with an exception
- * on a bad or overflowing shape. */
-static Py_ssize_t
-gather_nbytes(PyObject *shape, Py_ssize_t itemsize)
-{
-    if (!PyTuple_Check(shape)) {
-        PyErr_SetString(PyExc_TypeError, "gather plan: shape is a tuple");
-        return -1;
-    }
-    Py_ssize_t n = itemsize;
-    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++) {
-        Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
-        if (dim == -1 && PyErr_Occurred()) {
-            return -1;
-        }
-        if (dim < 0) {
-            PyErr_SetString(PyExc_ValueError, "gather plan: negative size");
-            return -1;
-        }
-        if ((n = gather_mul(n, dim)) < 0) {
-            return -1;
-        }
-    }
-    return n;
-}
-
-/* Parses a sequence of non-negative ints into out[] (at most
- * GATHER_MAX_DIMS).  0 / -1. */
-static int
-gather_parse_shape(PyObject *obj, Py_ssize_t *out, Py_ssize_t *n)
-{
-    PyObject *seq = dcp_sequence_fast(obj, "shape must be a sequence");
-    if (seq == NULL) {
-        return -1;
-    }
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-    if (len > GATHER_MAX_DIMS) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "shape has too many dimensions");
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < len; i++) {
-        Py_ssize_t v = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        if (v < 0) {
-            Py_DECREF(seq);
-            PyErr_SetString(PyExc_ValueError, "shape has a negative entry");
-            return -1;
-        }
-        out[i] = v;
-    }
-    *n = len;
-    Py_DECREF(seq);
-    return 0;
-}
-
-static PyObject *
-gather_ssize_tuple(const Py_ssize_t *v, Py_ssize_t n)
-{
-    PyObject *t = PyTuple_New(n);
-    for (Py_ssize_t i = 0; t != NULL && i < n; i++) {
-        PyObject *x = PyLong_FromSsize_t(v[i]);
-        if (x == NULL) {
-            Py_CLEAR(t);
-            break;
-        }
-        PyTuple_SET_ITEM(t, i, x);
-    }
-    return t;
-}
-
-/* obj[a:b] (a 1-D slice along dim 0). */
-static PyObject *
-gather_slice(PyObject *obj, Py_ssize_t a, Py_ssize_t b)
-{
-    PyObject *lo = PyLong_FromSsize_t(a);
-    PyObject *hi = lo ? PyLong_FromSsize_t(b) : NULL;
-    PyObject *sl = hi ? PySlice_New(lo, hi, NULL) : NULL;
-    Py_XDECREF(lo);
-    Py_XDECREF(hi);
-    if (sl == NULL) {
-        return NULL;
-    }
-    PyObject *view = PyObject_GetItem(obj, sl);
-    Py_DECREF(sl);
-    return view;
-}
 
 /* obj[:, a:b] (columns of a 2-D tensor). */
 static PyObject *
@@ -205,15 +84,6 @@ gather_columns(PyObject *obj, Py_ssize_t a, Py_ssize_t b)
     return view;
 }
 
-/* tensor.<name>(arg) through the interned method name. */
-static PyObject *
-gather_call1(PyObject *name, PyObject *self, PyObject *arg)
-{
-    PyObject *args[2] = {self, arg};
-    return PyObject_VectorcallMethod(
-        name, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-}
-
 /* tensor.view(n0, n1) (or tensor.view(n0) when n1 < 0). */
 static PyObject *
 gather_view2(dcp_state *st, PyObject *tensor, Py_ssize_t n0, Py_ssize_t n1)
@@ -223,105 +93,9 @@ gather_view2(dcp_state *st, PyObject *tensor, Py_ssize_t n0, Py_ssize_t n1)
     if (shape == NULL) {
         return NULL;
     }
-    PyObject *view = gather_call1(st->str_view, tensor, shape);
+    PyObject *view = dcp_call_method1(st->str_view, tensor, shape);
     Py_DECREF(shape);
     return view;
-}
-
-/* dst.copy_(src); 0 / -1. */
-static int
-gather_copy(dcp_state *st, PyObject *dst, PyObject *src)
-{
-    PyObject *r = gather_call1(st->str_copy_, dst, src);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-/* `window` (uint8) reinterpreted as `dtype` with `shape`. */
-static PyObject *
-gather_typed_view(dcp_state *st,
-                  PyObject *window,
-                  PyObject *dtype,
-                  PyObject *shape)
-{
-    PyObject *typed = gather_call1(st->str_view, window, dtype);
-    if (typed == NULL) {
-        return NULL;
-    }
-    PyObject *shaped = gather_call1(st->str_view, typed, shape);
-    Py_DECREF(typed);
-    return shaped;
-}
-
-/* Encodes one Placement object as (kind, dim, split_factor). */
-static int
-gather_placement(PyObject *p, PyObject *classes, gplacement_t *out)
-{
-    /* classes: (Shard, _StridedShard, Replicate) */
-    static const int kinds[3] = {G_STRIDED, G_SHARD, G_REPLICATE};
-    static const int order[3] = {1, 0, 2}; /* _StridedShard first */
-    int kind = G_PARTIAL;
-    for (int i = 0; i < 3; i++) {
-        int rc = PyObject_IsInstance(p, PyTuple_GET_ITEM(classes, order[i]));
-        if (rc < 0) {
-            return -1;
-        }
-        if (rc) {
-            kind = kinds[i];
-            break;
-        }
-    }
-    out->kind = kind;
-    out->dim = 0;
-    out->split_factor = 1;
-    if (kind == G_SHARD || kind == G_STRIDED) {
-        PyObject *dim = PyObject_GetAttrString(
-            p, "dim"); /* cpylint-ignore: placement objects, cold */
-        out->dim = dim ? PyLong_AsSsize_t(dim) : -1;
-        Py_XDECREF(dim);
-        if (out->dim < 0) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "negative shard dim");
-            }
-            return -1;
-        }
-    }
-    if (kind == G_STRIDED) {
-        PyObject *sf = PyObject_GetAttrString(
-            p, "split_factor"); /* cpylint-ignore: cold */
-        out->split_factor = sf ? PyLong_AsSsize_t(sf) : -1;
-        Py_XDECREF(sf);
-        if (out->split_factor < 1) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "bad split_factor");
-            }
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* Row-major coordinates of a mesh shape, as a list of tuples. */
-static PyObject *
-gather_mesh_coords(const Py_ssize_t *mesh, Py_ssize_t mdim, Py_ssize_t total)
-{
-    PyObject *out = PyList_New(total);
-    Py_ssize_t idx[GATHER_MAX_DIMS] = {0};
-    for (Py_ssize_t i = 0; out != NULL && i < total; i++) {
-        PyObject *c = gather_ssize_tuple(idx, mdim);
-        if (c == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, c);
-        for (Py_ssize_t m = mdim - 1; m >= 0; m--) {
-            if (++idx[m] < mesh[m]) {
-                break;
-            }
-            idx[m] = 0;
-        }
-    }
-    return out;
 }
 
 /* ----------------------------------------------------------------------
@@ -590,22 +364,20 @@ plan_new(dcp_state *st, Py_ssize_t world, Py_ssize_t nitems)
  */
 
 /* Reads one DTensor leaf into `it` (new references) and its agreement
- * signature (shape, placements, itemsize) into *sig.  `general_of`
- * computes the per-rank layouts when the layout is not even.  0 / -1. */
+ * signature (shape, placements, itemsize) into *sig; when the layout is
+ * not even, every rank's layout into it->layouts.  0 / -1. */
 static int
-plan_item(PyObject *module,
-          dcp_state *st,
+plan_item(dcp_state *st,
           PyObject *leaf,
           PyObject *classes,
           const Py_ssize_t *mshape,
           Py_ssize_t mdim,
           Py_ssize_t world,
-          PyObject **coords,
           gitem_t *it,
           PyObject **sig)
 {
-    Py_ssize_t gshape[GATHER_MAX_DIMS], ndim;
-    gplacement_t pl[GATHER_MAX_DIMS] = {{0}};
+    Py_ssize_t gshape[DCP_MAX_DIMS], ndim;
+    placement_t pl[DCP_MAX_DIMS] = {{0}};
     PyObject *pls = NULL, *plseq = NULL, *isz = NULL, *enc = NULL;
     PyObject *gt = NULL;
     int rc = -1;
@@ -621,8 +393,7 @@ plan_item(PyObject *module,
     if (it->dtype == NULL) {
         goto done;
     }
-    isz = PyObject_GetAttrString(it->dtype,
-                                 "itemsize"); /* cpylint-ignore: per leaf */
+    isz = PyObject_GetAttr(it->dtype, st->str_itemsize);
     if (isz == NULL) {
         goto done;
     }
@@ -635,7 +406,7 @@ plan_item(PyObject *module,
     }
     it->local = PyObject_GetAttr(leaf, st->str_local_tensor);
     if (it->local == NULL ||
-        gather_parse_shape(it->shape, gshape, &ndim) < 0) {
+        dcp_parse_shape(it->shape, gshape, &ndim, "shape") < 0) {
         goto done;
     }
     plseq = dcp_sequence_fast(pls, "placements");
@@ -652,11 +423,11 @@ plan_item(PyObject *module,
         goto done;
     }
     for (Py_ssize_t m = 0; m < mdim; m++) {
-        if (gather_placement(
-                PySequence_Fast_GET_ITEM(plseq, m), classes, &pl[m]) < 0) {
+        if (dcp_encode_placement(
+                st, PySequence_Fast_GET_ITEM(plseq, m), classes, &pl[m]) < 0) {
             goto done;
         }
-        if (pl[m].kind == G_PARTIAL) {
+        if (pl[m].kind == PL_PARTIAL) {
             PyErr_SetString(PyExc_ValueError,
                             "Partial placements cannot be gathered as state");
             goto done;
@@ -668,7 +439,7 @@ plan_item(PyObject *module,
         }
         PyTuple_SET_ITEM(enc, m, e);
     }
-    gt = gather_ssize_tuple(gshape, ndim);
+    gt = dcp_ssize_tuple(gshape, ndim);
     if (gt == NULL) {
         goto done;
     }
@@ -678,19 +449,22 @@ plan_item(PyObject *module,
     if (*sig == NULL) {
         goto done;
     }
-    if (mdim == 1 && ndim >= 1 && pl[0].kind == G_SHARD && pl[0].dim == 0) {
+    if (mdim == 1 && ndim >= 1 && pl[0].kind == PL_SHARD && pl[0].dim == 0) {
         /* even: torch.chunk rows, closed form */
         Py_ssize_t row = 1;
         for (Py_ssize_t d = 1; d < ndim; d++) {
-            if ((row = gather_mul(row, gshape[d])) < 0) {
+            if ((row = dcp_size_product(row, gshape[d], "gather plan")) < 0) {
                 goto done;
             }
         }
         Py_ssize_t rows = gshape[0];
         Py_ssize_t chunk = rows / world + (rows % world != 0);
-        Py_ssize_t row_bytes = gather_mul(row, it->itemsize);
-        Py_ssize_t seg = row_bytes < 0 ? -1 : gather_mul(row_bytes, chunk);
-        if (seg < 0 || gather_mul(row_bytes, rows) < 0) {
+        Py_ssize_t row_bytes =
+            dcp_size_product(row, it->itemsize, "gather plan");
+        Py_ssize_t seg =
+            row_bytes < 0 ? -1
+                          : dcp_size_product(row_bytes, chunk, "gather plan");
+        if (seg < 0 || dcp_size_product(row_bytes, rows, "gather plan") < 0) {
             goto done;
         }
         it->rows = rows;
@@ -700,58 +474,50 @@ plan_item(PyObject *module,
         rc = 0;
         goto done;
     }
-    /* general: every rank's layout */
-    if (*coords == NULL) {
-        *coords = gather_mesh_coords(mshape, mdim, world);
-        if (*coords == NULL) {
-            goto done;
-        }
-    }
-    PyObject *mt = gather_ssize_tuple(mshape, mdim);
-    if (mt == NULL) {
-        goto done;
-    }
-    PyObject *sl_args[4] = {gt, mt, enc, *coords};
-    PyObject *layouts = dcp_shard_layouts(module, sl_args, 4);
-    Py_DECREF(mt);
-    if (layouts == NULL) {
-        goto done;
-    }
+    /* general: every rank's layout, in row-major mesh order */
     it->layouts = PyList_New(world);
     if (it->layouts == NULL) {
-        Py_DECREF(layouts);
         goto done;
     }
     Py_ssize_t seg = 0;
+    Py_ssize_t coord[DCP_MAX_DIMS] = {0};
     for (Py_ssize_t r = 0; r < world; r++) {
-        PyObject *lay = PyList_GET_ITEM(layouts, r);
-        PyObject *lshape = PyTuple_GET_ITEM(lay, 0);
-        Py_ssize_t nbytes = gather_nbytes(lshape, it->itemsize);
-        if (nbytes < 0) {
-            Py_DECREF(layouts);
+        PyObject *lay =
+            dcp_shard_layout(gshape, ndim, mshape, mdim, coord, pl);
+        if (lay == NULL) {
             goto done;
         }
-        seg = nbytes > seg ? nbytes : seg;
+        PyObject *lshape = PyTuple_GET_ITEM(lay, 0);
+        Py_ssize_t nbytes =
+            dcp_shape_nbytes(lshape, it->itemsize, "gather plan");
         /* a rank holding a replica of data another rank provides (a
          * non-zero coordinate along a Replicate dimension) sends nothing
          * that is read */
         int replica = 0;
-        Py_ssize_t rest = r;
-        for (Py_ssize_t m = mdim - 1; m >= 0; m--) {
-            replica |= pl[m].kind == G_REPLICATE && rest % mshape[m] != 0;
-            rest /= mshape[m];
+        for (Py_ssize_t m = 0; m < mdim; m++) {
+            replica |= pl[m].kind == PL_REPLICATE && coord[m] != 0;
         }
-        PyObject *entry =
-            replica ? Py_NewRef(Py_None)
+        PyObject *entry = NULL;
+        if (nbytes >= 0) {
+            entry =
+                replica
+                    ? Py_NewRef(Py_None)
                     : Py_BuildValue(
                           "(nOO)", nbytes, lshape, PyTuple_GET_ITEM(lay, 1));
+        }
+        Py_DECREF(lay);
         if (entry == NULL) {
-            Py_DECREF(layouts);
             goto done;
         }
         PyList_SET_ITEM(it->layouts, r, entry);
+        seg = nbytes > seg ? nbytes : seg;
+        for (Py_ssize_t m = mdim - 1; m >= 0; m--) {
+            if (++coord[m] < mshape[m]) {
+                break;
+            }
+            coord[m] = 0;
+        }
     }
-    Py_DECREF(layouts);
     it->seg = seg;
     rc = 0;
 done:
@@ -766,8 +532,7 @@ done:
 /* The plan of one mesh's tensors: (mesh, plan, signature, leaf_indices,
  * budget).  New tuple or NULL. */
 static PyObject *
-plan_mesh(PyObject *module,
-          dcp_state *st,
+plan_mesh(dcp_state *st,
           PyObject *mesh,
           PyObject *idxs,
           PyObject *leaves,
@@ -776,20 +541,20 @@ plan_mesh(PyObject *module,
           Py_ssize_t floor_bytes)
 {
     Py_ssize_t nt = PyList_GET_SIZE(idxs);
-    Py_ssize_t mshape[GATHER_MAX_DIMS], mdim, world = 1;
-    PyObject *coords = NULL, *signature = NULL, *result = NULL;
+    Py_ssize_t mshape[DCP_MAX_DIMS], mdim, world = 1;
+    PyObject *signature = NULL, *result = NULL;
     dcp_GatherPlan *p = NULL;
     PyObject *shape_obj = PyObject_GetAttr(mesh, st->str_shape);
     if (shape_obj == NULL) {
         return NULL;
     }
-    int bad = gather_parse_shape(shape_obj, mshape, &mdim);
+    int bad = dcp_parse_shape(shape_obj, mshape, &mdim, "shape");
     Py_DECREF(shape_obj);
     if (bad < 0) {
         return NULL;
     }
     for (Py_ssize_t m = 0; m < mdim; m++) {
-        if ((world = gather_mul(world, mshape[m])) < 0) {
+        if ((world = dcp_size_product(world, mshape[m], "gather plan")) < 0) {
             return NULL;
         }
     }
@@ -808,14 +573,12 @@ plan_mesh(PyObject *module,
         p->nitems = t + 1; /* traverse / clear see the filled items */
         it->leaf = PyLong_AsSsize_t(PyList_GET_ITEM(idxs, t));
         PyObject *sig = NULL;
-        if (plan_item(module,
-                      st,
+        if (plan_item(st,
                       PySequence_Fast_GET_ITEM(leaves, it->leaf),
                       classes,
                       mshape,
                       mdim,
                       world,
-                      &coords,
                       it,
                       &sig) < 0) {
             Py_XDECREF(sig);
@@ -829,9 +592,9 @@ plan_mesh(PyObject *module,
          * floor, at most the given budget */
         Py_ssize_t largest = 0;
         for (Py_ssize_t t = 0; t < nt; t++) {
-            Py_ssize_t a = p->items[t].seg > PY_SSIZE_T_MAX - GATHER_ALIGN
+            Py_ssize_t a = p->items[t].seg > PY_SSIZE_T_MAX - DCP_ALIGN
                                ? PY_SSIZE_T_MAX
-                               : gather_align_up(p->items[t].seg);
+                               : dcp_align_up(p->items[t].seg);
             largest = a > largest ? a : largest;
         }
         largest = largest > budget / world ? budget : largest * world;
@@ -843,11 +606,11 @@ plan_mesh(PyObject *module,
     Py_ssize_t used = 0;
     for (Py_ssize_t t = 0; t < nt; t++) {
         gitem_t *it = &p->items[t];
-        if (it->seg > PY_SSIZE_T_MAX - GATHER_ALIGN) {
+        if (it->seg > PY_SSIZE_T_MAX - DCP_ALIGN) {
             PyErr_SetString(PyExc_OverflowError, "segment size too large");
             goto done;
         }
-        Py_ssize_t sz = gather_align_up(it->seg);
+        Py_ssize_t sz = dcp_align_up(it->seg);
         Py_ssize_t open = t - p->first[p->nbuckets];
         if (open > 0 && sz > mesh_budget / world - used) {
             p->segment[p->nbuckets] = used;
@@ -865,7 +628,6 @@ plan_mesh(PyObject *module,
     }
     result = Py_BuildValue("(OOOOn)", mesh, p, signature, idxs, mesh_budget);
 done:
-    Py_XDECREF(coords);
     Py_XDECREF(signature);
     Py_XDECREF(p);
     return result;
@@ -962,8 +724,7 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     result = PyList_New(PyList_GET_SIZE(members));
     for (Py_ssize_t g = 0; result != NULL && g < PyList_GET_SIZE(members);
          g++) {
-        PyObject *plan = plan_mesh(module,
-                                   st,
+        PyObject *plan = plan_mesh(st,
                                    PyList_GET_ITEM(meshes, g),
                                    PyList_GET_ITEM(members, g),
                                    leaves,
@@ -1021,22 +782,15 @@ dcp_pack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (b < 0) {
         return NULL;
     }
-    PyObject *minus_one = PyLong_FromLong(-1);
-    if (minus_one == NULL) {
-        return NULL;
-    }
     /* the plan stays alive (args[1]) while its items are used */
     for (Py_ssize_t i = p->first[b]; i < p->first[b + 1]; i++) {
         const gitem_t *it = &p->items[i];
         if (item_ready(it) < 0) {
-            goto error;
+            return NULL;
         }
-        PyObject *flat = gather_call1(st->str_reshape, it->local, minus_one);
-        PyObject *bytes =
-            flat ? gather_call1(st->str_view, flat, args[3]) : NULL;
-        Py_XDECREF(flat);
+        PyObject *bytes = dcp_tensor_bytes(st, it->local, args[3]);
         if (bytes == NULL) {
-            goto error;
+            return NULL;
         }
         Py_ssize_t n = PyObject_Length(bytes);
         int rc = n < 0 ? -1 : 0;
@@ -1046,20 +800,16 @@ dcp_pack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             rc = -1;
         }
         if (rc == 0 && n > 0) {
-            PyObject *win = gather_slice(args[0], it->offset, it->offset + n);
-            rc = win ? gather_copy(st, win, bytes) : -1;
+            PyObject *win = dcp_slice(args[0], it->offset, it->offset + n);
+            rc = win ? dcp_copy_into(st, win, bytes) : -1;
             Py_XDECREF(win);
         }
         Py_DECREF(bytes);
         if (rc < 0) {
-            goto error;
+            return NULL;
         }
     }
-    Py_DECREF(minus_one);
     Py_RETURN_NONE;
-error:
-    Py_DECREF(minus_one);
-    return NULL;
 }
 
 /* The gathered buffer as [world, segment / itemsize] of `dtype`, cached
@@ -1084,7 +834,7 @@ typed_grid(dcp_state *st,
                         "segment not a multiple of itemsize");
         return NULL;
     }
-    PyObject *typed = gather_call1(st->str_view, buffer, it->dtype);
+    PyObject *typed = dcp_call_method1(st->str_view, buffer, it->dtype);
     grid =
         typed ? gather_view2(st, typed, world, segment / it->itemsize) : NULL;
     Py_XDECREF(typed);
@@ -1114,10 +864,10 @@ unpack_even(dcp_state *st, PyObject *grid, const gitem_t *it, PyObject *full)
         goto done;
     }
     if (q > 0) {
-        PyObject *src = gather_slice(cols, 0, q);
-        PyObject *part = src ? gather_slice(flat, 0, q * c * re) : NULL;
+        PyObject *src = dcp_slice(cols, 0, q);
+        PyObject *part = src ? dcp_slice(flat, 0, q * c * re) : NULL;
         PyObject *dst = part ? gather_view2(st, part, q, c * re) : NULL;
-        int ok = dst != NULL && gather_copy(st, dst, src) == 0;
+        int ok = dst != NULL && dcp_copy_into(st, dst, src) == 0;
         Py_XDECREF(src);
         Py_XDECREF(part);
         Py_XDECREF(dst);
@@ -1126,11 +876,11 @@ unpack_even(dcp_state *st, PyObject *grid, const gitem_t *it, PyObject *full)
         }
     }
     if (rem > 0) {
-        PyObject *row = gather_slice(cols, q, q + 1);
+        PyObject *row = dcp_slice(cols, q, q + 1);
         PyObject *src = row ? gather_columns(row, 0, rem * re) : NULL;
-        PyObject *part = src ? gather_slice(flat, q * c * re, n * re) : NULL;
+        PyObject *part = src ? dcp_slice(flat, q * c * re, n * re) : NULL;
         PyObject *dst = part ? gather_view2(st, part, 1, rem * re) : NULL;
-        int ok = dst != NULL && gather_copy(st, dst, src) == 0;
+        int ok = dst != NULL && dcp_copy_into(st, dst, src) == 0;
         Py_XDECREF(row);
         Py_XDECREF(src);
         Py_XDECREF(part);
@@ -1157,14 +907,7 @@ block_is_rows(PyObject *block,
               Py_ssize_t *rows)
 {
     PyObject *ls, *gs, *ln;
-    if (!dcp_parse_tuple(block,
-                         "O!O!O!",
-                         &PyTuple_Type,
-                         &ls,
-                         &PyTuple_Type,
-                         &gs,
-                         &PyTuple_Type,
-                         &ln)) {
+    if (dcp_parse_block(block, &ls, &gs, &ln) < 0) {
         return -1;
     }
     Py_ssize_t nd = PyTuple_GET_SIZE(gshape);
@@ -1290,18 +1033,18 @@ row_pieces(dcp_state *st,
         goto done;
     }
     if (view == NULL) {
-        view = gather_call1(st->str_view, buffer, it->dtype);
+        view = dcp_call_method1(st->str_view, buffer, it->dtype);
         if (view == NULL || PyDict_SetItem(typed, it->dtype, view) < 0) {
             goto done;
         }
     }
     pieces = PyList_New(count);
     for (Py_ssize_t i = 0; pieces != NULL && i < count; i++) {
-        PyObject *flat = gather_slice(
+        PyObject *flat = dcp_slice(
             view, pc[i].start / isz, (pc[i].start + pc[i].nbytes) / isz);
         PyObject *piece = flat;
         if (flat != NULL && PyTuple_GET_SIZE(pc[i].lshape) > 1) {
-            piece = gather_call1(st->str_view, flat, pc[i].lshape);
+            piece = dcp_call_method1(st->str_view, flat, pc[i].lshape);
             Py_DECREF(flat);
         }
         if (piece == NULL) {
@@ -1324,8 +1067,7 @@ done:
  * row pieces when it can, else into `full` block by block.  Returns the
  * full tensor (new reference) or NULL. */
 static PyObject *
-unpack_general(PyObject *module,
-               dcp_state *st,
+unpack_general(dcp_state *st,
                PyObject *buffer,
                Py_ssize_t segment,
                const gitem_t *it,
@@ -1367,22 +1109,17 @@ unpack_general(PyObject *module,
             continue;
         }
         Py_ssize_t at = r * segment + it->offset;
-        PyObject *win = gather_slice(buffer, at, at + nbytes);
+        PyObject *win = dcp_slice(buffer, at, at + nbytes);
         PyObject *piece =
-            win ? gather_typed_view(st, win, it->dtype, lshape) : NULL;
+            win ? dcp_typed_view(st, win, it->dtype, lshape) : NULL;
         Py_XDECREF(win);
-        PyObject *none = NULL;
-        if (piece != NULL) {
-            PyObject *dir = PyLong_FromLong(0);
-            PyObject *cb[5] = {full, piece, blocks, dir, Py_None};
-            none = dir ? dcp_copy_blocks(module, cb, 5) : NULL;
-            Py_XDECREF(dir);
-        }
+        int rc = piece == NULL
+                     ? -1
+                     : dcp_copy_block_list(full, piece, blocks, 0, 0, -1);
         Py_XDECREF(piece);
-        if (none == NULL) {
+        if (rc < 0) {
             goto error;
         }
-        Py_DECREF(none);
     }
     Py_DECREF(lseq);
     return full;
@@ -1461,13 +1198,13 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         else {
             full = unpack_general(
-                module, st, buffer, segment, it, flats, cat, empty, kwargs);
+                st, buffer, segment, it, flats, cat, empty, kwargs);
             if (full == NULL) {
                 goto error;
             }
         }
         if (offload != Py_None) {
-            Py_SETREF(full, gather_call1(st->str_to, full, offload));
+            Py_SETREF(full, dcp_call_method1(st->str_to, full, offload));
             if (full == NULL) {
                 goto error;
             }

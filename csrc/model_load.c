@@ -8,17 +8,16 @@
 /* A shallow copy of `sd` that keeps its type and the `_metadata`
  * attribute model.load_state_dict reads version information from. */
 static PyObject *
-copy_state_dict(PyObject *sd)
+copy_state_dict(dcp_state *st, PyObject *sd)
 {
     if (PyDict_CheckExact(sd)) {
         return PyDict_Copy(sd);
     }
-    PyObject *copy = PyObject_CallMethod(sd, "copy", NULL);
+    PyObject *copy = PyObject_CallMethodNoArgs(sd, st->str_copy);
     if (copy == NULL) {
         return NULL;
     }
-    PyObject *meta = PyObject_GetAttrString(
-        sd, "_metadata"); /* cpylint-ignore: once per call */
+    PyObject *meta = PyObject_GetAttr(sd, st->str_metadata);
     if (meta == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             Py_DECREF(copy);
@@ -27,7 +26,7 @@ copy_state_dict(PyObject *sd)
         PyErr_Clear();
         return copy;
     }
-    int rc = PyObject_SetAttrString(copy, "_metadata", meta);
+    int rc = PyObject_SetAttr(copy, st->str_metadata, meta);
     Py_DECREF(meta);
     if (rc < 0) {
         Py_DECREF(copy);
@@ -135,7 +134,7 @@ dcp_rename_for_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         if (!copied) {
-            PyObject *copy = copy_state_dict(sd);
+            PyObject *copy = copy_state_dict(st, sd);
             if (copy == NULL) {
                 Py_DECREF(value);
                 goto done;
@@ -191,7 +190,7 @@ dcp_full_load_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     items = dcp_items_list(full);
-    merged = items ? copy_state_dict(full) : NULL;
+    merged = items ? copy_state_dict(st, full) : NULL;
     jobs = merged ? PyList_New(0) : NULL;
     if (jobs == NULL) {
         goto done;
@@ -251,12 +250,7 @@ dcp_full_load_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *detached =
                 PyObject_CallMethodNoArgs(value, st->str_detach);
             if (detached != NULL) {
-                PyObject *call[2] = {detached, device};
-                new_value = PyObject_VectorcallMethod(
-                    st->str_to,
-                    call,
-                    2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                    NULL);
+                new_value = dcp_call_method1(st->str_to, detached, device);
                 Py_DECREF(detached);
             }
         }

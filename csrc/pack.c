@@ -1,7 +1,7 @@
 /* Block and byte copies: moving the sub-boxes of a shard layout between a
- * shard and its full tensor (copy_blocks), and the bytes of tensors into
- * and out of bucket buffers (pack_bytes and the byte-window helpers the
- * gather, stream and row code share).
+ * shard and its full tensor (copy_blocks and dcp_copy_block_list), and the
+ * helpers the gather and full-load code share to move tensor bytes in and
+ * out of bucket buffers (slices, typed views, tensor bytes, copy_).
  *
  * Data only ever moves through torch ops (view, slicing, copy_) called
  * from here and through torch.distributed collectives called by Python.
@@ -99,7 +99,7 @@ PyDoc_STRVAR(
  * row_window: None, or (row_start, row_count) when src/dst holding the
  *   full tensor only holds those dim-0 rows; blocks are clipped to them.
  * Returns None. */
-PyObject *
+static PyObject *
 dcp_copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (dcp_check_nargs("copy_blocks", nargs, 5) < 0) {
@@ -227,22 +227,22 @@ dcp_copy_block_list(PyObject *dst,
 }
 
 /* ----------------------------------------------------------------------
- * Batched bucket copies (no Python loop per tensor)
+ * Byte windows and typed views of bucket buffers
  */
 
-/* A 1-D uint8 view of `buffer` bytes [offset, offset + nbytes). */
+/* obj[start:stop]. */
 PyObject *
-dcp_byte_window(PyObject *buffer, Py_ssize_t offset, Py_ssize_t nbytes)
+dcp_slice(PyObject *obj, Py_ssize_t start, Py_ssize_t stop)
 {
-    PyObject *a = PyLong_FromSsize_t(offset);
-    PyObject *b = a ? PyLong_FromSsize_t(offset + nbytes) : NULL;
+    PyObject *a = PyLong_FromSsize_t(start);
+    PyObject *b = a ? PyLong_FromSsize_t(stop) : NULL;
     PyObject *sl = b ? PySlice_New(a, b, NULL) : NULL;
     Py_XDECREF(a);
     Py_XDECREF(b);
     if (sl == NULL) {
         return NULL;
     }
-    PyObject *view = PyObject_GetItem(buffer, sl);
+    PyObject *view = PyObject_GetItem(obj, sl);
     Py_DECREF(sl);
     return view;
 }
@@ -254,15 +254,11 @@ dcp_typed_view(dcp_state *st,
                PyObject *dtype,
                PyObject *shape)
 {
-    PyObject *args1[2] = {window, dtype};
-    PyObject *typed = PyObject_VectorcallMethod(
-        st->str_view, args1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *typed = dcp_call_method1(st->str_view, window, dtype);
     if (typed == NULL) {
         return NULL;
     }
-    PyObject *args2[2] = {typed, shape};
-    PyObject *shaped = PyObject_VectorcallMethod(
-        st->str_view, args2, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *shaped = dcp_call_method1(st->str_view, typed, shape);
     Py_DECREF(typed);
     return shaped;
 }
@@ -276,16 +272,12 @@ dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8)
     if (minus_one == NULL) {
         return NULL;
     }
-    PyObject *rargs[2] = {tensor, minus_one};
-    PyObject *flat = PyObject_VectorcallMethod(
-        st->str_reshape, rargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *flat = dcp_call_method1(st->str_reshape, tensor, minus_one);
     Py_DECREF(minus_one);
     if (flat == NULL) {
         return NULL;
     }
-    PyObject *args[2] = {flat, uint8};
-    PyObject *bytes = PyObject_VectorcallMethod(
-        st->str_view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *bytes = dcp_call_method1(st->str_view, flat, uint8);
     Py_DECREF(flat);
     return bytes;
 }
@@ -293,63 +285,9 @@ dcp_tensor_bytes(dcp_state *st, PyObject *tensor, PyObject *uint8)
 int
 dcp_copy_into(dcp_state *st, PyObject *dst, PyObject *src)
 {
-    PyObject *args[2] = {dst, src};
-    PyObject *r = PyObject_VectorcallMethod(
-        st->str_copy_, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *r = dcp_call_method1(st->str_copy_, dst, src);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
-}
-
-PyDoc_STRVAR(dcp_pack_bytes__doc__,
-             "pack_bytes(buffer, items, uint8, /)\n--\n\n"
-             "Copy tensors' bytes into a bucket buffer at given offsets.");
-
-/* pack_bytes(buffer, items, uint8)
- *
- * items: [(tensor, byte_offset), ...] -- each tensor's bytes are copied
- * into buffer[offset : offset + nbytes].  Empty tensors are skipped. */
-static PyObject *
-dcp_pack_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    dcp_state *st = dcp_get_state(module);
-    if (dcp_check_nargs("pack_bytes", nargs, 3) < 0) {
-        return NULL;
-    }
-    PyObject *seq = dcp_sequence_fast(args[1], "items must be a sequence");
-    if (seq == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        PyObject *tensor;
-        Py_ssize_t offset;
-        if (!dcp_parse_tuple(
-                PySequence_Fast_GET_ITEM(seq, i), "On", &tensor, &offset)) {
-            goto error;
-        }
-        PyObject *bytes = dcp_tensor_bytes(st, tensor, args[2]);
-        if (bytes == NULL) {
-            goto error;
-        }
-        Py_ssize_t n = PyObject_Length(bytes);
-        int rc = -1;
-        if (n == 0) {
-            rc = 0;
-        }
-        else if (n > 0) {
-            PyObject *win = dcp_byte_window(args[0], offset, n);
-            rc = win ? dcp_copy_into(st, win, bytes) : -1;
-            Py_XDECREF(win);
-        }
-        Py_DECREF(bytes);
-        if (rc < 0) {
-            goto error;
-        }
-    }
-    Py_DECREF(seq);
-    Py_RETURN_NONE;
-error:
-    Py_DECREF(seq);
-    return NULL;
 }
 
 PyMethodDef dcp_pack_methods[] = {
@@ -357,9 +295,5 @@ PyMethodDef dcp_pack_methods[] = {
      DCP_FASTCALL(dcp_copy_blocks),
      METH_FASTCALL,
      dcp_copy_blocks__doc__},
-    {"pack_bytes",
-     DCP_FASTCALL(dcp_pack_bytes),
-     METH_FASTCALL,
-     dcp_pack_bytes__doc__},
     {NULL, NULL, 0, NULL},
 };

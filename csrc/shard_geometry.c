@@ -95,8 +95,8 @@ runs_select(const runlist_t *in, Py_ssize_t a, Py_ssize_t len, runlist_t *out)
 /* a * b for sizes (a, b >= 0); -1 with OverflowError naming `what`
  * when the product does not fit a Py_ssize_t (a (2**31, 2**31) float
  * tensor must not plan as 0 bytes). */
-static Py_ssize_t
-size_product(Py_ssize_t a, Py_ssize_t b, const char *what)
+Py_ssize_t
+dcp_size_product(Py_ssize_t a, Py_ssize_t b, const char *what)
 {
     if (a < 0 || b < 0) {
         PyErr_Format(PyExc_ValueError, "%s: negative size", what);
@@ -115,13 +115,17 @@ size_product(Py_ssize_t a, Py_ssize_t b, const char *what)
 Py_ssize_t
 dcp_shape_nbytes(PyObject *shape, Py_ssize_t itemsize, const char *what)
 {
+    if (!PyTuple_Check(shape)) {
+        PyErr_Format(PyExc_TypeError, "%s: shape is a tuple", what);
+        return -1;
+    }
     Py_ssize_t n = itemsize;
     for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++) {
         Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
         if (dim == -1 && PyErr_Occurred()) {
             return -1;
         }
-        if ((n = size_product(n, dim, what)) < 0) {
+        if ((n = dcp_size_product(n, dim, what)) < 0) {
             return -1;
         }
     }
@@ -192,7 +196,9 @@ dcp_parse_shape(PyObject *obj,
                 Py_ssize_t *n,
                 const char *what)
 {
-    PyObject *seq = dcp_sequence_fast(obj, what);
+    char message[128];
+    PyOS_snprintf(message, sizeof(message), "%s must be a sequence", what);
+    PyObject *seq = dcp_sequence_fast(obj, message);
     if (seq == NULL) {
         return -1;
     }
@@ -376,7 +382,7 @@ PyDoc_STRVAR(
 
 /* shard_layouts(global_shape, mesh_shape, placements, coords)
  *   -> [(local_shape, blocks) per coordinate] */
-PyObject *
+static PyObject *
 dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t gshape[DCP_MAX_DIMS], mesh[DCP_MAX_DIMS];
@@ -439,7 +445,10 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* Encodes one Placement object as (kind, dim, split_factor). */
 int
-dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
+dcp_encode_placement(dcp_state *st,
+                     PyObject *p,
+                     PyObject *classes,
+                     placement_t *out)
 {
     /* classes: (Shard, _StridedShard, Replicate) */
     PyObject *shard = PyTuple_GET_ITEM(classes, 0);
@@ -468,8 +477,7 @@ dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
     out->dim = 0;
     out->split_factor = 1;
     if (kind == PL_SHARD || kind == PL_STRIDED) {
-        PyObject *dim = PyObject_GetAttrString(
-            p, "dim"); /* cpylint-ignore: placement objects, cold */
+        PyObject *dim = PyObject_GetAttr(p, st->str_dim);
         out->dim = dim ? PyLong_AsSsize_t(dim) : -1;
         Py_XDECREF(dim);
         if (out->dim < 0) {
@@ -480,8 +488,7 @@ dcp_encode_placement(PyObject *p, PyObject *classes, placement_t *out)
         }
     }
     if (kind == PL_STRIDED) {
-        PyObject *sf = PyObject_GetAttrString(
-            p, "split_factor"); /* cpylint-ignore: cold */
+        PyObject *sf = PyObject_GetAttr(p, st->str_split_factor);
         out->split_factor = sf ? PyLong_AsSsize_t(sf) : -1;
         Py_XDECREF(sf);
         if (out->split_factor < 1) {

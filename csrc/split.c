@@ -569,10 +569,8 @@ split_one(dcp_state *st,
                  * on this rank) has no state to miss. */
                 int trainable = requires_grad(st, PyList_GET_ITEM(params, i));
                 if (trainable > 0) {
-                    PyObject *n = PyObject_CallMethod(
-                        PyList_GET_ITEM(params, i),
-                        "numel",
-                        NULL); /* cpylint-ignore: missing-state path only */
+                    PyObject *n = PyObject_CallMethodNoArgs(
+                        PyList_GET_ITEM(params, i), st->str_numel);
                     Py_ssize_t numel = n ? PyLong_AsSsize_t(n) : -1;
                     Py_XDECREF(n);
                     trainable = numel < 0 ? -1 : numel > 0;
@@ -784,12 +782,11 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
             return PyObject_VectorcallMethod(
                 st->str_to, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         }
-        PyObject *args[2] = {value,
-                             c->step_on_device == STEP_ON_DEVICE
-                                 ? c->device
-                                 : c->ctx->cpu_device};
-        return PyObject_VectorcallMethod(
-            st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        return dcp_call_method1(st->str_to,
+                                value,
+                                c->step_on_device == STEP_ON_DEVICE
+                                    ? c->device
+                                    : c->ctx->cpu_device);
     }
     PyObject *dtype = NULL;
     if (c->floating && live != NULL) {
@@ -829,9 +826,7 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
         Py_DECREF(dtype);
     }
     else {
-        PyObject *args[2] = {value, c->device};
-        result = PyObject_VectorcallMethod(
-            st->str_to, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        result = dcp_call_method1(st->str_to, value, c->device);
     }
     return result;
 }

@@ -243,9 +243,8 @@ dcp_tensors_to(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *call[2] = {PyList_GET_ITEM(seq, i), args[1]};
-        PyObject *moved = PyObject_VectorcallMethod(
-            st->str_to, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *moved =
+            dcp_call_method1(st->str_to, PyList_GET_ITEM(seq, i), args[1]);
         if (moved == NULL) {
             Py_DECREF(seq);
             Py_DECREF(out);

@@ -159,9 +159,6 @@ def optim_remap(index: Any, optimizer: Any, osd: Any, /) -> Any:
 def optim_state_jobs(index: Any, state: Any, dtensor_cls: Any, mode: Any, from_local: Any, existing: Any = None, /) -> Any:
     """Copy loaded optimizer state and list the tensors to localise."""
 
-def pack_bytes(buffer: Any, items: Any, uint8: Any, /) -> Any:
-    """Copy tensors' bytes into a bucket buffer at given offsets."""
-
 def parse_flat_key(key: str, known: set[str] | frozenset[str] | None, /) -> tuple[str, str, str] | None:
     """One key of the flattened optimizer format, parsed as unflatten_optim does."""
 

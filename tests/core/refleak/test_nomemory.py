@@ -37,7 +37,6 @@ pytestmark = pytest.mark.skipif(
 SWEPT = [
     "shard_layouts",
     "copy_blocks",
-    "pack_bytes",
     "pack_bucket",
     "unpack_bucket",
     "plan_gather",

@@ -793,6 +793,11 @@ def _():
     C.shard_layouts((8,), (2,), [(9, 0, 1)], [(0,)])
 
 
+@case("shard_layouts", "shape-not-a-sequence", TypeError, "global_shape must be a sequence")
+def _():
+    C.shard_layouts(8, (2,), [(1, 0, 1)], [(0,)])
+
+
 @case("shard_layouts", "coordinate", ValueError, "outside the mesh")
 def _():
     C.shard_layouts((8,), (2,), [(1, 0, 1)], [(2,)])
@@ -807,16 +812,6 @@ def _():
 @case("copy_blocks", "bad-block", TypeError)
 def _():
     C.copy_blocks(FakeTensor(), FakeTensor(), [1], 0, None)
-
-
-@case("pack_bytes", "ok")
-def _():
-    C.pack_bytes(FakeTensor((64,), UINT8), [(FakeTensor((2,)), 0), (FakeTensor((0,)), 16)], UINT8)
-
-
-@case("pack_bytes", "bad-item", TypeError)
-def _():
-    C.pack_bytes(FakeTensor((64,), UINT8), [(FakeTensor(),)], UINT8)
 
 
 def _gather_plan(leaves, budget=1 << 20, mesh=None):
