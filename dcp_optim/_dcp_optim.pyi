@@ -158,7 +158,7 @@ def plan_full_load(jobs: Any, dtensor_cls: Any, classes: Any, budget: Any, empty
 def plan_gather(leaves: Any, dtensor_cls: Any, placement_classes: Any, budget: Any, floor: Any = 0, /) -> Any:
     """Bucketed gather plans for the DTensor leaves, per mesh."""
 
-def prepare_install(ctx: Any, optimizer: Any, split_dict: Any, expected: Any, /) -> Any:
+def prepare_install(ctx: Any, optimizer: Any, split_dict: Any, expected: Any, aliased: Any = False, /) -> Any:
     """The (state, param_groups) Optimizer.load_state_dict would install, without its quadratic scan."""
 
 def rename_for_load(index: Any, state_dict: Any, strict: Any, rename: Any, want_local: Any, /) -> Any:
