@@ -556,3 +556,27 @@ def test_an_optimizer_load_of_other_state_is_cast(monkeypatch, change):
     _assert_same_state(o_opt.state_dict(), t_opt.state_dict())
     for a, b in zip(_next_step(ours, o_opt), _next_step(theirs, t_opt)):
         assert torch.equal(a, b)
+
+
+def test_an_optimizer_load_under_a_torch_function_mode_is_cast(monkeypatch):
+    """A __torch_function__ mode could intercept the cast's .to(): under
+    one, the optimizer's own state is cast as torch's load would, and the
+    mode sees those calls."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "to":
+                seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model, optim = _stepped()
+    osd = dcp_optim.get_optimizer_state_dict(model, optim)
+    ids = _state_ids(optim)
+    with _ToCounter(monkeypatch) as load, Mode():
+        dcp_optim.set_optimizer_state_dict(model, optim, osd)
+    n = sum(len(s) for s in optim.state.values())
+    assert load.calls >= n and len(seen) >= n
+    assert _state_ids(optim) == ids
