@@ -91,6 +91,32 @@ done:
     return NULL; /* error set when ok < 0 */
 }
 
+/* The parameter's shape, device and (DTensors) local shape, as new
+ * references (lshape stays NULL for plain parameters).  0 / -1. */
+static int
+param_geometry(dcp_state *st,
+               PyObject *param,
+               int param_dt,
+               PyObject **pshape,
+               PyObject **device,
+               PyObject **lshape)
+{
+    *pshape = PyObject_GetAttr(param, st->str_shape);
+    *device = *pshape ? PyObject_GetAttr(param, st->str_device) : NULL;
+    if (*device == NULL) {
+        return -1;
+    }
+    if (param_dt) {
+        PyObject *local = PyObject_GetAttr(param, st->str_local_tensor);
+        *lshape = local ? PyObject_GetAttr(local, st->str_shape) : NULL;
+        Py_XDECREF(local);
+        if (*lshape == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(dcp_optim_state_jobs__doc__,
              "optim_state_jobs(index, state, dtensor_cls, mode, from_local,"
              " existing=None, /)"
@@ -185,16 +211,13 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (found) {
             param_dt = PyObject_IsInstance(param, dtensor_cls);
-            pshape =
-                param_dt >= 0 ? PyObject_GetAttr(param, st->str_shape) : NULL;
-            device = pshape ? PyObject_GetAttr(param, st->str_device) : NULL;
-            ok = device != NULL;
-            if (ok && param_dt) {
-                PyObject *local =
-                    PyObject_GetAttr(param, st->str_local_tensor);
-                lshape = local ? PyObject_GetAttr(local, st->str_shape) : NULL;
-                Py_XDECREF(local);
-                ok = lshape != NULL;
+            ok = param_dt >= 0;
+            /* Sharded loads only convert plain tensors of DTensor
+             * parameters: the parameter's shapes are read at the first
+             * one (none in the DCP resume, all DTensors). */
+            if (ok && mode == 0) {
+                ok = param_geometry(
+                         st, param, param_dt, &pshape, &device, &lshape) == 0;
             }
         }
         /* walk the entry (nested dicts), copying containers */
@@ -246,11 +269,21 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     ok = 0;
                     break;
                 }
-                if (val_dt) {
-                    continue; /* already sharded */
+                if (val_dt || (mode == 1 && !param_dt)) {
+                    continue; /* already sharded / nothing to shard */
                 }
                 PyObject *vshape = PyObject_GetAttr(val, st->str_shape);
                 PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
+                if (vt != NULL && mode == 1 && PyTuple_GET_SIZE(vt) == 0) {
+                    Py_DECREF(vshape);
+                    Py_DECREF(vt);
+                    continue; /* a 0-dim value (`step`) is kept as is */
+                }
+                if (vt != NULL && pshape == NULL &&
+                    param_geometry(
+                        st, param, param_dt, &pshape, &device, &lshape) < 0) {
+                    Py_CLEAR(vt);
+                }
                 PyObject *pt =
                     (vt && pshape) ? PySequence_Tuple(pshape) : NULL;
                 Py_XDECREF(vshape);

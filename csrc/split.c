@@ -923,6 +923,97 @@ done:
     return result;
 }
 
+/* One value of aliased_entry: 1 / 0 / -1. */
+static int
+aliased_value(dcp_cast_ctx *c, PyObject *key, PyObject *v, PyObject *live)
+{
+    dcp_state *st = c->st;
+    dcp_Context *ctx = c->ctx;
+    PyObject *held = NULL;
+    int found = dcp_dict_get_ref(live, key, &held);
+    if (found <= 0) {
+        return found;
+    }
+    int same = held == v;
+    Py_DECREF(held);
+    if (!same) {
+        return 0;
+    }
+    PyTypeObject *type = Py_TYPE(v);
+    if (type != (PyTypeObject *)ctx->tensor_type &&
+        (ctx->dtensor_type == Py_None ||
+         type != (PyTypeObject *)ctx->dtensor_type)) {
+        if (PyDict_Check(v) || PyList_Check(v) || PyTuple_Check(v)) {
+            return 0; /* the cast copies containers */
+        }
+        int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
+        return is_tensor < 0 ? -1 : !is_tensor;
+    }
+    int is_step = 0;
+    if (PyUnicode_Check(key)) {
+        int cmp = PyUnicode_Compare(key, st->str_step);
+        if (cmp == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        is_step = cmp == 0;
+    }
+    PyObject *want = (is_step && c->step_on_device == STEP_ON_CPU)
+                         ? ctx->cpu_device
+                         : c->device;
+    PyObject *device = PyObject_GetAttr(v, st->str_device);
+    if (device == NULL) {
+        return -1;
+    }
+    same = PyObject_RichCompareBool(device, want, Py_EQ);
+    Py_DECREF(device);
+    if (same <= 0 || !is_step || c->step_on_device != STEP_ON_DEVICE_F32) {
+        return same;
+    }
+    PyObject *dtype = PyObject_GetAttr(v, st->str_dtype);
+    if (dtype == NULL) {
+        return -1;
+    }
+    same = PyObject_RichCompareBool(dtype, ctx->float32, Py_EQ);
+    Py_DECREF(dtype);
+    return same;
+}
+
+/* Whether cast_value(c, value, NULL, live) would return a dict of the
+ * very objects `value` holds, as torch's _cast does for the optimizer's
+ * own state: `value` and `live` exact dicts, every value of `value` the
+ * object `live` holds under the same key, and each a tensor of exactly
+ * torch.Tensor or DTensor (no __torch_function__ of its own) that the
+ * cast's .to() would return unchanged -- already on the device (and for
+ * a capturable/fused `step` of the dtype) it would be cast to; the dtype
+ * of the other keys is the live tensor's own, i.e. the same.  Non-tensor
+ * values other than containers are kept as they are by the cast too.
+ * The DCP resume: dcp.load writes in place into the tensors
+ * get_optimizer_state_dict returned, which are the optimizer's own.
+ * 1 (proven) / 0 (not proven: take the cast) / -1. */
+static int
+aliased_entry(dcp_cast_ctx *c, PyObject *value, PyObject *live)
+{
+    if (live == NULL || !PyDict_CheckExact(value) ||
+        !PyDict_CheckExact(live) ||
+        PyDict_GET_SIZE(value) != PyDict_GET_SIZE(live)) {
+        return 0;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *v;
+    while (PyDict_Next(value, &pos, &key, &v)) {
+        /* pinned: the checks below may run code (isinstance) */
+        Py_INCREF(key);
+        Py_INCREF(v);
+        int rc = aliased_value(c, key, v, live);
+        Py_DECREF(key);
+        Py_DECREF(v);
+        if (rc <= 0) {
+            return rc;
+        }
+    }
+    return 1;
+}
+
 /* Whether a group places `step` on the param's device. */
 static int
 group_step_on_device(dcp_state *st, PyObject *group)
@@ -967,6 +1058,78 @@ schema_step_on_device(dcp_state *st, PyObject *expected)
     return v == 3;
 }
 
+/* validate_state's check of a value the schema wants shaped like the
+ * parameter: a tensor of the parameter's shape `pshape`, floating (or
+ * complex) when the parameter is.  0 / -1. */
+static int
+validate_shaped(dcp_state *st,
+                dcp_Context *ctx,
+                PyObject *fqn,
+                PyObject *key,
+                PyObject *v,
+                PyObject *pshape,
+                int param_floating)
+{
+    PyObject *err =
+        ctx->err_value != Py_None ? ctx->err_value : PyExc_ValueError;
+    int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
+    if (is_tensor <= 0) {
+        if (is_tensor == 0) {
+            PyErr_Format(err,
+                         "optimizer state '%S' of parameter '%S' must be "
+                         "a tensor shaped like the parameter, got %.200s",
+                         key,
+                         fqn,
+                         Py_TYPE(v)->tp_name);
+        }
+        return -1;
+    }
+    PyObject *vshape = PyObject_GetAttr(v, st->str_shape);
+    int eq = vshape ? PyObject_RichCompareBool(vshape, pshape, Py_EQ) : -1;
+    if (eq == 0) { /* compared as tuples, whatever sequence .shape is */
+        PyObject *vt = PySequence_Tuple(vshape);
+        PyObject *pt = vt ? PySequence_Tuple(pshape) : NULL;
+        eq = pt ? PyObject_RichCompareBool(vt, pt, Py_EQ) : -1;
+        if (eq == 0) {
+            PyErr_Format(err,
+                         "optimizer state '%S' of parameter '%S' has "
+                         "shape %R, expected the parameter's shape %R",
+                         key,
+                         fqn,
+                         vt,
+                         pt);
+        }
+        Py_XDECREF(vt);
+        Py_XDECREF(pt);
+    }
+    Py_XDECREF(vshape);
+    if (eq != 1 || !param_floating) {
+        return eq == 1 ? 0 : -1;
+    }
+    PyObject *fl = PyObject_CallMethodNoArgs(v, st->str_is_floating_point);
+    int ok = fl ? PyObject_IsTrue(fl) : -1;
+    Py_XDECREF(fl);
+    if (ok == 0) { /* complex state of a floating parameter is accepted */
+        PyObject *cx = PyObject_CallMethodNoArgs(v, st->str_is_complex);
+        ok = cx ? PyObject_IsTrue(cx) : -1;
+        Py_XDECREF(cx);
+    }
+    if (ok == 0) {
+        PyObject *dt = PyObject_GetAttr(v, st->str_dtype);
+        if (dt != NULL) {
+            PyErr_Format(err,
+                         "optimizer state '%S' of parameter '%S' "
+                         "has dtype %R, expected a floating-point "
+                         "tensor",
+                         key,
+                         fqn,
+                         dt);
+            Py_DECREF(dt);
+        }
+    }
+    return ok == 1 ? 0 : -1;
+}
+
 /* Checks the loaded state of one parameter against its group's schema,
  * `expected`: dict state name -> 1 (the optimizer needs it), 2 (needs
  * it, a floating tensor shaped like the parameter) or 3 (needs it, kept
@@ -999,11 +1162,11 @@ validate_state(dcp_state *st,
         return 0;
     }
     PyObject *items = dcp_items_list(expected);
+    /* shapes compare as torch.Size (a tuple); tuples only for messages */
     PyObject *pshape = items ? PyObject_GetAttr(param, st->str_shape) : NULL;
-    PyObject *pt = pshape ? PySequence_Tuple(pshape) : NULL;
     PyObject *pfloat =
-        pt ? PyObject_CallMethodNoArgs(param, st->str_is_floating_point)
-           : NULL;
+        pshape ? PyObject_CallMethodNoArgs(param, st->str_is_floating_point)
+               : NULL;
     int param_floating = pfloat ? PyObject_IsTrue(pfloat) : -1;
     int rc = param_floating < 0 ? -1 : 0;
     for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(items); i++) {
@@ -1037,80 +1200,33 @@ validate_state(dcp_state *st,
             break;
         }
         if (need == 2) {
-            int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
-            if (is_tensor == 0) {
-                PyErr_Format(err,
-                             "optimizer state '%S' of parameter '%S' must be "
-                             "a tensor shaped like the parameter, got %.200s",
-                             key,
-                             fqn,
-                             Py_TYPE(v)->tp_name);
-                rc = -1;
-            }
-            else if (is_tensor < 0) {
-                rc = -1;
-            }
-            else {
-                PyObject *vshape = PyObject_GetAttr(v, st->str_shape);
-                PyObject *vt = vshape ? PySequence_Tuple(vshape) : NULL;
-                Py_XDECREF(vshape);
-                int eq = vt ? PyObject_RichCompareBool(vt, pt, Py_EQ) : -1;
-                if (eq == 0) {
-                    PyErr_Format(err,
-                                 "optimizer state '%S' of parameter '%S' has "
-                                 "shape %R, expected the parameter's shape %R",
-                                 key,
-                                 fqn,
-                                 vt,
-                                 pt);
-                }
-                rc = eq == 1 ? 0 : -1;
-                if (rc == 0 && param_floating) {
-                    PyObject *fl = PyObject_CallMethodNoArgs(
-                        v, st->str_is_floating_point);
-                    PyObject *cx =
-                        fl ? PyObject_CallMethodNoArgs(v, st->str_is_complex)
-                           : NULL;
-                    int ok =
-                        cx ? (PyObject_IsTrue(fl) || PyObject_IsTrue(cx)) : -1;
-                    if (ok == 0) {
-                        PyObject *dt = PyObject_GetAttr(v, st->str_dtype);
-                        PyErr_Format(err,
-                                     "optimizer state '%S' of parameter '%S' "
-                                     "has dtype %R, expected a floating-point "
-                                     "tensor",
-                                     key,
-                                     fqn,
-                                     dt ? dt : Py_None);
-                        Py_XDECREF(dt);
-                    }
-                    rc = ok == 1 ? 0 : -1;
-                    Py_XDECREF(fl);
-                    Py_XDECREF(cx);
-                }
-                Py_XDECREF(vt);
-            }
+            rc = validate_shaped(st, ctx, fqn, key, v, pshape, param_floating);
         }
         Py_DECREF(v);
     }
     Py_XDECREF(items);
     Py_XDECREF(pshape);
-    Py_XDECREF(pt);
     Py_XDECREF(pfloat);
     return rc;
 }
 
 PyDoc_STRVAR(
     dcp_prepare_install__doc__,
-    "prepare_install(ctx, optimizer, split_dict, expected, /)\n--\n\n"
+    "prepare_install(ctx, optimizer, split_dict, expected, aliased=False, /)"
+    "\n--\n\n"
     "The (state, param_groups) Optimizer.load_state_dict would install, "
     "without its quadratic scan.");
 
-/* prepare_install(ctx, optimizer, split_dict, expected)
+/* prepare_install(ctx, optimizer, split_dict, expected[, aliased])
  *   -> (state defaultdict, param_groups list)
  *
  * expected: None, or one entry per param group -- None or the dict
  * validate_state checks against (from the optimizer's schema).
+ * aliased (optional, default False): where aliased_entry proves that a
+ * parameter's loaded state is the optimizer's own state, which the cast
+ * would return unchanged, its dict is copied without the cast (the
+ * caller passes True only when no __torch_function__ mode is active,
+ * which could intercept the cast's .to()).  The checks are the same.
  *
  * Exactly what Optimizer.load_state_dict would pass to __setstate__ for
  * `split_dict` (whose "params" are FQNs aligned with the live groups),
@@ -1127,8 +1243,17 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     dcp_ptrmap live_map = {NULL, 0, 0};
 
-    if (dcp_check_nargs("prepare_install", nargs, 4) < 0 ||
-        !dcp_context_check(st, args[0])) {
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "prepare_install() takes 4 or 5 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    if (!dcp_context_check(st, args[0])) {
+        return NULL;
+    }
+    int fast = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (fast < 0) {
         return NULL;
     }
     PyObject *expected = args[3];
@@ -1307,7 +1432,12 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *live =
                 li >= 0 ? PyTuple_GET_ITEM(PyList_GET_ITEM(live_items, li), 1)
                         : NULL;
-            if (c.floating >= 0) {
+            int aliased =
+                (c.floating >= 0 && fast) ? aliased_entry(&c, value, live) : 0;
+            if (aliased > 0) {
+                cast = PyDict_Copy(value);
+            }
+            else if (aliased == 0 && c.floating >= 0) {
                 cast = cast_value(&c, value, NULL, live);
             }
         }

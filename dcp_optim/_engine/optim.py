@@ -545,7 +545,11 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         expected = _param_shaped(optim, split["param_groups"])
         _check_steps(split["state"])
         if w is None and _native_load(optim):
-            prepared.append((True, C.prepare_install(ctx, optim, split, expected)))
+            # the optimizer's own state tensors (the DCP resume) keep
+            # their identity without the cast, which a __torch_function__
+            # mode could intercept: then always cast
+            aliased = not torch._C._is_torch_function_mode_enabled()
+            prepared.append((True, C.prepare_install(ctx, optim, split, expected, aliased)))
         elif w is not None:
             # the wrapper's own layout: its entries beside the inner dict
             own = [k for k in w[2] if k in (extras or {})]

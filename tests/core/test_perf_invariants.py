@@ -590,3 +590,149 @@ def test_flat_key_cache_keeps_no_model_alive_and_is_bounded():
     for m, o in models:
         _flat_pair(m, o)
     assert len(_optim._FLAT_KEYS) <= _optim._FLAT_KEYS_MAX
+
+
+# --- optimizer loads of the optimizer's own state (the DCP resume) -------------
+
+
+class _ToCounter:
+    """Counts Tensor.to calls inside the ``with`` block (the install's
+    cast of every state tensor; a no-op cast dispatches nothing, so no
+    dispatch mode sees it)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = torch.Tensor.to
+
+        def to(tensor, *args, **kwargs):
+            self.calls += 1
+            return real(tensor, *args, **kwargs)
+
+        self._patch = lambda: monkeypatch.setattr(torch.Tensor, "to", to)
+        self._undo = monkeypatch.undo
+
+    def __enter__(self):
+        self._patch()
+        return self
+
+    def __exit__(self, *exc):
+        self._undo()
+
+
+def _stepped(**adam):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1, **adam)
+    model(torch.randn(5, 3)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _state_ids(optim) -> list[list[int]]:
+    return [[id(v) for v in s.values()] for s in optim.state.values()]
+
+
+def _assert_same_state(a, b) -> None:
+    """Equal nested state, tensors bit for bit with dtype and device."""
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.device, a.shape) == (b.dtype, b.device, b.shape)
+        assert torch.equal(a, b), (a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _assert_same_state(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_state(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+def _next_step(model, optim) -> list[torch.Tensor]:
+    optim.zero_grad()
+    torch.manual_seed(1)
+    model(torch.randn(5, 3)).sum().backward()
+    optim.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("adam", [{}, {"amsgrad": True}, {"fused": True}], ids=["adam", "amsgrad", "fused"])
+def test_an_optimizer_load_of_its_own_state_casts_nothing(monkeypatch, adam):
+    """set_optimizer_state_dict of what get_optimizer_state_dict returned
+    (the optimizer's own state tensors, as after dcp.load into them):
+    torch's load casts every state tensor (a no-op cast, which returns it);
+    dcp_optim proves that and casts none.  Same tensors, same
+    optimizer.state_dict(), same next step as torch's own load."""
+    theirs, t_opt = _stepped(**adam)
+    ours, o_opt = _stepped(**adam)
+    ids_theirs, ids_ours = _state_ids(t_opt), _state_ids(o_opt)
+    n = sum(len(s) for s in t_opt.state.values())
+    with _ToCounter(monkeypatch) as torch_load:
+        t_opt.load_state_dict(t_opt.state_dict())
+    with _ToCounter(monkeypatch) as our_load:
+        dcp_optim.set_optimizer_state_dict(ours, o_opt, dcp_optim.get_optimizer_state_dict(ours, o_opt))
+    # torch's _cast leaves `step` alone unless fused or capturable
+    assert torch_load.calls == n - (0 if adam.get("fused") else len(t_opt.state))
+    assert our_load.calls == 0
+    assert _state_ids(t_opt) == ids_theirs and _state_ids(o_opt) == ids_ours
+    _assert_same_state(o_opt.state_dict(), t_opt.state_dict())
+    for a, b in zip(_next_step(ours, o_opt), _next_step(theirs, t_opt)):
+        assert torch.equal(a, b)
+    _assert_same_state(o_opt.state_dict(), t_opt.state_dict())
+
+
+@pytest.mark.parametrize("change", ["clone", "other_dtype", "one_entry"])
+def test_an_optimizer_load_of_other_state_is_cast(monkeypatch, change):
+    """Loaded state that is not the optimizer's own (DCP's fresh tensors, a
+    dtype to cast, one parameter's entry replaced) is cast as before:
+    at least the replaced tensors go through .to, with torch's result."""
+    theirs, t_opt = _stepped()
+    ours, o_opt = _stepped()
+    osd = dcp_optim.get_optimizer_state_dict(ours, o_opt)
+    tsd = t_opt.state_dict()
+    fqns = list(osd["state"])
+    if change == "clone":
+        osd["state"] = {f: {k: v.clone() for k, v in s.items()} for f, s in osd["state"].items()}
+        tsd["state"] = {i: {k: v.clone() for k, v in s.items()} for i, s in tsd["state"].items()}
+        replaced = sum(len(s) - 1 for s in osd["state"].values())
+    elif change == "other_dtype":
+        osd["state"][fqns[0]] = dict(osd["state"][fqns[0]], exp_avg=osd["state"][fqns[0]]["exp_avg"].double())
+        tsd["state"][0] = dict(tsd["state"][0], exp_avg=tsd["state"][0]["exp_avg"].double())
+        replaced = 1
+    else:
+        osd["state"][fqns[0]] = {k: v.clone() for k, v in osd["state"][fqns[0]].items()}
+        tsd["state"][0] = {k: v.clone() for k, v in tsd["state"][0].items()}
+        replaced = 2
+    t_opt.load_state_dict(tsd)
+    with _ToCounter(monkeypatch) as our_load:
+        dcp_optim.set_optimizer_state_dict(ours, o_opt, osd)
+    assert our_load.calls >= replaced
+    _assert_same_state(o_opt.state_dict(), t_opt.state_dict())
+    for a, b in zip(_next_step(ours, o_opt), _next_step(theirs, t_opt)):
+        assert torch.equal(a, b)
+
+
+def test_an_optimizer_load_under_a_torch_function_mode_is_cast(monkeypatch):
+    """A __torch_function__ mode could intercept the cast's .to(): under
+    one, the optimizer's own state is cast as torch's load would, and the
+    mode sees those calls."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "to":
+                seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model, optim = _stepped()
+    osd = dcp_optim.get_optimizer_state_dict(model, optim)
+    ids = _state_ids(optim)
+    with _ToCounter(monkeypatch) as load, Mode():
+        dcp_optim.set_optimizer_state_dict(model, optim, osd)
+    n = sum(len(s) for s in optim.state.values())
+    assert load.calls >= n and len(seen) >= n
+    assert _state_ids(optim) == ids

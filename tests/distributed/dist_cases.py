@@ -192,6 +192,32 @@ def _self_load_like_upstream(mu, ou, md, od) -> None:
     assert bumps_u == bumps_d, (bumps_u, bumps_d)
     assert_same_tree(params_snapshot(mu), params_snapshot(md))
     assert_same_optimizers(ou, od, skip_frozen=True)
+    _optim_self_load_like_upstream(mu, ou, md, od)
+
+
+def _state_objects(optim) -> list[tuple[int, str, int]]:
+    return [(i, k, id(v)) for i, s in enumerate(optim.state.values()) for k, v in s.items()]
+
+
+def _optim_self_load_like_upstream(mu, ou, md, od) -> None:
+    """The optimizer half of the DCP resume alone: set_optimizer_state_dict
+    of what get_optimizer_state_dict returned (the optimizer's own state
+    tensors).  Upstream's load (Optimizer.load_state_dict) keeps every
+    state tensor object (its casts return them unchanged); dcp_optim's
+    install proves that without casting and must keep the same objects,
+    install the same state and groups, and take the same next step."""
+    held_u, held_d = _state_objects(ou), _state_objects(od)
+    osd_u = upstream.get_optimizer_state_dict(mu, ou)
+    osd_d = dcp_optim.get_optimizer_state_dict(md, od)
+    upstream.set_optimizer_state_dict(mu, ou, osd_u)
+    dcp_optim.set_optimizer_state_dict(md, od, osd_d)
+    assert _state_objects(ou) == held_u and _state_objects(od) == held_d
+    assert_same_optimizers(ou, od, skip_frozen=True)
+    assert_same_tree(upstream.get_optimizer_state_dict(mu, ou), dcp_optim.get_optimizer_state_dict(md, od))
+    train(mu, ou, steps=1, seed=11)
+    train(md, od, steps=1, seed=11)
+    assert_same_tree(params_snapshot(mu), params_snapshot(md))
+    assert_same_optimizers(ou, od, skip_frozen=True)
 
 
 def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:

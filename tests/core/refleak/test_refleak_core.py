@@ -479,6 +479,32 @@ def _():
         C.prepare_install(CTX, OPT, split, [{"step": need, "exp_avg": 2}])
 
 
+@case("prepare_install", "aliased")
+def _():
+    # the optimizer's own state (proven: no cast), then one entry that is
+    # another tensor, and a step of the wrong device for the F32 policy
+    own = OPT.state[PARAMS[0]]
+    for group, state in (
+        ({}, dict(own)),
+        ({}, dict(own, exp_avg=FakeTensor((2, 3)))),
+        ({"fused": True}, dict(own)),
+        ({"fused": True}, dict(own, step=FakeTensor((), device="meta"))),
+    ):
+        nested = {
+            "state": {"a.weight": state},
+            "param_groups": [dict(NESTED["param_groups"][0], **group)],
+        }
+        split = C.split_optim(INDEX, [OPT], C.view_from_nested(nested), [None])[0][0]
+        C.prepare_install(CTX, OPT, split, [{"step": 1, "exp_avg": 2}], True)
+
+
+@case("prepare_install", "aliased-bad-schema", ValueError, "has no 'missing'")
+def _():
+    nested = {"state": {"a.weight": dict(OPT.state[PARAMS[0]])}, "param_groups": NESTED["param_groups"]}
+    split = C.split_optim(INDEX, [OPT], C.view_from_nested(nested), [None])[0][0]
+    C.prepare_install(CTX, OPT, split, [{"missing": 1}], True)
+
+
 @case("prepare_install", "group-count", ValueError, "number of parameter")
 def _():
     C.prepare_install(CTX, OPT, {"state": {}, "param_groups": []}, None)
