@@ -1070,8 +1070,7 @@ validate_shaped(dcp_state *st,
                 PyObject *pshape,
                 int param_floating)
 {
-    PyObject *err =
-        ctx->err_value != Py_None ? ctx->err_value : PyExc_ValueError;
+    PyObject *err = st->err_value;
     int is_tensor = PyObject_IsInstance(v, ctx->tensor_type);
     if (is_tensor <= 0) {
         if (is_tensor == 0) {
