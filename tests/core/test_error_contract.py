@@ -50,6 +50,32 @@ class _BadChildren(FakeModule):
         yield "not a pair"
 
 
+class _BadItems(dict):
+    """A mapping whose items() yields no pairs."""
+
+    def items(self):
+        return [("a", 1, 2)]
+
+
+class _ShrinkingState(dict):
+    """Optimizer state whose items() drops a parameter from the groups."""
+
+    def __init__(self, optim, entries):
+        super().__init__(entries)
+        self.optim = optim
+
+    def items(self):
+        self.optim.param_groups[0]["params"].pop()
+        return list(dict.items(self))
+
+
+def _groups_changed():
+    opt = FakeOptimizer([PARAMS[:2]])
+    # state out of parameter order, so the lookup needs the identity map
+    opt.state = _ShrinkingState(opt, {PARAMS[1]: {"x": 1}, PARAMS[0]: {"x": 1}})
+    return C.optim_pack(INDEX, [opt], [None], {}, [])
+
+
 def _module(**containers):
     m = FakeModule()
     for name, items in containers.items():
@@ -177,8 +203,46 @@ SITES = [
      lambda: C.walk_model(CTX, _module(_modules={("x",): FakeModule()}), "_fqn_modifiers"),
      TypeError, ["got tuple"]),
     ("walk/named-children-not-pairs",
-     lambda: C.walk_model(CTX, _BadChildren(), "_fqn_modifiers"), TypeError,
-     ["named_children()", "_BadChildren"]),
+     lambda: C.walk_model(CTX, _BadChildren(), "_fqn_modifiers"), ValueError,
+     ["named_children()", "_BadChildren", "10 values"]),
+    ("walk/member-name-not-str-is-attribute-error",
+     lambda: C.walk_model(CTX, _module(_buffers={2: FakeParameter()}), "_fqn_modifiers"),
+     AttributeError, ["got int"]),
+    # module.c: the shared sequence and mapping helpers
+    ("as-list/params-not-sequence",
+     lambda: C.flatten_optim(CTX, {"state": {}, "param_groups": [{"params": 5}]}, None),
+     TypeError, ["param_group['params']", "not int"]),
+    ("items/not-pairs",
+     lambda: C.flatten_optim(CTX, {"state": _BadItems(x=1), "param_groups": []}, None),
+     ValueError, ["items() of _BadItems", "3 values"]),
+    # flat.c: a flattened key that would replace nested state
+    ("unflatten/collides-with-nested",
+     lambda: C.unflatten_optim(INDEX, {"state.a.weight.x.y": 1, "state.a.weight.x": 2}),
+     ValueError, ["'state.a.weight.x'", "collides"]),
+    # optim.c: the groups' params lists changed while the state was read
+    ("pack/groups-changed", _groups_changed, RuntimeError, ["param groups changed"]),
+    # gather.c, full_load.c: DTensors the full gather or load cannot take
+    ("gather/partial",
+     lambda: C.plan_gather([fakes.FakeDTensor((4, 2), placements=(fakes.Partial(),))],
+                           fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20),
+     ValueError, ["Partial"]),
+    ("gather/placements-vs-mesh",
+     lambda: C.plan_gather([fakes.FakeDTensor((4, 2), mesh=fakes.Mesh((2, 2), (0, 0)))],
+                           fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20),
+     ValueError, ["placements do not match its mesh"]),
+    ("full-load/rank-not-in-mesh",
+     lambda: C.plan_full_load(
+         [(fakes.FakeTensor((4, 2)), fakes.FakeDTensor((4, 2), mesh=fakes.Mesh((2,), None)),
+           "cpu")], fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20,
+         lambda *a, **k: fakes.FakeTensor((8,)), True),
+     ValueError, ["not part of the tensor's device mesh"]),
+    ("full-load/placements-vs-mesh",
+     lambda: C.plan_full_load(
+         [(fakes.FakeTensor((4, 2)),
+           fakes.FakeDTensor((4, 2), mesh=fakes.Mesh((2, 2), (0, 0))), "cpu")],
+         fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20,
+         lambda *a, **k: fakes.FakeTensor((8,)), True),
+     ValueError, ["placements do not match its mesh"]),
     # reshard.c: broadcast and DTensor optimizer state
     ("broadcast/missing-key",
      lambda: C.broadcast_jobs({"w": Meta((2,), fakes.FLOAT32)}, {}, {}, "cpu",
