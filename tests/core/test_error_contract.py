@@ -337,3 +337,71 @@ def test_core_holds_the_package_classes():
         C.view_from_nested([])
     with pytest.raises(errors.StateDictValueError):
         C.unflatten_optim(INDEX, {"state.a.weight.x": 1, "state.a.weight.x.y": 2})
+
+
+# --- a module's named_*() yielding no pairs, beside upstream ------------------------------------
+
+
+def _yielding(method, item):
+    """A model whose ``method`` (named_children, named_parameters or
+    named_buffers) yields ``item`` first, then its real members."""
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("b", torch.zeros(2))
+
+    real = getattr(nn.Module, method)
+
+    def odd(self, *args, **kwargs):
+        yield item(self)
+        yield from real(self, *args, **kwargs)
+
+    setattr(Odd, method, odd)
+    return Odd()
+
+
+# upstream unpacks each item (``for name, x in ...``): ValueError for the
+# wrong number of values, TypeError for a non-iterable item; a non-str name
+# fails its FQN lookup with AttributeError
+NOT_PAIRS = [
+    (method, kind, item)
+    for method in ("named_children", "named_parameters", "named_buffers")
+    for kind, item in (
+        ("str", lambda m: "not a pair"),
+        ("3-tuple", lambda m: ("x", m.lin, 3)),
+        ("non-iterable", lambda m: 5),
+    )
+] + [
+    ("named_children", "int-name", lambda m: (1, m.lin)),
+    ("named_parameters", "int-name", lambda m: (1, m.lin.weight)),
+]
+
+
+@pytest.mark.parametrize("case", NOT_PAIRS, ids=[f"{c[0]}-{c[1]}" for c in NOT_PAIRS])
+def test_named_members_not_pairs_raise_upstreams_type(case):
+    method, _, item = case
+
+    def call(api):
+        model = _yielding(method, item)
+        return api.get_state_dict(model, torch.optim.SGD([model.lin.weight, model.lin.bias]))
+
+    with pytest.raises(Exception) as theirs:
+        call(upstream)
+    with pytest.raises(errors.DcpOptimError) as ours:
+        call(dcp_optim)
+    assert isinstance(ours.value, type(theirs.value)), (ours.value, theirs.value)
+    assert method in str(ours.value) or "names must be str" in str(ours.value), str(ours.value)
+
+
+def test_named_members_any_iterable_pair_is_accepted():
+    """Unpacking takes any iterable of two, as upstream does."""
+    class Lists(nn.Sequential):
+        def named_children(self):
+            return ([name, child] for name, child in super().named_children())
+
+    model = Lists(nn.Linear(2, 2), nn.Linear(2, 1))
+    theirs = upstream.get_model_state_dict(model)
+    ours = dcp_optim.get_model_state_dict(model)
+    assert list(ours) == list(theirs)
