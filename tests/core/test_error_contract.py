@@ -405,3 +405,26 @@ def test_named_members_any_iterable_pair_is_accepted():
     theirs = upstream.get_model_state_dict(model)
     ours = dcp_optim.get_model_state_dict(model)
     assert list(ours) == list(theirs)
+
+
+def test_partial_dtensor_full_state_dict_like_upstream(world1):
+    """The native gather plan refuses Partial placements (gather/partial
+    above); the public API reduces them first, as upstream's
+    full_tensor() does, instead of rejecting what upstream accepts."""
+    from torch.distributed.tensor import DTensor, Partial, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Linear(3, 2)
+        m.weight = nn.Parameter(DTensor.from_local(torch.randn(2, 3), mesh, [Partial()]))
+        return m
+
+    options = dict(full_state_dict=True)
+    theirs = upstream.get_model_state_dict(model(), options=upstream.StateDictOptions(**options))
+    ours = dcp_optim.get_model_state_dict(model(), options=dcp_optim.StateDictOptions(**options))
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert type(ours[key]) is type(theirs[key]) is torch.Tensor, key
+        assert torch.equal(ours[key], theirs[key]), key
