@@ -120,12 +120,13 @@
  * the package imports the core while its own __init__ runs, by which
  * time importing a torch-free submodule is no cycle.  Classes defined in
  * Python keep errors.py the one readable place that documents them. */
-#define DCP_ERROR_CLASSES(X)            \
-    X(key, "StateDictKeyError")         \
-    X(value, "StateDictValueError")     \
-    X(type, "StateDictTypeError")       \
-    X(runtime, "StateDictRuntimeError") \
-    X(optim_dict, "OptimizerDictTypeError")
+#define DCP_ERROR_CLASSES(X)                \
+    X(key, "StateDictKeyError")             \
+    X(value, "StateDictValueError")         \
+    X(type, "StateDictTypeError")           \
+    X(runtime, "StateDictRuntimeError")     \
+    X(optim_dict, "OptimizerDictTypeError") \
+    X(module_name, "ModuleNameTypeError")
 
 typedef struct {
     PyTypeObject *Context_Type;
@@ -285,7 +286,13 @@ PyObject *dcp_join_name(dcp_state *st, PyObject *prefix, PyObject *name);
 PyObject *dcp_child_prefix(dcp_state *st, PyObject *prefix, PyObject *name);
 /* Snapshot of a mapping's items as a new list of 2-tuples; exact dicts
  * are copied with PyDict_Next, anything else through .items(). */
-PyObject *dcp_items_list(PyObject *mapping);
+PyObject *dcp_items_list(dcp_state *st, PyObject *mapping);
+/* Makes every item of `list` a 2-tuple, unpacking other iterables as
+ * `for a, b in ...` would.  On an item that is no pair, raises
+ * StateDictTypeError (not iterable) or StateDictValueError (not two
+ * values), the classes of the built-ins upstream's unpacking raises,
+ * with the message "<format> must yield pairs: ...".  0 or -1. */
+int dcp_unpack_pairs(dcp_state *st, PyObject *list, const char *format, ...);
 /* Looks `name` up along type(obj).__mro__ without running descriptors or
  * __getattr__.  Returns a new reference, or NULL without an exception
  * when absent, or NULL with an exception on error (check PyErr_Occurred).
@@ -304,7 +311,7 @@ void dcp_note_format(const char *format, ...);
 /* Adds the note "at key '<key>'" to the exception being raised. */
 void dcp_note_key(PyObject *key);
 /* Convert an optimizer's `params` entry or the like into a new list. */
-PyObject *dcp_as_list(PyObject *seq, const char *what);
+PyObject *dcp_as_list(dcp_state *st, PyObject *seq, const char *what);
 
 /* ----------------------------------------------------------------------
  * Shard geometry (shard_geometry.c)

@@ -172,7 +172,7 @@ flatten_state(dcp_state *st,
         rc = 0;
         goto done;
     }
-    items = dcp_items_list(value);
+    items = dcp_items_list(st, value);
     if (items == NULL) {
         goto done;
     }
@@ -452,7 +452,7 @@ flatten_param_state(dcp_state *st,
 static PyObject *
 group_key_pairs(dcp_state *st, PyObject *group)
 {
-    PyObject *items = dcp_items_list(group);
+    PyObject *items = dcp_items_list(st, group);
     PyObject *out = items ? PyList_New(0) : NULL;
     if (out == NULL) {
         Py_XDECREF(items);
@@ -521,7 +521,7 @@ packed_params(dcp_state *st, PyObject *group, Py_ssize_t g)
         }
         return NULL;
     }
-    PyObject *list = dcp_as_list(params, "param_group['params']");
+    PyObject *list = dcp_as_list(st, params, "param_group['params']");
     Py_DECREF(params);
     if (list == NULL) {
         return NULL;
@@ -712,7 +712,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     else {
-        items = dcp_items_list(state);
+        items = dcp_items_list(st, state);
         if (items == NULL) {
             goto done;
         }
@@ -729,7 +729,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     /* params lists of every group, for anchoring empty groups */
-    PyObject *glist = dcp_as_list(groups, "param_groups");
+    PyObject *glist = dcp_as_list(st, groups, "param_groups");
     if (glist == NULL) {
         goto done;
     }
@@ -750,7 +750,7 @@ dcp_flatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         counts = Py_BuildValue("[n]", ngroups);
     }
     else {
-        counts = dcp_as_list(args[2], "group_counts");
+        counts = dcp_as_list(st, args[2], "group_counts");
     }
     if (counts == NULL) {
         goto done;
@@ -868,7 +868,8 @@ split_known_prefix(PyObject *rest,
 /* root[key] = value, refusing to replace a nested dict (a flattened key
  * that collides with nested state).  0 or -1. */
 static int
-store_leaf(PyObject *root,
+store_leaf(dcp_state *st,
+           PyObject *root,
            PyObject *key,
            PyObject *value,
            PyObject *key_for_errors)
@@ -879,7 +880,7 @@ store_leaf(PyObject *root,
         return -1;
     }
     if (found && PyDict_Check(existing)) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(st->err_value,
                      "flattened optimizer key '%S' collides with nested "
                      "state under the same name",
                      key_for_errors);
@@ -929,8 +930,8 @@ nested_store(dcp_state *st,
         }
         Py_SETREF(curr, next);
     }
-    rc =
-        store_leaf(curr, PyList_GET_ITEM(parts, n - 1), value, key_for_errors);
+    rc = store_leaf(
+        st, curr, PyList_GET_ITEM(parts, n - 1), value, key_for_errors);
 done:
     Py_DECREF(curr);
     Py_DECREF(parts);
@@ -970,7 +971,8 @@ last_split_clear(dcp_last_split *ls)
 /* 1 when `key` was stored through the previous split, 0 when it needs
  * the general path, -1 on error. */
 static int
-last_split_store(dcp_last_split *ls,
+last_split_store(dcp_state *st,
+                 dcp_last_split *ls,
                  PyObject *key,
                  Py_ssize_t len,
                  int is_state,
@@ -995,7 +997,7 @@ last_split_store(dcp_last_split *ls,
     if (tail == NULL) {
         return -1;
     }
-    int rc = is_state ? store_leaf(ls->target, tail, value, key)
+    int rc = is_state ? store_leaf(st, ls->target, tail, value, key)
                       : PyDict_SetItem(ls->target, tail, value);
     Py_DECREF(tail);
     return rc < 0 ? -1 : 1;
@@ -1337,7 +1339,7 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    items = dcp_items_list(flat);
+    items = dcp_items_list(st, flat);
     if (items == NULL) {
         goto done;
     }
@@ -1374,7 +1376,8 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             continue;
         }
-        int quick = last_split_store(&last, key, len, is_state != 0, value);
+        int quick =
+            last_split_store(st, &last, key, len, is_state != 0, value);
         if (quick != 0) {
             if (quick < 0) {
                 goto done;
@@ -1451,7 +1454,7 @@ dcp_unflatten_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     {
-        PyObject *eitems = dcp_items_list(empty_ids);
+        PyObject *eitems = dcp_items_list(st, empty_ids);
         if (eitems == NULL) {
             goto done;
         }

@@ -211,7 +211,7 @@ resolve_token(dcp_resolver *r,
                 if (names == NULL) {
                     return -1;
                 }
-                list = dcp_as_list(names, "FlatParameter._fqns");
+                list = dcp_as_list(st, names, "FlatParameter._fqns");
                 Py_DECREF(names);
                 if (list == NULL) {
                     return -1;
@@ -1032,6 +1032,7 @@ PyDoc_STRVAR(dcp_filter_prefixes__doc__,
 static PyObject *
 dcp_filter_prefixes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    dcp_state *st = dcp_get_state(module);
     if (dcp_check_nargs("filter_prefixes", nargs, 3) < 0) {
         return NULL;
     }
@@ -1039,8 +1040,8 @@ dcp_filter_prefixes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (keep < 0) {
         return NULL;
     }
-    PyObject *prefixes = dcp_as_list(args[1], "prefixes");
-    PyObject *items = prefixes ? dcp_items_list(args[0]) : NULL;
+    PyObject *prefixes = dcp_as_list(st, args[1], "prefixes");
+    PyObject *items = prefixes ? dcp_items_list(st, args[0]) : NULL;
     PyObject *out = items ? PyDict_New() : NULL;
     if (out == NULL) {
         goto error;

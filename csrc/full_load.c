@@ -30,7 +30,7 @@ mesh_info(dcp_state *st,
         PyObject *c = PyObject_CallMethodNoArgs(mesh, st->str_get_coordinate);
         PyObject *s = c ? PyObject_GetAttr(mesh, st->str_shape) : NULL;
         if (c != NULL && c == Py_None) {
-            PyErr_SetString(PyExc_ValueError,
+            PyErr_SetString(st->err_value,
                             "this rank is not part of the tensor's device "
                             "mesh");
         }
@@ -77,7 +77,7 @@ my_layout(dcp_state *st,
     }
     if (PySequence_Fast_GET_SIZE(seq) != mdim || cdim != mdim) {
         Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError,
+        PyErr_SetString(st->err_value,
                         "DTensor placements do not match its mesh");
         goto done;
     }

@@ -414,7 +414,7 @@ plan_item(dcp_state *st,
         goto done;
     }
     if (PySequence_Fast_GET_SIZE(plseq) != mdim) {
-        PyErr_SetString(PyExc_ValueError,
+        PyErr_SetString(st->err_value,
                         "DTensor placements do not match its mesh");
         goto done;
     }
@@ -428,7 +428,7 @@ plan_item(dcp_state *st,
             goto done;
         }
         if (pl[m].kind == PL_PARTIAL) {
-            PyErr_SetString(PyExc_ValueError,
+            PyErr_SetString(st->err_value,
                             "Partial placements cannot be gathered as state");
             goto done;
         }

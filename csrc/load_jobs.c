@@ -184,7 +184,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    items = dcp_items_list(state);
+    items = dcp_items_list(st, state);
     if (items == NULL) {
         goto done;
     }
@@ -231,7 +231,7 @@ dcp_optim_state_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             ok = PyList_SetSlice(stack, top, top + 1, NULL) == 0;
             PyObject *src = PyTuple_GET_ITEM(pair, 0);
             PyObject *dst = PyTuple_GET_ITEM(pair, 1);
-            PyObject *sub = ok ? dcp_items_list(src) : NULL;
+            PyObject *sub = ok ? dcp_items_list(st, src) : NULL;
             ok = sub != NULL;
             for (Py_ssize_t k = 0; ok && k < PyList_GET_SIZE(sub); k++) {
                 PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(sub, k), 0);
@@ -455,7 +455,7 @@ dcp_broadcast_jobs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "broadcast_jobs needs dicts");
         return NULL;
     }
-    PyObject *items = dcp_items_list(meta);
+    PyObject *items = dcp_items_list(st, meta);
     PyObject *keys = PyList_New(0), *jobs = PyList_New(0);
     PyObject *plain = PyList_New(0), *result = NULL;
     if (!items || !keys || !jobs || !plain) {

@@ -189,7 +189,7 @@ dcp_full_load_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "full_load_merge(): state dicts must be dicts");
         return NULL;
     }
-    items = dcp_items_list(full);
+    items = dcp_items_list(st, full);
     merged = items ? copy_state_dict(st, full) : NULL;
     jobs = merged ? PyList_New(0) : NULL;
     if (jobs == NULL) {
@@ -399,7 +399,7 @@ dcp_check_model_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (strict && check_keys) {
-        items = dcp_items_list(sd);
+        items = dcp_items_list(st, sd);
         if (items == NULL) {
             goto done;
         }

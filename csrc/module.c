@@ -35,8 +35,76 @@ dcp_child_prefix(dcp_state *st, PyObject *prefix, PyObject *name)
     return result;
 }
 
+int
+dcp_unpack_pairs(dcp_state *st, PyObject *list, const char *format, ...)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (PyTuple_CheckExact(item) && PyTuple_GET_SIZE(item) == 2) {
+            continue;
+        }
+        /* Unpack it as `for a, b in ...` would: any iterable of exactly
+         * two items is a pair. */
+        Py_INCREF(item); /* pinned: iterating it runs arbitrary code */
+        PyObject *pair = PySequence_Tuple(item);
+        PyObject *cls = NULL;
+        Py_ssize_t got = -1;
+        if (pair == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                Py_DECREF(item);
+                return -1;
+            }
+            PyErr_Clear();
+            cls = st->err_type; /* upstream: cannot unpack non-iterable */
+        }
+        else if (PyTuple_GET_SIZE(pair) != 2) {
+            got = PyTuple_GET_SIZE(pair);
+            cls = st->err_value; /* upstream: wrong number of values */
+        }
+        if (cls == NULL) {
+            Py_DECREF(item);
+            if (i >= PyList_GET_SIZE(list)) { /* shrunk by user code */
+                Py_DECREF(pair);
+                break;
+            }
+            if (PyList_SetItem(list, i, pair) < 0) {
+                return -1;
+            }
+            continue;
+        }
+        Py_XDECREF(pair);
+        va_list vargs;
+        va_start(vargs, format);
+        PyObject *what = PyUnicode_FromFormatV(format, vargs);
+        va_end(vargs);
+        if (what != NULL) {
+            if (got < 0) {
+                PyErr_Format(cls,
+                             "%U must yield pairs: item %zd is a "
+                             "non-iterable %.200s",
+                             what,
+                             i,
+                             Py_TYPE(item)->tp_name);
+            }
+            else {
+                PyErr_Format(cls,
+                             "%U must yield pairs: item %zd (%.200s) has "
+                             "%zd values",
+                             what,
+                             i,
+                             Py_TYPE(item)->tp_name,
+                             got);
+            }
+            Py_DECREF(what);
+        }
+        Py_DECREF(item);
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *
-dcp_items_list(PyObject *mapping)
+dcp_items_list(dcp_state *st, PyObject *mapping)
 {
     if (PyDict_CheckExact(mapping)) {
         PyObject *result = PyList_New(PyDict_GET_SIZE(mapping));
@@ -65,16 +133,10 @@ dcp_items_list(PyObject *mapping)
     if (items == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(items);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pair = PyList_GET_ITEM(items, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            PyErr_Format(PyExc_TypeError,
-                         "items() of %.200s must yield (key, value) pairs",
-                         Py_TYPE(mapping)->tp_name);
-            Py_DECREF(items);
-            return NULL;
-        }
+    if (dcp_unpack_pairs(
+            st, items, "items() of %.200s", Py_TYPE(mapping)->tp_name) < 0) {
+        Py_DECREF(items);
+        return NULL;
     }
     return items;
 }
@@ -178,7 +240,7 @@ dcp_note_key(PyObject *key)
 }
 
 PyObject *
-dcp_as_list(PyObject *seq, const char *what)
+dcp_as_list(dcp_state *st, PyObject *seq, const char *what)
 {
     if (PyList_CheckExact(seq)) {
         return PyList_GetSlice(seq, 0, PyList_GET_SIZE(seq));
@@ -186,7 +248,7 @@ dcp_as_list(PyObject *seq, const char *what)
     PyObject *result = PySequence_List(seq);
     if (result == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->err_type,
                      "%s must be a sequence, not %.200s",
                      what,
                      Py_TYPE(seq)->tp_name);

@@ -58,7 +58,7 @@ optimizer_groups(dcp_state *st, PyObject *optim, Py_ssize_t opt_i)
         }
         return NULL;
     }
-    PyObject *groups = dcp_as_list(raw, "optimizer.param_groups");
+    PyObject *groups = dcp_as_list(st, raw, "optimizer.param_groups");
     Py_DECREF(raw);
     if (groups == NULL) {
         return NULL;
@@ -106,7 +106,7 @@ group_params_list(dcp_state *st,
     if (pinned && PyList_CheckExact(params)) {
         return params;
     }
-    PyObject *list = dcp_as_list(params, "param_group['params']");
+    PyObject *list = dcp_as_list(st, params, "param_group['params']");
     Py_DECREF(params);
     return list;
 }
@@ -202,7 +202,7 @@ typedef struct {
 /* Position of `key` among the parameters, -1 when it is none of them,
  * -2 on error. */
 static Py_ssize_t
-pack_members_find(dcp_pack_members *pm, PyObject *key)
+pack_members_find(dcp_state *st, dcp_pack_members *pm, PyObject *key)
 {
     Py_ssize_t ng = PyList_GET_SIZE(pm->plists);
     Py_ssize_t total = PyList_GET_SIZE(pm->fqns);
@@ -239,7 +239,7 @@ pack_members_find(dcp_pack_members *pm, PyObject *key)
             return -2;
         }
         if (pos != total) {
-            PyErr_SetString(PyExc_RuntimeError,
+            PyErr_SetString(st->err_runtime,
                             "optimizer param groups changed during "
                             "state_dict");
             return -2;
@@ -272,7 +272,7 @@ pack_group(dcp_state *st,
            Py_ssize_t group_i)
 {
     PyObject *packed = NULL, *params = NULL, *fqns = NULL, *items = NULL;
-    items = dcp_items_list(group);
+    items = dcp_items_list(st, group);
     if (items == NULL) {
         goto error;
     }
@@ -333,14 +333,15 @@ error:
 /* out_state[fqn of key] = value for one entry of an optimizer's state.
  * 0 or -1. */
 static int
-pack_state_entry(dcp_ModelIndex *ix,
+pack_state_entry(dcp_state *st,
+                 dcp_ModelIndex *ix,
                  dcp_pack_members *pm,
                  PyObject *out_state,
                  Py_ssize_t opt_i,
                  PyObject *key,
                  PyObject *value)
 {
-    Py_ssize_t at = pack_members_find(pm, key);
+    Py_ssize_t at = pack_members_find(st, pm, key);
     if (at == -2) {
         return -1;
     }
@@ -391,7 +392,7 @@ pack_state(dcp_state *st,
         while (PyDict_Next(state, &pos, &key, &value)) {
             Py_INCREF(key);
             Py_INCREF(value);
-            int r = pack_state_entry(ix, pm, out_state, opt_i, key, value);
+            int r = pack_state_entry(st, ix, pm, out_state, opt_i, key, value);
             Py_DECREF(key);
             Py_DECREF(value);
             if (r < 0) {
@@ -408,13 +409,14 @@ pack_state(dcp_state *st,
         rc = 0;
         goto done;
     }
-    items = dcp_items_list(state);
+    items = dcp_items_list(st, state);
     if (items == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
         PyObject *pair = PyList_GET_ITEM(items, i);
-        if (pack_state_entry(ix,
+        if (pack_state_entry(st,
+                             ix,
                              pm,
                              out_state,
                              opt_i,
@@ -462,8 +464,8 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "out_groups a list");
         return NULL;
     }
-    optims = dcp_as_list(args[1], "optimizers");
-    extras = optims ? dcp_as_list(args[2], "extra_states") : NULL;
+    optims = dcp_as_list(st, args[1], "optimizers");
+    extras = optims ? dcp_as_list(st, args[2], "extra_states") : NULL;
     if (extras == NULL) {
         goto done;
     }
@@ -582,7 +584,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         goto done;
     }
-    items = dcp_items_list(state);
+    items = dcp_items_list(st, state);
     new_state = PyDict_New();
     if (items == NULL || new_state == NULL) {
         goto done;
@@ -626,7 +628,7 @@ dcp_optim_remap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             goto done;
         }
-        PyObject *idlist = dcp_as_list(ids, "param_group['params']");
+        PyObject *idlist = dcp_as_list(st, ids, "param_group['params']");
         Py_DECREF(ids);
         if (idlist == NULL) {
             goto done;
@@ -789,7 +791,7 @@ dcp_optim_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     else {
-        items = dcp_items_list(state);
+        items = dcp_items_list(st, state);
         if (items == NULL ||
             dcp_ptrmap_init(&have, PyList_GET_SIZE(items)) < 0) {
             goto done;

@@ -238,8 +238,8 @@ dcp_materialize_state(PyObject *module,
     if (dcp_check_nargs("materialize_state", nargs, 4) < 0) {
         return NULL;
     }
-    missing = dcp_as_list(args[0], "missing");
-    specs = missing ? dcp_as_list(args[1], "specs_by_group") : NULL;
+    missing = dcp_as_list(st, args[0], "missing");
+    specs = missing ? dcp_as_list(st, args[1], "specs_by_group") : NULL;
     if (specs == NULL) {
         goto error;
     }

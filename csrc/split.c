@@ -65,7 +65,8 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      Py_TYPE(state)->tp_name);
         goto done;
     }
-    glist = groups ? dcp_as_list(groups,
+    glist = groups ? dcp_as_list(st,
+                                 groups,
                                  "optimizer state dict "
                                  "['param_groups']")
                    : PyList_New(0);
@@ -90,8 +91,8 @@ dcp_view_from_nested(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (rc < 0) {
             goto done;
         }
-        plist =
-            rc ? dcp_as_list(params, "param_group['params']") : PyList_New(0);
+        plist = rc ? dcp_as_list(st, params, "param_group['params']")
+                   : PyList_New(0);
         Py_XDECREF(params);
         if (plist == NULL) {
             goto done;
@@ -295,7 +296,7 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
         Py_DECREF(group);
         return rc;
     }
-    PyObject *items = dcp_items_list(group);
+    PyObject *items = dcp_items_list(st, group);
     if (items == NULL) {
         return -1;
     }
@@ -318,7 +319,7 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
 static int
 keep_live_keys(dcp_state *st, PyObject *live, PyObject *out)
 {
-    PyObject *items = dcp_items_list(live);
+    PyObject *items = dcp_items_list(st, live);
     if (items == NULL) {
         return -1;
     }
@@ -342,7 +343,8 @@ list_of_params(dcp_state *st,
                PyObject **params_out)
 {
     PyObject *raw = PyObject_GetAttr(optim, st->str_param_groups);
-    PyObject *groups = raw ? dcp_as_list(raw, "optimizer.param_groups") : NULL;
+    PyObject *groups =
+        raw ? dcp_as_list(st, raw, "optimizer.param_groups") : NULL;
     Py_XDECREF(raw);
     if (groups == NULL) {
         return -1;
@@ -368,7 +370,7 @@ list_of_params(dcp_state *st,
             Py_DECREF(plists);
             return -1;
         }
-        PyObject *list = dcp_as_list(params, "param_group['params']");
+        PyObject *list = dcp_as_list(st, params, "param_group['params']");
         Py_DECREF(params);
         if (list == NULL) {
             Py_DECREF(groups);
@@ -482,7 +484,7 @@ split_one(dcp_state *st,
     }
     Py_ssize_t ngroups = PyList_GET_SIZE(groups);
     if (expect != Py_None) {
-        expect_list = dcp_as_list(expect, "expect_state");
+        expect_list = dcp_as_list(st, expect, "expect_state");
         if (expect_list == NULL) {
             goto done;
         }
@@ -669,8 +671,8 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
-    optims = dcp_as_list(args[1], "optimizers");
-    expects = optims ? dcp_as_list(args[3], "expect_state") : NULL;
+    optims = dcp_as_list(st, args[1], "optimizers");
+    expects = optims ? dcp_as_list(st, args[3], "expect_state") : NULL;
     if (expects == NULL) {
         goto done;
     }
@@ -702,7 +704,7 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     /* Unexpected: saved state nobody claimed, then unparsable keys. */
     unexpected = PyList_New(0);
-    items = unexpected ? dcp_items_list(v.state) : NULL;
+    items = unexpected ? dcp_items_list(st, v.state) : NULL;
     if (items == NULL) {
         goto done;
     }
@@ -834,7 +836,7 @@ cast_tensor(dcp_cast_ctx *c, PyObject *value, PyObject *key, PyObject *live)
 static PyObject *
 cast_dict(dcp_cast_ctx *c, PyObject *value, PyObject *live)
 {
-    PyObject *items = dcp_items_list(value);
+    PyObject *items = dcp_items_list(c->st, value);
     PyObject *out = items ? PyDict_New() : NULL;
     if (out == NULL) {
         Py_XDECREF(items);
@@ -1160,7 +1162,7 @@ validate_state(dcp_state *st,
     if (PyDict_GET_SIZE(value) == 0) {
         return 0;
     }
-    PyObject *items = dcp_items_list(expected);
+    PyObject *items = dcp_items_list(st, expected);
     /* shapes compare as torch.Size (a tuple); tuples only for messages */
     PyObject *pshape = items ? PyObject_GetAttr(param, st->str_shape) : NULL;
     PyObject *pfloat =
@@ -1358,7 +1360,7 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     /* Live state by parameter identity, for the dtype policy. */
     PyObject *live_state = PyObject_GetAttr(optim, st->str_state);
-    live_items = live_state ? dcp_items_list(live_state) : NULL;
+    live_items = live_state ? dcp_items_list(st, live_state) : NULL;
     Py_XDECREF(live_state);
     if (live_items == NULL ||
         dcp_ptrmap_init(&live_map, PyList_GET_SIZE(live_items)) < 0) {
@@ -1373,7 +1375,7 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *factory_args[1] = {ctx->dict_type};
     state = PyObject_Vectorcall(ctx->defaultdict_type, factory_args, 1, NULL);
-    items = state ? dcp_items_list(saved_state) : NULL;
+    items = state ? dcp_items_list(st, saved_state) : NULL;
     if (items == NULL) {
         goto done;
     }

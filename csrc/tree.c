@@ -17,6 +17,7 @@
 #include "dcp.h"
 
 typedef struct {
+    dcp_state *st;
     dcp_Context *ctx;
     int type_check;
     PyObject *leaves;     /* collect: output list */
@@ -72,7 +73,7 @@ tree_visit(dcp_tree *t, PyObject *obj)
         return NULL;
     }
     if (PyDict_Check(obj)) {
-        PyObject *items = dcp_items_list(obj);
+        PyObject *items = dcp_items_list(t->st, obj);
         PyObject *out = NULL;
         if (items == NULL) {
             goto done;
@@ -171,7 +172,8 @@ dcp_tree_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (type_check < 0) {
         return NULL;
     }
-    dcp_tree t = {(dcp_Context *)args[0], type_check, PyList_New(0), NULL, 0};
+    dcp_tree t = {
+        st, (dcp_Context *)args[0], type_check, PyList_New(0), NULL, 0};
     if (t.leaves == NULL) {
         return NULL;
     }
@@ -207,7 +209,7 @@ dcp_tree_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (type_check < 0) {
         return NULL;
     }
-    dcp_tree t = {(dcp_Context *)args[0], type_check, NULL, args[2], 0};
+    dcp_tree t = {st, (dcp_Context *)args[0], type_check, NULL, args[2], 0};
     PyObject *out = tree_visit(&t, args[1]);
     if (out != NULL && t.next != PyList_GET_SIZE(args[2])) {
         Py_DECREF(out);
@@ -232,7 +234,7 @@ dcp_tensors_to(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("tensors_to", nargs, 2) < 0) {
         return NULL;
     }
-    PyObject *seq = dcp_as_list(args[0], "tensors");
+    PyObject *seq = dcp_as_list(st, args[0], "tensors");
     if (seq == NULL) {
         return NULL;
     }
@@ -272,7 +274,7 @@ dcp_tensor_devices(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     dcp_Context *ctx = (dcp_Context *)args[0];
-    PyObject *values = dcp_as_list(args[1], "values");
+    PyObject *values = dcp_as_list(st, args[1], "values");
     PyObject *out = values ? PyList_New(0) : NULL;
     if (out == NULL) {
         Py_XDECREF(values);
@@ -352,7 +354,8 @@ dcp_indices_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* Appends the dotted paths of the tensor leaves under `obj` to `out`. */
 static int
-tree_paths_visit(dcp_Context *ctx,
+tree_paths_visit(dcp_state *st,
+                 dcp_Context *ctx,
                  PyObject *obj,
                  PyObject *prefix,
                  PyObject *out)
@@ -363,7 +366,7 @@ tree_paths_visit(dcp_Context *ctx,
     }
     PyObject *items = NULL;
     if (PyDict_Check(obj)) {
-        items = dcp_items_list(obj);
+        items = dcp_items_list(st, obj);
     }
     else if (PyList_Check(obj) || PyTuple_Check(obj)) {
         Py_ssize_t n = PySequence_Size(obj);
@@ -401,7 +404,8 @@ tree_paths_visit(dcp_Context *ctx,
                        ? PyUnicode_FromFormat("%S.%S", prefix, key)
                        : Py_NewRef(key);
         }
-        rc = path ? tree_paths_visit(ctx, PyTuple_GET_ITEM(pair, 1), path, out)
+        rc = path ? tree_paths_visit(
+                        st, ctx, PyTuple_GET_ITEM(pair, 1), path, out)
                   : -1;
         Py_XDECREF(key);
         Py_XDECREF(path);
@@ -429,8 +433,8 @@ dcp_tree_paths(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL) {
         return NULL;
     }
-    if (tree_paths_visit((dcp_Context *)args[0], args[1], st->str_empty, out) <
-        0) {
+    if (tree_paths_visit(
+            st, (dcp_Context *)args[0], args[1], st->str_empty, out) < 0) {
         Py_DECREF(out);
         return NULL;
     }

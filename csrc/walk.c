@@ -404,7 +404,7 @@ walker_flat_param_fqns(dcp_walker *w, PyObject *prefix, PyObject *flat_param)
     if (names == NULL) {
         goto done;
     }
-    list = dcp_as_list(names, "FlatParameter._fqns");
+    list = dcp_as_list(w->st, names, "FlatParameter._fqns");
     if (list == NULL) {
         goto done;
     }
@@ -474,7 +474,7 @@ walker_record_tensors(dcp_walker *w,
             continue;
         }
         if (!PyUnicode_Check(name)) {
-            PyErr_Format(st->err_type,
+            PyErr_Format(st->err_module_name,
                          "module member names must be str, got %.200s in "
                          "module '%S'",
                          Py_TYPE(name)->tp_name,
@@ -567,7 +567,7 @@ walker_members(dcp_walker *w,
         if (!PyDict_CheckExact(container)) {
             rec_off(w); /* items() of a mapping subclass is user code */
         }
-        PyObject *items = dcp_items_list(container);
+        PyObject *items = dcp_items_list(w->st, container);
         Py_DECREF(container);
         return items;
     }
@@ -599,16 +599,11 @@ walker_members(dcp_walker *w,
     if (list == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-        PyObject *pair = PyList_GET_ITEM(list, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            PyErr_Format(w->st->err_type,
-                         "%S() of %.200s must yield (name, value) pairs",
-                         method,
-                         Py_TYPE(module)->tp_name);
-            Py_DECREF(list);
-            return NULL;
-        }
+    if (dcp_unpack_pairs(
+            w->st, list, "%S() of %.200s", method, Py_TYPE(module)->tp_name) <
+        0) {
+        Py_DECREF(list);
+        return NULL;
     }
     return list;
 }
@@ -852,7 +847,7 @@ walker_visit_children(dcp_walker *w,
             continue;
         }
         if (!PyUnicode_Check(name)) {
-            PyErr_Format(st->err_type,
+            PyErr_Format(st->err_module_name,
                          "child module names must be str, got %.200s under "
                          "'%S'",
                          Py_TYPE(name)->tp_name,

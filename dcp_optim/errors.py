@@ -20,6 +20,7 @@ __all__ = [
     "StateDictTypeError",
     "OptimizerDictTypeError",
     "NotAnOptimizerError",
+    "ModuleNameTypeError",
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
 ]
@@ -52,6 +53,12 @@ class OptimizerDictTypeError(StateDictTypeError, AttributeError):
 class NotAnOptimizerError(StateDictTypeError, AttributeError):
     """An object passed as an optimizer has no ``param_groups`` or
     ``state`` (upstream fails with ``AttributeError`` reading them)."""
+
+
+class ModuleNameTypeError(StateDictTypeError, AttributeError):
+    """A module names a child, parameter or buffer with something other
+    than a str (torch's ``state_dict`` fails with ``TypeError`` joining the
+    name, upstream's FQN lookup with ``AttributeError``)."""
 
 
 class StateDictRuntimeError(DcpOptimError, RuntimeError):

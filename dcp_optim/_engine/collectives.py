@@ -43,6 +43,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .. import errors
 from .consistency import all_gather_flat, check_agreement
 from .core import C
 
@@ -92,6 +93,26 @@ def set_bucket_bytes(nbytes: int | None) -> int | None:
     return previous
 
 
+def _plan(leaves: list[Any], fixed: int | None) -> list[Any]:
+    if fixed:
+        return C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, fixed, 0)
+    return C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, _MAX_BUCKET_BYTES, _MIN_BUCKET_BYTES)
+
+
+def _reduce_partials(leaves: list[Any]) -> list[Any] | None:
+    """``leaves`` with every DTensor that has Partial placements
+    redistributed to Replicate on those mesh dimensions (the all-reduce
+    ``full_tensor()`` runs), or None when no leaf has one."""
+    out, changed = list(leaves), False
+    for i in C.indices_of(leaves, DTensor):
+        leaf = leaves[i]
+        if any(p.is_partial() for p in leaf.placements):
+            placements = [Replicate() if p.is_partial() else p for p in leaf.placements]
+            out[i] = leaf.redistribute(leaf.device_mesh, placements)
+            changed = True
+    return out if changed else None
+
+
 def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
@@ -118,10 +139,17 @@ def gather_full_tensors(
     results = list(leaves)
     fixed = bucket_bytes or _explicit_bytes
     offload = _CPU if cpu_offload else None
-    if fixed:
-        plans = C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, fixed, 0)
-    else:
-        plans = C.plan_gather(leaves, DTensor, _PLACEMENT_CLASSES, _MAX_BUCKET_BYTES, _MIN_BUCKET_BYTES)
+    try:
+        plans = _plan(leaves, fixed)
+    except errors.StateDictValueError:
+        # The native plan takes no Partial placement: reduce those first,
+        # as DTensor.full_tensor() does (every rank holds the same leaves,
+        # so every rank takes this path, before any collective of ours).
+        reduced = _reduce_partials(leaves)
+        if reduced is None:
+            raise
+        leaves = reduced
+        plans = _plan(leaves, fixed)
     work = []
     for mesh, plan, signature, leaf_indices, budget in plans:
         flags = check_agreement(

@@ -50,6 +50,32 @@ class _BadChildren(FakeModule):
         yield "not a pair"
 
 
+class _BadItems(dict):
+    """A mapping whose items() yields no pairs."""
+
+    def items(self):
+        return [("a", 1, 2)]
+
+
+class _ShrinkingState(dict):
+    """Optimizer state whose items() drops a parameter from the groups."""
+
+    def __init__(self, optim, entries):
+        super().__init__(entries)
+        self.optim = optim
+
+    def items(self):
+        self.optim.param_groups[0]["params"].pop()
+        return list(dict.items(self))
+
+
+def _groups_changed():
+    opt = FakeOptimizer([PARAMS[:2]])
+    # state out of parameter order, so the lookup needs the identity map
+    opt.state = _ShrinkingState(opt, {PARAMS[1]: {"x": 1}, PARAMS[0]: {"x": 1}})
+    return C.optim_pack(INDEX, [opt], [None], {}, [])
+
+
 def _module(**containers):
     m = FakeModule()
     for name, items in containers.items():
@@ -177,8 +203,46 @@ SITES = [
      lambda: C.walk_model(CTX, _module(_modules={("x",): FakeModule()}), "_fqn_modifiers"),
      TypeError, ["got tuple"]),
     ("walk/named-children-not-pairs",
-     lambda: C.walk_model(CTX, _BadChildren(), "_fqn_modifiers"), TypeError,
-     ["named_children()", "_BadChildren"]),
+     lambda: C.walk_model(CTX, _BadChildren(), "_fqn_modifiers"), ValueError,
+     ["named_children()", "_BadChildren", "10 values"]),
+    ("walk/member-name-not-str-is-attribute-error",
+     lambda: C.walk_model(CTX, _module(_buffers={2: FakeParameter()}), "_fqn_modifiers"),
+     AttributeError, ["got int"]),
+    # module.c: the shared sequence and mapping helpers
+    ("as-list/params-not-sequence",
+     lambda: C.flatten_optim(CTX, {"state": {}, "param_groups": [{"params": 5}]}, None),
+     TypeError, ["param_group['params']", "not int"]),
+    ("items/not-pairs",
+     lambda: C.flatten_optim(CTX, {"state": _BadItems(x=1), "param_groups": []}, None),
+     ValueError, ["items() of _BadItems", "3 values"]),
+    # flat.c: a flattened key that would replace nested state
+    ("unflatten/collides-with-nested",
+     lambda: C.unflatten_optim(INDEX, {"state.a.weight.x.y": 1, "state.a.weight.x": 2}),
+     ValueError, ["'state.a.weight.x'", "collides"]),
+    # optim.c: the groups' params lists changed while the state was read
+    ("pack/groups-changed", _groups_changed, RuntimeError, ["param groups changed"]),
+    # gather.c, full_load.c: DTensors the full gather or load cannot take
+    ("gather/partial",
+     lambda: C.plan_gather([fakes.FakeDTensor((4, 2), placements=(fakes.Partial(),))],
+                           fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20),
+     ValueError, ["Partial"]),
+    ("gather/placements-vs-mesh",
+     lambda: C.plan_gather([fakes.FakeDTensor((4, 2), mesh=fakes.Mesh((2, 2), (0, 0)))],
+                           fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20),
+     ValueError, ["placements do not match its mesh"]),
+    ("full-load/rank-not-in-mesh",
+     lambda: C.plan_full_load(
+         [(fakes.FakeTensor((4, 2)), fakes.FakeDTensor((4, 2), mesh=fakes.Mesh((2,), None)),
+           "cpu")], fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20,
+         lambda *a, **k: fakes.FakeTensor((8,)), True),
+     ValueError, ["not part of the tensor's device mesh"]),
+    ("full-load/placements-vs-mesh",
+     lambda: C.plan_full_load(
+         [(fakes.FakeTensor((4, 2)),
+           fakes.FakeDTensor((4, 2), mesh=fakes.Mesh((2, 2), (0, 0))), "cpu")],
+         fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20,
+         lambda *a, **k: fakes.FakeTensor((8,)), True),
+     ValueError, ["placements do not match its mesh"]),
     # reshard.c: broadcast and DTensor optimizer state
     ("broadcast/missing-key",
      lambda: C.broadcast_jobs({"w": Meta((2,), fakes.FLOAT32)}, {}, {}, "cpu",
@@ -273,3 +337,94 @@ def test_core_holds_the_package_classes():
         C.view_from_nested([])
     with pytest.raises(errors.StateDictValueError):
         C.unflatten_optim(INDEX, {"state.a.weight.x": 1, "state.a.weight.x.y": 2})
+
+
+# --- a module's named_*() yielding no pairs, beside upstream ------------------------------------
+
+
+def _yielding(method, item):
+    """A model whose ``method`` (named_children, named_parameters or
+    named_buffers) yields ``item`` first, then its real members."""
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("b", torch.zeros(2))
+
+    real = getattr(nn.Module, method)
+
+    def odd(self, *args, **kwargs):
+        yield item(self)
+        yield from real(self, *args, **kwargs)
+
+    setattr(Odd, method, odd)
+    return Odd()
+
+
+# upstream unpacks each item (``for name, x in ...``): ValueError for the
+# wrong number of values, TypeError for a non-iterable item; a non-str name
+# fails its FQN lookup with AttributeError
+NOT_PAIRS = [
+    (method, kind, item)
+    for method in ("named_children", "named_parameters", "named_buffers")
+    for kind, item in (
+        ("str", lambda m: "not a pair"),
+        ("3-tuple", lambda m: ("x", m.lin, 3)),
+        ("non-iterable", lambda m: 5),
+    )
+] + [
+    ("named_children", "int-name", lambda m: (1, m.lin)),
+    ("named_parameters", "int-name", lambda m: (1, m.lin.weight)),
+]
+
+
+@pytest.mark.parametrize("case", NOT_PAIRS, ids=[f"{c[0]}-{c[1]}" for c in NOT_PAIRS])
+def test_named_members_not_pairs_raise_upstreams_type(case):
+    method, _, item = case
+
+    def call(api):
+        model = _yielding(method, item)
+        return api.get_state_dict(model, torch.optim.SGD([model.lin.weight, model.lin.bias]))
+
+    with pytest.raises(Exception) as theirs:
+        call(upstream)
+    with pytest.raises(errors.DcpOptimError) as ours:
+        call(dcp_optim)
+    assert isinstance(ours.value, type(theirs.value)), (ours.value, theirs.value)
+    assert method in str(ours.value) or "names must be str" in str(ours.value), str(ours.value)
+
+
+def test_named_members_any_iterable_pair_is_accepted():
+    """Unpacking takes any iterable of two, as upstream does."""
+    class Lists(nn.Sequential):
+        def named_children(self):
+            return ([name, child] for name, child in super().named_children())
+
+    model = Lists(nn.Linear(2, 2), nn.Linear(2, 1))
+    theirs = upstream.get_model_state_dict(model)
+    ours = dcp_optim.get_model_state_dict(model)
+    assert list(ours) == list(theirs)
+
+
+def test_partial_dtensor_full_state_dict_like_upstream(world1):
+    """The native gather plan refuses Partial placements (gather/partial
+    above); the public API reduces them first, as upstream's
+    full_tensor() does, instead of rejecting what upstream accepts."""
+    from torch.distributed.tensor import DTensor, Partial, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Linear(3, 2)
+        m.weight = nn.Parameter(DTensor.from_local(torch.randn(2, 3), mesh, [Partial()]))
+        return m
+
+    options = dict(full_state_dict=True)
+    theirs = upstream.get_model_state_dict(model(), options=upstream.StateDictOptions(**options))
+    ours = dcp_optim.get_model_state_dict(model(), options=dcp_optim.StateDictOptions(**options))
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert type(ours[key]) is type(theirs[key]) is torch.Tensor, key
+        assert torch.equal(ours[key], theirs[key]), key

@@ -140,6 +140,17 @@ class BadChildren(FakeModule):
         yield "not a pair"
 
 
+class ListChildren(FakeModule):
+    """named_children() yields lists: unpacked into pairs, as upstream does."""
+
+    def __init__(self, *items):
+        super().__init__()
+        self.items = items
+
+    def named_children(self):
+        return iter([list(item) if isinstance(item, tuple) else item for item in self.items])
+
+
 class NoGroups:
     state: dict = {}
 
@@ -218,9 +229,19 @@ def _():
     C.walk_model(CTX, ListParams(), "_fqn_modifiers")
 
 
-@case("walk_model", "bad-named-children", TypeError, "pairs")
+@case("walk_model", "bad-named-children", ValueError, "pairs")
 def _():
     C.walk_model(CTX, BadChildren(), "_fqn_modifiers")
+
+
+@case("walk_model", "list-named-children")
+def _():
+    C.walk_model(CTX, ListChildren(("a", small_model())), "_fqn_modifiers")
+
+
+@case("walk_model", "non-iterable-named-child", TypeError, "non-iterable int")
+def _():
+    C.walk_model(CTX, ListChildren(("a", small_model()), 5), "_fqn_modifiers")
 
 
 @case("walk_model", "non-str-name", TypeError, "must be str")
@@ -316,6 +337,27 @@ def _():
 @case("optim_pack", "no-param-groups", TypeError, "param_groups")
 def _():
     C.optim_pack(INDEX, [NoGroups()], [None], {}, [])
+
+
+@case("optim_pack", "groups-changed", RuntimeError, "param groups changed")
+def _():
+    class Shrinking(dict):
+        def items(self):
+            opt.param_groups[0]["params"].pop()
+            return list(dict.items(self))
+
+    opt = FakeOptimizer([PARAMS[:2]])
+    opt.state = Shrinking({PARAMS[1]: {"x": 1}, PARAMS[0]: {"x": 1}})
+    C.optim_pack(INDEX, [opt], [None], {}, [])
+
+
+@case("flatten_optim", "items-not-pairs", ValueError, "3 values")
+def _():
+    class BadItems(dict):
+        def items(self):
+            return [("a", 1, 2)]
+
+    C.flatten_optim(CTX, {"state": BadItems(x=1), "param_groups": []}, None)
 
 
 @case("optim_remap", "ok")
