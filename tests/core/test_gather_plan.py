@@ -9,9 +9,13 @@ has exactly the same geometry but takes the general path (every rank's
 layout from ``shard_layouts``), so the two plans of the same tensors are
 compared here slot by slot and rank by rank, and both unpackings are
 compared with the full tensor, over many shapes, dtypes and world sizes.
-The scale test builds real DTensors on torch's fake process group (one
-process acting as rank 1 of 4096) and checks that the plan and the
-unpacking allocate no more Python memory at 4096 ranks than at 8.
+On 2-D meshes (FSDP2 over TP, HSDP, Shard+Shard, and a split factor
+with no closed form) every rank's piece, as torch's own placements split
+it, must be the rows the closed form names, and unpacking must give the
+full tensors.  The scale tests build real DTensors on torch's fake
+process group (one process acting as rank 1 of 4096, on a 1-D and on a
+2-D mesh) and check that the plan and the unpacking allocate no more
+Python memory at 4096 ranks than at 8.
 """
 
 from __future__ import annotations
