@@ -95,6 +95,7 @@
     X(itemsize, "itemsize")                          \
     X(split_factor, "split_factor")                  \
     X(narrow, "narrow")                              \
+    X(as_strided, "as_strided")                      \
     X(numel, "numel")                                \
     X(copy, "copy")                                  \
     X(metadata, "_metadata")                         \

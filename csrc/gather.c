@@ -20,8 +20,21 @@
  *   whose shards are unpadded and fill the segment is "direct": its
  *   gathered bytes are the full tensor's, so the caller gathers straight
  *   into the result.
- * - general: any other layout (_StridedShard, multi-dimensional meshes,
- *   Replicate, Shard(d > 0)): every rank's (local shape, blocks) from
+ * - even on a multi-dimensional mesh ("nested"): placements that shard
+ *   dim 0 on at most two mesh dimensions, every other one Replicate.
+ *   One sharded dimension of size S: as above with W = S.  Two, an
+ *   outer one of size So that splits the rows evenly (co = n / So) and
+ *   an inner one of size Si that chunks each outer block (ci =
+ *   ceil(co / Si)): the rank at outer index o, inner index i holds rows
+ *   o*co + [i*ci, min(co, (i+1)*ci)).  (Shard(0), Shard(0)) has the
+ *   outer dimension first; (_StridedShard(0, split_factor=S1),
+ *   Shard(0)) on dims (0, 1) -- FSDP2 over TP -- has it second (dim 1
+ *   is sharded first, then each of its blocks across dim 0).  The
+ *   gathered bucket, as [So, Si, ci rows] through the mesh strides at
+ *   index 0 of the Replicate dims (one replica), is copied into the
+ *   full tensor viewed as [So, co rows] by the same one or two copies.
+ * - general: any other layout (uneven outer blocks, other split
+ *   factors, Shard(d > 0)): every rank's (local shape, blocks) from
  *   shard_layouts, assembled by one torch.cat of whole-row pieces where
  *   the shards are row ranges, else block by block.
  *
@@ -39,8 +52,14 @@ typedef struct {
     Py_ssize_t offset;    /* byte offset of its slot in the segment */
     Py_ssize_t seg;       /* bytes of its largest shard (unaligned) */
     Py_ssize_t rows;      /* even: global dim-0 size */
-    Py_ssize_t chunk;     /* even: rows per rank, ceil(rows / world) */
+    Py_ssize_t chunk;     /* even: rows per rank (slot rows) */
     Py_ssize_t row_elems; /* even: elements per row */
+    Py_ssize_t outer;     /* even: outer mesh dim, -1 if none */
+    Py_ssize_t inner;     /* even: inner mesh dim */
+    Py_ssize_t nouter;    /* even: outer mesh size (1 if none) */
+    Py_ssize_t ninner;    /* even: inner mesh size */
+    Py_ssize_t ostride;   /* even: segments between outer neighbours */
+    Py_ssize_t istride;   /* even: segments between inner neighbours */
     Py_ssize_t itemsize;
     PyObject *local;   /* this rank's local tensor */
     PyObject *dtype;   /* torch dtype */
@@ -170,7 +189,8 @@ item_ready(const gitem_t *it)
 }
 
 /* Whether bucket b's gathered bytes are exactly one tensor's: one even
- * tensor, unpadded, filling the segment. */
+ * tensor, unpadded, filling the segment, its shards in row-major mesh
+ * order (no replicas, the outer dimension first). */
 static int
 bucket_is_direct(const dcp_GatherPlan *p, Py_ssize_t b)
 {
@@ -179,7 +199,8 @@ bucket_is_direct(const dcp_GatherPlan *p, Py_ssize_t b)
     }
     const gitem_t *it = &p->items[p->first[b]];
     return it->layouts == NULL && it->offset == 0 && it->seg > 0 &&
-           it->seg == p->segment[b] && it->chunk * p->world == it->rows;
+           it->seg == p->segment[b] && it->chunk * p->world == it->rows &&
+           it->nouter * it->ninner == p->world && it->outer < it->inner;
 }
 
 PyDoc_STRVAR(GatherPlan_segment_doc,
@@ -221,7 +242,10 @@ GatherPlan_direct(PyObject *self, PyObject *arg)
 PyDoc_STRVAR(GatherPlan_describe_doc,
              "describe($self, bucket, /)\n--\n\n"
              "The bucket's tensors: (leaf, offset, 'even', rows, chunk, "
-             "row_elems) or (leaf, offset, 'general', layouts).");
+             "row_elems) on one mesh dimension of all the ranks, (leaf, "
+             "offset, 'nested', rows, chunk, row_elems, outer, inner) on "
+             "a multi-dimensional mesh (outer -1: none), or (leaf, offset, "
+             "'general', layouts).");
 
 static PyObject *
 GatherPlan_describe(PyObject *self, PyObject *arg)
@@ -235,17 +259,31 @@ GatherPlan_describe(PyObject *self, PyObject *arg)
     PyObject *out = PyList_New(hi - lo);
     for (Py_ssize_t i = lo; out != NULL && i < hi; i++) {
         const gitem_t *it = &p->items[i];
-        PyObject *entry =
-            it->layouts == NULL
-                ? Py_BuildValue("(nnsnnn)",
-                                it->leaf,
-                                it->offset,
-                                "even",
-                                it->rows,
-                                it->chunk,
-                                it->row_elems)
-                : Py_BuildValue(
-                      "(nnsO)", it->leaf, it->offset, "general", it->layouts);
+        PyObject *entry;
+        if (it->layouts != NULL) {
+            entry = Py_BuildValue(
+                "(nnsO)", it->leaf, it->offset, "general", it->layouts);
+        }
+        else if (it->outer < 0 && it->ninner == p->world) {
+            entry = Py_BuildValue("(nnsnnn)",
+                                  it->leaf,
+                                  it->offset,
+                                  "even",
+                                  it->rows,
+                                  it->chunk,
+                                  it->row_elems);
+        }
+        else {
+            entry = Py_BuildValue("(nnsnnnnn)",
+                                  it->leaf,
+                                  it->offset,
+                                  "nested",
+                                  it->rows,
+                                  it->chunk,
+                                  it->row_elems,
+                                  it->outer,
+                                  it->inner);
+        }
         if (entry == NULL) {
             Py_CLEAR(out);
             break;
@@ -363,6 +401,65 @@ plan_new(dcp_state *st, Py_ssize_t world, Py_ssize_t nitems)
  * plan_gather
  */
 
+/* Segments between neighbours along mesh dimension m (row-major). */
+static Py_ssize_t
+mesh_stride(const Py_ssize_t *mshape, Py_ssize_t mdim, Py_ssize_t m)
+{
+    Py_ssize_t s = 1;
+    for (Py_ssize_t k = m + 1; k < mdim; k++) {
+        s *= mshape[k]; /* <= world, which fits */
+    }
+    return s;
+}
+
+/* Whether placements `pl` of a tensor with `rows` rows (-1: 0-D) have
+ * the closed form (see the opening comment): sets *outer (-1 if none)
+ * and *inner to the sharded mesh dimensions.  1 / 0. */
+static int
+closed_form(const placement_t *pl,
+            const Py_ssize_t *mshape,
+            Py_ssize_t mdim,
+            Py_ssize_t rows,
+            Py_ssize_t *outer,
+            Py_ssize_t *inner)
+{
+    Py_ssize_t sd[2];
+    int ns = 0;
+    if (rows < 0) {
+        return 0;
+    }
+    for (Py_ssize_t m = 0; m < mdim; m++) {
+        if (pl[m].kind == PL_REPLICATE) {
+            continue;
+        }
+        if ((pl[m].kind != PL_SHARD && pl[m].kind != PL_STRIDED) ||
+            pl[m].dim != 0 || ns == 2) {
+            return 0;
+        }
+        sd[ns++] = m;
+    }
+    if (ns == 0 || pl[sd[ns - 1]].kind != PL_SHARD) {
+        return 0;
+    }
+    if (ns == 1) {
+        *outer = -1;
+        *inner = sd[0];
+        return 1;
+    }
+    if (pl[sd[0]].kind == PL_SHARD) {
+        *outer = sd[0];
+        *inner = sd[1];
+    }
+    else if (pl[sd[0]].split_factor == mshape[sd[1]]) {
+        *outer = sd[1];
+        *inner = sd[0];
+    }
+    else {
+        return 0;
+    }
+    return mshape[*outer] > 0 && rows % mshape[*outer] == 0;
+}
+
 /* Reads one DTensor leaf into `it` (new references) and its agreement
  * signature (shape, placements, itemsize) into *sig; when the layout is
  * not even, every rank's layout into it->layouts.  0 / -1. */
@@ -449,8 +546,12 @@ plan_item(dcp_state *st,
     if (*sig == NULL) {
         goto done;
     }
-    if (mdim == 1 && ndim >= 1 && pl[0].kind == PL_SHARD && pl[0].dim == 0) {
-        /* even: torch.chunk rows, closed form */
+    Py_ssize_t so = 1, si = 0, outer = -1, inner = -1;
+    if (closed_form(
+            pl, mshape, mdim, ndim >= 1 ? gshape[0] : -1, &outer, &inner)) {
+        /* even: nested torch.chunk rows, closed form */
+        so = outer >= 0 ? mshape[outer] : 1;
+        si = mshape[inner];
         Py_ssize_t row = 1;
         for (Py_ssize_t d = 1; d < ndim; d++) {
             if ((row = dcp_size_product(row, gshape[d], "gather plan")) < 0) {
@@ -458,7 +559,8 @@ plan_item(dcp_state *st,
             }
         }
         Py_ssize_t rows = gshape[0];
-        Py_ssize_t chunk = rows / world + (rows % world != 0);
+        Py_ssize_t co = rows / so;
+        Py_ssize_t chunk = co / si + (co % si != 0);
         Py_ssize_t row_bytes =
             dcp_size_product(row, it->itemsize, "gather plan");
         Py_ssize_t seg =
@@ -471,6 +573,12 @@ plan_item(dcp_state *st,
         it->chunk = chunk;
         it->row_elems = row;
         it->seg = seg;
+        it->outer = outer;
+        it->inner = inner;
+        it->nouter = so;
+        it->ninner = si;
+        it->ostride = outer >= 0 ? mesh_stride(mshape, mdim, outer) : 0;
+        it->istride = mesh_stride(mshape, mdim, inner);
         rc = 0;
         goto done;
     }
@@ -812,77 +920,110 @@ dcp_pack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* The gathered buffer as [world, segment / itemsize] of `dtype`, cached
- * per dtype in `grids`.  New reference or NULL. */
+/* The gathered buffer as a flat tensor of the item's dtype, cached per
+ * dtype in `flats`.  New reference or NULL. */
 static PyObject *
-typed_grid(dcp_state *st,
-           PyObject *buffer,
-           PyObject *grids,
-           const gitem_t *it,
-           Py_ssize_t world,
-           Py_ssize_t segment)
+typed_flat(dcp_state *st, PyObject *buffer, PyObject *flats, const gitem_t *it)
 {
-    PyObject *grid;
-    if (dcp_dict_get_ref(grids, it->dtype, &grid) < 0) {
+    PyObject *flat;
+    if (dcp_dict_get_ref(flats, it->dtype, &flat) < 0) {
         return NULL;
     }
-    if (grid != NULL) {
-        return grid;
+    if (flat != NULL) {
+        return flat;
     }
-    if (segment % it->itemsize != 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "segment not a multiple of itemsize");
-        return NULL;
+    flat = dcp_call_method1(st->str_view, buffer, it->dtype);
+    if (flat != NULL && PyDict_SetItem(flats, it->dtype, flat) < 0) {
+        Py_CLEAR(flat);
     }
-    PyObject *typed = dcp_call_method1(st->str_view, buffer, it->dtype);
-    grid =
-        typed ? gather_view2(st, typed, world, segment / it->itemsize) : NULL;
-    Py_XDECREF(typed);
-    if (grid != NULL && PyDict_SetItem(grids, it->dtype, grid) < 0) {
-        Py_CLEAR(grid);
-    }
-    return grid;
+    return flat;
 }
 
 /* Copies an even tensor out of the gathered buffer into `full` (its
- * global shape): rank r's slot holds rows [r*c, min(n, (r+1)*c)).  The
- * ranks with c rows make one [q, c*row] strided copy; the one rank with
- * fewer (if any) one more.  0 / -1. */
+ * global shape): the rank at outer index o, inner index i (index 0 of
+ * every Replicate dimension) holds rows o*co + [i*ci, min(co, (i+1)*ci))
+ * in its slot.  The source is the buffer through the mesh strides,
+ * [So, Si, ci*row]; the full tensor is [So, co*row].  The inner ranks
+ * holding ci rows make one strided copy, the one holding fewer (if any)
+ * one more.  0 / -1. */
 static int
-unpack_even(dcp_state *st, PyObject *grid, const gitem_t *it, PyObject *full)
+unpack_even(dcp_state *st,
+            PyObject *flat,
+            const gitem_t *it,
+            Py_ssize_t world,
+            Py_ssize_t segment,
+            PyObject *full)
 {
     Py_ssize_t n = it->rows, c = it->chunk, re = it->row_elems;
     if (n == 0 || re == 0) {
         return 0;
     }
-    Py_ssize_t start = it->offset / it->itemsize;
-    Py_ssize_t q = n / c, rem = n - q * c;
+    Py_ssize_t so = it->nouter, co = n / so, isz = it->itemsize;
+    if (segment % isz != 0 || it->offset % isz != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "segment not a multiple of itemsize");
+        return -1;
+    }
+    Py_ssize_t seg = segment / isz;
+    Py_ssize_t start = it->offset / isz;
+    Py_ssize_t q = co / c, rem = co - q * c;
     int rc = -1;
-    PyObject *cols = gather_columns(grid, start, start + c * re);
-    PyObject *flat = cols ? gather_view2(st, full, n * re, -1) : NULL;
-    if (flat == NULL) {
+    PyObject *size = NULL, *stride = NULL, *src = NULL, *dflat = NULL;
+    PyObject *tail = dcp_slice(flat, start, world * seg);
+    if (tail == NULL) {
+        goto done;
+    }
+    size = Py_BuildValue("(nnn)", so, it->ninner, c * re);
+    stride =
+        size
+            ? Py_BuildValue(
+                  "(nnn)", it->ostride * seg, it->istride * seg, (Py_ssize_t)1)
+            : NULL;
+    src = stride ? PyObject_CallMethodObjArgs(
+                       tail, st->str_as_strided, size, stride, NULL)
+                 : NULL;
+    dflat = src ? gather_view2(st, full, n * re, -1) : NULL;
+    if (dflat == NULL) {
         goto done;
     }
     if (q > 0) {
-        PyObject *src = dcp_slice(cols, 0, q);
-        PyObject *part = src ? dcp_slice(flat, 0, q * c * re) : NULL;
-        PyObject *dst = part ? gather_view2(st, part, q, c * re) : NULL;
-        int ok = dst != NULL && dcp_copy_into(st, dst, src) == 0;
-        Py_XDECREF(src);
+        PyObject *shape = Py_BuildValue("(nn)", so, co * re);
+        PyObject *part =
+            shape ? dcp_call_method1(st->str_view, dflat, shape) : NULL;
+        PyObject *head = part ? gather_columns(part, 0, q * c * re) : NULL;
+        PyObject *dims = head ? Py_BuildValue("(nnn)", so, q, c * re) : NULL;
+        PyObject *dst =
+            dims ? dcp_call_method1(st->str_view, head, dims) : NULL;
+        PyObject *s1 = dst ? gather_columns(src, 0, q) : NULL;
+        int ok = s1 != NULL && dcp_copy_into(st, dst, s1) == 0;
+        Py_XDECREF(shape);
         Py_XDECREF(part);
+        Py_XDECREF(head);
+        Py_XDECREF(dims);
         Py_XDECREF(dst);
+        Py_XDECREF(s1);
         if (!ok) {
             goto done;
         }
     }
     if (rem > 0) {
-        PyObject *row = dcp_slice(cols, q, q + 1);
-        PyObject *src = row ? gather_columns(row, 0, rem * re) : NULL;
-        PyObject *part = src ? dcp_slice(flat, q * c * re, n * re) : NULL;
-        PyObject *dst = part ? gather_view2(st, part, 1, rem * re) : NULL;
-        int ok = dst != NULL && dcp_copy_into(st, dst, src) == 0;
+        PyObject *all = PySlice_New(NULL, NULL, NULL);
+        PyObject *idx = all ? PyLong_FromSsize_t(q) : NULL;
+        PyObject *key = idx ? PyTuple_Pack(2, all, idx) : NULL;
+        PyObject *row = key ? PyObject_GetItem(src, key) : NULL;
+        PyObject *s2 = row ? gather_columns(row, 0, rem * re) : NULL;
+        PyObject *shape = s2 ? Py_BuildValue("(nn)", so, co * re) : NULL;
+        PyObject *part =
+            shape ? dcp_call_method1(st->str_view, dflat, shape) : NULL;
+        PyObject *dst =
+            part ? gather_columns(part, q * c * re, co * re) : NULL;
+        int ok = dst != NULL && dcp_copy_into(st, dst, s2) == 0;
+        Py_XDECREF(all);
+        Py_XDECREF(idx);
+        Py_XDECREF(key);
         Py_XDECREF(row);
-        Py_XDECREF(src);
+        Py_XDECREF(s2);
+        Py_XDECREF(shape);
         Py_XDECREF(part);
         Py_XDECREF(dst);
         if (!ok) {
@@ -891,8 +1032,11 @@ unpack_even(dcp_state *st, PyObject *grid, const gitem_t *it, PyObject *full)
     }
     rc = 0;
 done:
-    Py_XDECREF(cols);
-    Py_XDECREF(flat);
+    Py_XDECREF(tail);
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    Py_XDECREF(src);
+    Py_XDECREF(dflat);
     return rc;
 }
 
@@ -1161,13 +1305,10 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t segment = p->segment[b];
-    /* dtype -> the buffer as [world, segment] (even tensors), and as a
-     * flat typed view (general ones) */
-    PyObject *grids = PyDict_New();
-    PyObject *flats = grids ? PyDict_New() : NULL;
+    /* dtype -> the buffer as a flat typed view */
+    PyObject *flats = PyDict_New();
     PyObject *kwargs = NULL;
     if (flats == NULL) {
-        Py_XDECREF(grids);
         return NULL;
     }
     for (Py_ssize_t i = p->first[b]; i < p->first[b + 1]; i++) {
@@ -1186,11 +1327,10 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *cargs = PyTuple_Pack(1, it->shape);
             full = cargs ? PyObject_Call(empty, cargs, kwargs) : NULL;
             Py_XDECREF(cargs);
-            PyObject *grid =
-                full ? typed_grid(st, buffer, grids, it, p->world, segment)
-                     : NULL;
-            int ok = grid != NULL && unpack_even(st, grid, it, full) == 0;
-            Py_XDECREF(grid);
+            PyObject *flat = full ? typed_flat(st, buffer, flats, it) : NULL;
+            int ok = flat != NULL &&
+                     unpack_even(st, flat, it, p->world, segment, full) == 0;
+            Py_XDECREF(flat);
             if (!ok) {
                 Py_XDECREF(full);
                 goto error;
@@ -1220,12 +1360,10 @@ dcp_unpack_bucket(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_XDECREF(kwargs);
-    Py_DECREF(grids);
     Py_DECREF(flats);
     Py_RETURN_NONE;
 error:
     Py_XDECREF(kwargs);
-    Py_DECREF(grids);
     Py_DECREF(flats);
     return NULL;
 }

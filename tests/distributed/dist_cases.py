@@ -875,10 +875,21 @@ def gather_exactness_cases(rank: int, ws: int) -> list[str]:
             ("2d-shard0-shard1", mesh2, [Shard(0), Shard(1)], full(7, 5)),
             ("2d-hsdp", mesh2, [Replicate(), Shard(0)], full(5, 3, dtype=torch.bfloat16)),
             ("2d-shard0-shard0", mesh2, [Shard(0), Shard(0)], full(9, 2)),
+            # the nested closed form: even outer blocks, padded inner chunks
+            ("2d-shard0-shard0-padded", mesh2, [Shard(0), Shard(0)], full(2 * (ws // 2 + 1), 3)),
+            ("2d-fsdp-over-tp", mesh2, [_StridedShard(0, split_factor=ws // 2), Shard(0)],
+             full(ws // 2 * 4, 3)),
+            ("2d-fsdp-over-tp-padded", mesh2, [_StridedShard(0, split_factor=ws // 2), Shard(0)],
+             full(ws // 2 * 3, 5, dtype=torch.bfloat16)),
         ]
     names = [c[0] for c in cases]
     fulls = [c[3] for c in cases]
-    leaves = [distribute_tensor(t, mesh, pl) for _, mesh, pl, t in cases]
+    # torch's scatter of a padded _StridedShard fails (its split does not
+    # pad); every rank holds the same `full`, so those split locally
+    leaves = [
+        distribute_tensor(t, mesh, pl, src_data_rank=None if name.startswith("2d-fsdp") else 0)
+        for name, mesh, pl, t in cases
+    ]
     # interleave a plain tensor: it passes through untouched
     plain = torch.arange(3.0)
     checked = []

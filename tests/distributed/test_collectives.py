@@ -21,7 +21,7 @@ def test_disagreeing_ranks_raise_the_same_error_everywhere():
     assert "options" in options and "ranks disagree" in options
     assert "broadcast_from_rank0=True" in held_by_one and "[1]" in held_by_one
     # the full-gather layouts, exact against upstream (dist_cases.gather_exactness_cases)
-    assert gathers == ["13 layouts"] + [f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)]
+    assert gathers == ["16 layouts"] + [f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)]
     assert results[1][3] == gathers[:3]  # rank 1 keeps nothing with cpu_offload
 
 
@@ -31,10 +31,10 @@ def test_sub_meshes_and_broadcast_source():
     assert [r["mesh"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     # the full-gather layouts at 4 ranks, exact against upstream (rank 0
     # alone keeps them with cpu_offload)
-    assert results[0]["gathers"] == ["13 layouts"] + [
+    assert results[0]["gathers"] == ["16 layouts"] + [
         f"offload={o} bucket={b}" for o in (False, True) for b in (None, 1)
     ]
-    assert all(r["gathers"] == ["13 layouts", "offload=False bucket=None", "offload=False bucket=1"]
+    assert all(r["gathers"] == ["16 layouts", "offload=False bucket=None", "offload=False bucket=1"]
                for r in results[1:])
 
 

@@ -161,6 +161,9 @@ class FakeTensor:
     def narrow(self, dim, start, length):
         return FakeTensor((length,), self.dtype, self.device)
 
+    def as_strided(self, size, stride, storage_offset=None):
+        return FakeTensor(tuple(size), self.dtype, self.device)
+
     def copy_(self, src):
         self.copies += 1
         return self

@@ -899,6 +899,12 @@ GATHER_LEAVES = [
 ]
 GATHER_PLAN = _gather_plan(GATHER_LEAVES)
 DIRECT_PLAN = _gather_plan([FakeDTensor((8, 4), mesh=MESH4)])
+# nested closed form on a 2 x 2 mesh: FSDP2 over TP, and HSDP
+MESH2X2 = fakes.Mesh((2, 2), (0, 0))
+NESTED_PLAN = _gather_plan([
+    FakeDTensor((8, 4), placements=(fakes.StridedShard(0, 2), fakes.Shard(0)), mesh=MESH2X2),
+    FakeDTensor((6, 2), placements=(fakes.Replicate(), fakes.Shard(0)), mesh=MESH2X2),
+])
 
 
 def fake_cat(pieces):
@@ -943,6 +949,8 @@ def _():
         C.unpack_bucket(buf, GATHER_PLAN, b, empty, "cpu", results, None, fake_cat)
         C.unpack_bucket(buf, GATHER_PLAN, b, empty, "cpu", results, "cpu")
     C.unpack_bucket(FakeTensor((128,), UINT8), DIRECT_PLAN, 0, empty, "cpu", [None], "cpu")
+    assert [d[2] for d in NESTED_PLAN.describe(0)] == ["nested", "nested"]
+    C.unpack_bucket(FakeTensor((256,), UINT8), NESTED_PLAN, 0, empty, "cpu", [None, None], None)
 
 
 @case("unpack_bucket", "index", IndexError, "out of range")
