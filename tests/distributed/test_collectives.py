@@ -95,7 +95,11 @@ def test_broadcast_model_load_writes_in_place(capsys):
         assert non_tensor and non_tensor.startswith("RuntimeError") and r["first"] in non_tensor
         assert shape and "size mismatch" in shape and r["first"] in shape
     # one bucket and Python objects, never the 32 MB of local shards again
-    assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb
+    # (a second copy of them would be bucket + 32 MB).  The slack above the
+    # bucket varies with the environment: 4.9-9 MB measured on the same
+    # code in different virtualenvs of this machine (allocator arenas,
+    # lazily imported modules), so it is 12 MB, well below 32.
+    assert r1["peak_delta"] <= r1["bucket_bytes"] + 12 * mb
 
 
 def test_broadcast_optimizer_load_writes_into_held_state(capsys):

@@ -30,6 +30,7 @@ import random
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -192,7 +193,11 @@ _MODE: dict[int, str] = {}  # id(optimizer) -> "closure" / "hessian"
 
 
 def _step(model, opt, i, dtype=torch.float32):
+    # every random stream an optimizer may draw from in step() (Kron's
+    # balancing draws from numpy's global one), seeded by the step index:
+    # the resumed step i draws what the uninterrupted run's step i drew
     random.seed(i)
+    np.random.seed(i)
     torch.manual_seed(1000 + i)
     mode = _MODE.get(id(opt))
     if mode == "closure":
