@@ -147,25 +147,22 @@ class Shims:
             # record at 4096 ranks) is not charged; the tile below is one copy
             return not _COUNTING and inp.numel() * inp.element_size() <= CONTROL_BYTES
 
-        def all_gather_into_tensor(out, inp, group=None, async_op=False):
-            if _control(inp):
+        def flat_gather(name):
+            # the two flat all-gathers of the API share one shim
+            def gather(out, inp, group=None, async_op=False):
+                if _control(inp):
+                    _fill_flat(out, inp)
+                    return None
+                work = orig[name](out, inp, group=group, async_op=async_op)
+                if work is not None:
+                    work.wait()
                 _fill_flat(out, inp)
-                return None
-            work = orig["all_gather_into_tensor"](out, inp, group=group, async_op=async_op)
-            if work is not None:
-                work.wait()
-            _fill_flat(out, inp)
-            return work
+                return work
 
-        def all_gather_single(out, inp, group=None, async_op=False):
-            if _control(inp):
-                _fill_flat(out, inp)
-                return None
-            work = orig["all_gather_single"](out, inp, group=group, async_op=async_op)
-            if work is not None:
-                work.wait()
-            _fill_flat(out, inp)
-            return work
+            return gather
+
+        all_gather_into_tensor = flat_gather("all_gather_into_tensor")
+        all_gather_single = flat_gather("all_gather_single")
 
         def all_gather(tensor_list, tensor, group=None, async_op=False):
             work = orig["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
