@@ -1,12 +1,16 @@
 /* Shared declarations of the _dcp_optim extension.
  *
  * Layout of the C core (one concern per file):
- *   module.c   module definition, per-module state, method table
+ *   module.c   module definition, per-module state, method table (the
+ *              top: it calls every file's init, nothing calls into it)
+ *   helpers.c  shared helpers (names, items snapshots, pinned dict
+ *              iteration, type lookups, exception notes): the bottom
  *   context.c  Context: the torch classes and base methods the core needs,
  *              handed in from Python so the core never imports torch
  *   walk.c     the module walk: one native walk of the nn.Module tree
  *   model_index.c  ModelIndex: the type the walk fills
  *   walk_cache.c   WalkTrace: a walk's record, replayed on an unchanged tree
+ *   walk_types.c   facts about module types, read by the walk and replay
  *   fqn.c      FQN rules for arbitrary names (upstream's _get_fqns) and
  *              canonicalisation of model state_dict keys
  *   optim.c    optimizer param-ID <-> FQN mapping (get side)
@@ -269,7 +273,9 @@ enum {
     DCP_KIND_EXTRA = 2,
 };
 
-int dcp_walk_init_type(PyObject *module, dcp_state *st);
+int dcp_index_init_type(PyObject *module, dcp_state *st);
+/* The WalkTrace type (walk_cache.c; internal, not added to the module). */
+int dcp_walktrace_init_type(PyObject *module, dcp_state *st);
 /* Index of `tensor` in index->tensors, or -1 when the model lacks it. */
 Py_ssize_t dcp_index_tensor_slot(dcp_ModelIndex *index, PyObject *tensor);
 /* Index of `param` in index->np_params, or -1. */
@@ -278,15 +284,53 @@ Py_ssize_t dcp_index_param_slot(dcp_ModelIndex *index, PyObject *param);
 int dcp_index_check(dcp_state *st, PyObject *obj);
 
 /* ----------------------------------------------------------------------
- * Shared helpers (module.c)
+ * Shared helpers (helpers.c)
  */
 
 /* Returns "prefix.name" (or "name" when prefix is empty) as a new str. */
 PyObject *dcp_join_name(dcp_state *st, PyObject *prefix, PyObject *name);
 /* Returns prefix + name + "." : the prefix for a child; new reference. */
 PyObject *dcp_child_prefix(dcp_state *st, PyObject *prefix, PyObject *name);
+/* Iteration over an exact dict that survives code run in the loop body
+ * (an allocation may start a collection, and a finalizer may change the
+ * dict): the dict and the current key and value are strong references
+ * held by the iterator, and a change of size since the start raises
+ * RuntimeError("dictionary changed size during iteration"), as CPython's
+ * dict iterators do.
+ *
+ *     dcp_dict_iter it;
+ *     dcp_dict_iter_init(&it, dict);
+ *     while ((rc = dcp_dict_iter_next(&it, &key, &value)) == 1) { ... }
+ *     dcp_dict_iter_clear(&it);   // also on every early exit
+ *
+ * `key` and `value` are borrowed from the iterator, valid until the next
+ * call to next or clear. */
+typedef struct {
+    PyObject *dict;
+    Py_ssize_t pos;
+    Py_ssize_t size;
+    PyObject *key;
+    PyObject *value;
+} dcp_dict_iter;
+
+static inline void
+dcp_dict_iter_init(dcp_dict_iter *it, PyObject *dict)
+{
+    it->dict = Py_NewRef(dict);
+    it->pos = 0;
+    it->size = PyDict_GET_SIZE(dict);
+    it->key = NULL;
+    it->value = NULL;
+}
+
+/* 1 with the next entry, 0 at the end, -1 with RuntimeError when the
+ * dict changed size; the iterator is cleared at the end and on error. */
+int dcp_dict_iter_next(dcp_dict_iter *it, PyObject **key, PyObject **value);
+/* Releases what the iterator holds; safe to call more than once. */
+void dcp_dict_iter_clear(dcp_dict_iter *it);
 /* Snapshot of a mapping's items as a new list of 2-tuples; exact dicts
- * are copied with PyDict_Next, anything else through .items(). */
+ * are copied entry by entry (pinned, size checked: dcp_dict_iter),
+ * anything else through .items(). */
 PyObject *dcp_items_list(dcp_state *st, PyObject *mapping);
 /* Makes every item of `list` a 2-tuple, unpacking other iterables as
  * `for a, b in ...` would.  On an item that is no pair, raises
@@ -410,6 +454,7 @@ int dcp_full_load_init_type(PyObject *module, dcp_state *st);
 /* Method tables: each file defines the table of the functions it owns,
  * next to them, and the module's exec slot adds every table. */
 #define DCP_FASTCALL(fn) ((PyCFunction)(void (*)(void))(fn))
+extern PyMethodDef dcp_walk_methods[];           /* walk.c */
 extern PyMethodDef dcp_fqn_methods[];            /* fqn.c */
 extern PyMethodDef dcp_optim_methods[];          /* optim.c */
 extern PyMethodDef dcp_split_methods[];          /* split.c */
@@ -428,13 +473,6 @@ extern PyMethodDef dcp_gather_methods[];         /* gather.c */
  * Full gathers (gather.c): the GatherPlan type and its executors.
  */
 int dcp_gather_init_type(PyObject *module, dcp_state *st);
-
-/* Entries still in module.c's own table, and the entry points other files
- * call (none: C code calls the C-typed helpers above). */
-#define DCP_DECLARE_FASTCALL(name) \
-    PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-DCP_DECLARE_FASTCALL(dcp_walk_model)
-#undef DCP_DECLARE_FASTCALL
 
 /* obj.<name>(arg) through an interned method name; new reference or
  * NULL. */

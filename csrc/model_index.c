@@ -242,11 +242,8 @@ static PyType_Spec ModelIndex_spec = {
 };
 
 int
-dcp_walk_init_type(PyObject *module, dcp_state *st)
+dcp_index_init_type(PyObject *module, dcp_state *st)
 {
-    if (dcp_walktrace_init_type(module, st) < 0) {
-        return -1;
-    }
     st->ModelIndex_Type = (PyTypeObject *)PyType_FromModuleAndSpec(
         module, &ModelIndex_spec, NULL);
     if (st->ModelIndex_Type == NULL) {

@@ -673,7 +673,7 @@ done:
 /* 1 when `state` (a plain dict) holds a non-empty entry for every
  * parameter of `groups`, in parameter order -- what a step leaves behind:
  * then nothing is missing.  0 otherwise (the caller takes the general
- * path), -1 on error.  Reads only: no code runs. */
+ * path), -1 on error. */
 static int
 all_params_have_state(dcp_state *st, PyObject *groups, PyObject *state)
 {
@@ -693,10 +693,13 @@ all_params_have_state(dcp_state *st, PyObject *groups, PyObject *state)
     if (PyDict_GET_SIZE(state) != total) {
         return 0;
     }
-    Py_ssize_t pos = 0;
+    /* The lookups of "params" compare keys, which may run a key's __eq__:
+     * the entries are pinned and the size checked (dcp_dict_iter). */
     PyObject *key, *value;
-    int all = 1;
-    while (all && PyDict_Next(state, &pos, &key, &value)) {
+    int all = 1, more = 0;
+    dcp_dict_iter it;
+    dcp_dict_iter_init(&it, state);
+    while (all && (more = dcp_dict_iter_next(&it, &key, &value)) == 1) {
         while (list == NULL || i >= PyList_GET_SIZE(list)) {
             Py_CLEAR(list);
             if (g >= ng ||
@@ -704,6 +707,7 @@ all_params_have_state(dcp_state *st, PyObject *groups, PyObject *state)
                     PyList_GET_ITEM(groups, g), st->str_params, &list) <= 0 ||
                 !PyList_CheckExact(list)) {
                 Py_XDECREF(list);
+                dcp_dict_iter_clear(&it);
                 return PyErr_Occurred() ? -1 : 0;
             }
             g++;
@@ -713,8 +717,9 @@ all_params_have_state(dcp_state *st, PyObject *groups, PyObject *state)
               !(PyDict_Check(value) && PyDict_GET_SIZE(value) == 0);
         i++;
     }
+    dcp_dict_iter_clear(&it);
     Py_XDECREF(list);
-    return all;
+    return more < 0 ? -1 : all;
 }
 
 PyDoc_STRVAR(

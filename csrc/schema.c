@@ -67,13 +67,16 @@ substitute_kwargs(PyObject *kwargs,
     }
     PyObject *out = PyDict_New();
     PyObject *key, *value;
-    Py_ssize_t pos = 0;
     if (out == NULL) {
         return NULL;
     }
-    /* kwargs is a dict the Python layer built; PyDict_Next runs no user
-     * code and the values below are only stored, not called. */
-    while (PyDict_Next(kwargs, &pos, &key, &value)) {
+    /* kwargs is a dict the Python layer built, but reading param.device
+     * runs Python code and every store allocates: the entries are pinned
+     * and the size checked (dcp_dict_iter). */
+    dcp_dict_iter it;
+    dcp_dict_iter_init(&it, kwargs);
+    int more;
+    while ((more = dcp_dict_iter_next(&it, &key, &value)) == 1) {
         if (value == param_mark) {
             value = param;
         }
@@ -81,16 +84,21 @@ substitute_kwargs(PyObject *kwargs,
             if (*device == NULL) {
                 *device = PyObject_GetAttr(param, st->str_device);
                 if (*device == NULL) {
-                    Py_DECREF(out);
-                    return NULL;
+                    more = -1;
+                    break;
                 }
             }
             value = *device;
         }
         if (PyDict_SetItem(out, key, value) < 0) {
-            Py_DECREF(out);
-            return NULL;
+            more = -1;
+            break;
         }
+    }
+    dcp_dict_iter_clear(&it);
+    if (more < 0) {
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
 }

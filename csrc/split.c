@@ -1000,20 +1000,18 @@ aliased_entry(dcp_cast_ctx *c, PyObject *value, PyObject *live)
         PyDict_GET_SIZE(value) != PyDict_GET_SIZE(live)) {
         return 0;
     }
-    Py_ssize_t pos = 0;
     PyObject *key, *v;
-    while (PyDict_Next(value, &pos, &key, &v)) {
-        /* pinned: the checks below may run code (isinstance) */
-        Py_INCREF(key);
-        Py_INCREF(v);
+    int more;
+    dcp_dict_iter it; /* pinned: the checks below may run code */
+    dcp_dict_iter_init(&it, value);
+    while ((more = dcp_dict_iter_next(&it, &key, &v)) == 1) {
         int rc = aliased_value(c, key, v, live);
-        Py_DECREF(key);
-        Py_DECREF(v);
         if (rc <= 0) {
+            dcp_dict_iter_clear(&it);
             return rc;
         }
     }
-    return 1;
+    return more < 0 ? -1 : 1;
 }
 
 /* Whether a group places `step` on the param's device. */

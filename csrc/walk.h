@@ -1,7 +1,8 @@
 /* Declarations shared by the files of the module walk: walk.c (the walk
- * itself), model_index.c (the ModelIndex type it fills) and walk_cache.c
- * (the walk trace that replays an unchanged tree).  Internal to those
- * three files; the rest of the core sees ModelIndex through dcp.h.
+ * itself), model_index.c (the ModelIndex type it fills), walk_cache.c
+ * (the walk trace that replays an unchanged tree) and walk_types.c (the
+ * type facts both read).  Internal to those
+ * four files; the rest of the core sees ModelIndex through dcp.h.
  */
 #ifndef DCP_WALK_H
 #define DCP_WALK_H
@@ -67,7 +68,7 @@ typedef struct {
     dcp_trace_rec rec;
 } dcp_walker;
 
-/* walk.c */
+/* walk_types.c */
 long dcp_type_flags_compute(dcp_state *st,
                             dcp_Context *ctx,
                             PyObject *module,
@@ -82,6 +83,5 @@ dcp_ModelIndex *dcp_index_create(dcp_state *st,
 
 /* walk_cache.c */
 PyObject *dcp_walktrace_new(dcp_state *st, dcp_walker *w, dcp_ModelIndex *ix);
-int dcp_walktrace_init_type(PyObject *module, dcp_state *st);
 
 #endif /* DCP_WALK_H */

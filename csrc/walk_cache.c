@@ -314,10 +314,11 @@ rp_tensors(dcp_replay *r, PyObject *members, PyObject *non_persistent)
     seen.n = 0;
     seen.map = (dcp_ptrmap){NULL, 0, 0};
     const int dedup = PyDict_GET_SIZE(members) > 1;
-    Py_ssize_t pos = 0;
     PyObject *name, *value;
-    int rc = -1, m;
-    while (PyDict_Next(members, &pos, &name, &value)) {
+    int rc = -1, m, more;
+    dcp_dict_iter it;
+    dcp_dict_iter_init(&it, members);
+    while ((more = dcp_dict_iter_next(&it, &name, &value)) == 1) {
         if ((m = rp_name(r, name)) <= 0) {
             rc = m;
             goto done;
@@ -368,8 +369,15 @@ rp_tensors(dcp_replay *r, PyObject *members, PyObject *non_persistent)
             goto done;
         }
     }
+    if (more < 0) {
+        /* the dict changed size: not the recorded tree, walk it instead */
+        PyErr_Clear();
+        rc = 0;
+        goto done;
+    }
     rc = 1;
 done:
+    dcp_dict_iter_clear(&it);
     dcp_ptrmap_free(&seen.map);
     return rc;
 }
@@ -385,7 +393,8 @@ rp_visit(dcp_replay *r, PyObject *module)
     rp_dedup seen;
     seen.n = 0;
     seen.map = (dcp_ptrmap){NULL, 0, 0};
-    int rc = -1;
+    dcp_dict_iter it = {NULL, 0, 0, NULL, NULL};
+    int rc = -1, more;
 
     if (Py_EnterRecursiveCall(" while replaying the module tree walk")) {
         return -1;
@@ -423,9 +432,9 @@ rp_visit(dcp_replay *r, PyObject *module)
     if (!rp_expect(r, nparams)) {
         goto done;
     }
-    Py_ssize_t pos = 0;
     PyObject *name, *value;
-    while (PyDict_Next(params, &pos, &name, &value)) {
+    dcp_dict_iter_init(&it, params);
+    while ((more = dcp_dict_iter_next(&it, &name, &value)) == 1) {
         if ((rc = rp_name(r, name)) <= 0) {
             goto done;
         }
@@ -448,6 +457,10 @@ rp_visit(dcp_replay *r, PyObject *module)
             goto done;
         }
     }
+    if (more < 0) {
+        PyErr_Clear(); /* changed size: "differs" */
+        goto done;
+    }
     /* children */
     if ((rc = rp_dict_attr(inst, st->str_modules, &children)) <= 0) {
         goto done;
@@ -468,8 +481,8 @@ rp_visit(dcp_replay *r, PyObject *module)
             goto done;
         }
     }
-    pos = 0;
-    while (PyDict_Next(children, &pos, &name, &value)) {
+    dcp_dict_iter_init(&it, children);
+    while ((more = dcp_dict_iter_next(&it, &name, &value)) == 1) {
         if ((rc = rp_name(r, name)) <= 0) {
             goto done;
         }
@@ -492,17 +505,16 @@ rp_visit(dcp_replay *r, PyObject *module)
             goto done;
         }
         if (code == TR_TAKE) {
-            Py_INCREF(value);
-            rc = rp_visit(r, value);
-            Py_DECREF(value);
+            rc = rp_visit(r, value); /* value: pinned by the iterator */
             if (rc <= 0) {
                 goto done;
             }
             rc = 0;
-            if (PyDict_GET_SIZE(children) != nchildren) {
-                goto done;
-            }
         }
+    }
+    if (more < 0) {
+        PyErr_Clear(); /* changed size: "differs" */
+        goto done;
     }
     /* the module's own buffers, then parameters */
     if ((rc = rp_dict_attr(inst, st->str_buffers, &buffers)) <= 0) {
@@ -530,6 +542,7 @@ rp_visit(dcp_replay *r, PyObject *module)
     rc = 1;
 done:
     Py_LeaveRecursiveCall();
+    dcp_dict_iter_clear(&it);
     dcp_ptrmap_free(&seen.map);
     Py_XDECREF(inst);
     Py_XDECREF(params);
