@@ -153,6 +153,12 @@ static PyModuleDef_Slot dcp_slots[] = {
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif
+#ifdef Py_mod_gil
+    /* The core relies on the GIL: no critical sections guard the dicts and
+     * lists it reads while calling back into Python, so a free-threaded
+     * build (3.13t) re-enables the GIL when it imports the module. */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
     {0, NULL},
 };
 
