@@ -316,7 +316,7 @@ LoadPlan_get_dests(PyObject *self, void *closure)
 
 /* plan.chunks(bucket) -> [(value, row_start, rows, offset, nbytes, dtype,
  * chunk_shape, dest, blocks)] for the row chunks of a stream bucket, in
- * bucket order: what the stream's executors (_distribute.py) pack on the
+ * bucket order: what the stream's executors (dcp_optim/_engine/distribute.py) pack on the
  * source and copy into the dests on every rank.  row_start is -1 for a
  * 0-dim value (it travels whole); dest None where the job is not needed
  * here; blocks None where dest is the full tensor. */
@@ -538,7 +538,7 @@ PyDoc_STRVAR(
  * here by local slicing and the plan has no buckets.
  * stream=True: the plan's buckets hold dim-0 row chunks of the values,
  *   which the source packs and every rank copies into its dests
- *   (plan.chunks(b), _distribute.py). */
+ *   (plan.chunks(b), dcp_optim/_engine/distribute.py). */
 static PyObject *
 dcp_plan_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {

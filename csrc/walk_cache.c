@@ -1,7 +1,7 @@
 /* The walk-trace cache: WalkTrace, the record of one walk (every name
  * read and every decision taken), and its replay on an unchanged tree,
  * which builds the ModelIndex a walk would without running user code
- * (the Python layer keeps one trace per model, dcp_optim/_verify.py).
+ * (the Python layer keeps one trace per model, dcp_optim/_engine/checks.py).
  */
 #include "walk.h"
 

@@ -243,7 +243,7 @@ SITES = [
          fakes.FakeDTensor, fakes.PLACEMENT_CLASSES, 1 << 20,
          lambda *a, **k: fakes.FakeTensor((8,)), True),
      ValueError, ["placements do not match its mesh"]),
-    # reshard.c: broadcast and DTensor optimizer state
+    # load_jobs.c: broadcast and DTensor optimizer state
     ("broadcast/missing-key",
      lambda: C.broadcast_jobs({"w": Meta((2,), fakes.FLOAT32)}, {}, {}, "cpu",
                               fakes.FakeDTensor, fakes.FakeTensor),

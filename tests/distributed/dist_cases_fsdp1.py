@@ -3,7 +3,7 @@
 FSDP1 (`FullyShardedDataParallel`) runs on CPU with gloo when
 `device_id=torch.device("cpu")` is given.  Every configuration is compared
 with upstream on twin objects where upstream is right; where upstream fails
-on this torch (see FINDINGS_2_13.md) the expected values come from another
+on this torch (see docs/torch-2.13-findings.md) the expected values come from another
 upstream path that works (the same state loaded with other options, or the
 full state dict without the offload).
 """
@@ -140,7 +140,7 @@ def fsdp1_suite(rank: int, ws: int, tmp: str) -> list[str]:
         a_o = upstream.get_optimizer_state_dict(mu, ou, options=upstream.StateDictOptions(**off))
         b_o = dcp_optim.get_optimizer_state_dict(md, od, options=Opts(**off))
         if cfg["orig"]:
-            # upstream bug (FINDINGS_2_13.md): with use_orig_params, FSDP
+            # upstream bug (docs/torch-2.13-findings.md): with use_orig_params, FSDP
             # all-gathers every state name into one reused buffer and, on a
             # CPU device, ".cpu()" returns views of it: every tensor state
             # equals the last one gathered.  The oracle is the full state
