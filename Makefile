@@ -35,6 +35,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 "$(TORCH)"
 	# mypy (make lint-mypy) checks against torch's own hints: torch pinned.
 	$(PIP) install -q mypy==2.4.1 "$(TORCH)"
+	# build: the sdist and wheel of make test-wheel.
+	$(PIP) install -q build "$(TORCH)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -232,10 +234,17 @@ test-asan: build-asan
 	    assert m.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), m.__file__"
 	$(ASAN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) --capture=sys --import-mode=append -m "$(UNIT_MARK)" tests
 
+# Debian's interpreters come with setuptools 66, which rejects pyproject.toml's
+# SPDX `license` string (PEP 639, setuptools 77): the core alone is built
+# from a copy of setup.py and csrc/ without the project metadata (a debug
+# build: DCP_OPTIM_DEBUG=1).
+core_only_build = rm -rf $(1)/src && mkdir -p $(1)/src && cp -r setup.py csrc $(1)/src/ && \
+	cd $(1)/src && DCP_OPTIM_DEBUG=1 $(2) setup.py -q build_ext --force \
+	    --build-lib $(CURDIR)/$(1) --build-temp $(CURDIR)/$(1)/tmp
+
 build-refleak:
 	@$(TOOLS) refleak
-	DCP_OPTIM_DEBUG=1 $(DBG_PY) setup.py -q build_ext --force \
-	    --build-lib $(REFLEAK_DIR) --build-temp $(REFLEAK_DIR)/tmp
+	$(call core_only_build,$(REFLEAK_DIR),$(DBG_PY))
 
 test-refleak: build-refleak
 	DCP_OPTIM_CORE=$(call CORE_SO,$(REFLEAK_DIR),$(DBG_PY)) DCP_OPTIM_REFLEAK=required \
@@ -243,8 +252,7 @@ test-refleak: build-refleak
 
 build-valgrind:
 	@$(TOOLS) valgrind
-	DCP_OPTIM_DEBUG=1 $(SYS_PY) setup.py -q build_ext --force \
-	    --build-lib $(VALGRIND_DIR) --build-temp $(VALGRIND_DIR)/tmp
+	$(call core_only_build,$(VALGRIND_DIR),$(SYS_PY))
 
 # Few iterations: valgrind looks for invalid accesses; leaks are
 # test-refleak's job.
@@ -284,4 +292,42 @@ test-pyversions:
 	        $$d/venv/bin/python -m pytest $(PYTEST_FLAGS) -c $(NOTORCH_INI) $(NOTORCH_TESTS); \
 	done
 
-ci: lint test test-asan test-refleak test-valgrind test-pyversions
+# The package as users get it: `python -m build` makes the sdist and, from
+# it, the wheel, in an isolated environment that holds only setuptools
+# (build-system.requires; the log is checked for torch).  The wheel goes
+# into a clean virtualenv without torch and its dependencies (--no-deps),
+# with pytest, and the torch-free tests run from a directory outside the
+# source tree against the installed core (DCP_OPTIM_CORE; fakes.py reads
+# the installed errors.py beside it).  The sdist must carry the license
+# and every C source.
+WHEEL_DIR    := build/wheel
+
+.PHONY: test-wheel
+test-wheel: $(STAMP)
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)/run/tests/core
+	$(PY) -m build --outdir $(WHEEL_DIR)/dist . >$(WHEEL_DIR)/build.log 2>&1 \
+	    || { cat $(WHEEL_DIR)/build.log; exit 1; }
+	@if grep -i "torch" $(WHEEL_DIR)/build.log; then \
+	    echo "test-wheel: the isolated build installed torch" >&2; exit 1; fi
+	tar -tzf $(WHEEL_DIR)/dist/dcp_optim-*.tar.gz >$(WHEEL_DIR)/sdist.txt
+	@for f in LICENSE pyproject.toml setup.py $(CSRC) $(CHDR); do \
+	    grep -q "^dcp_optim-[^/]*/$$f$$" $(WHEEL_DIR)/sdist.txt \
+	        || { echo "test-wheel: $$f is not in the sdist" >&2; exit 1; }; done
+	$(PY) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q --disable-pip-version-check \
+	    "pytest>=8" pytest-timeout hypothesis
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+	    $(WHEEL_DIR)/dist/dcp_optim-*.whl
+	@if $(WHEEL_DIR)/venv/bin/python -c "import torch" 2>/dev/null; then \
+	    echo "test-wheel: torch is in the clean virtualenv" >&2; exit 1; fi
+	cp tests/__init__.py $(WHEEL_DIR)/run/tests/ && cp tests/core/__init__.py $(WHEEL_DIR)/run/tests/core/
+	cp -r $(NOTORCH_TESTS) $(WHEEL_DIR)/run/tests/core/
+	cd $(WHEEL_DIR)/run && \
+	    core=$$(ls $(CURDIR)/$(WHEEL_DIR)/venv/lib/python*/site-packages/dcp_optim/_dcp_optim*.so) && \
+	    DCP_OPTIM_CORE=$$core DCP_OPTIM_REFLEAK_ITERS=1 PYTHONSAFEPATH=1 \
+	    $(CURDIR)/$(WHEEL_DIR)/venv/bin/python -m pytest $(PYTEST_FLAGS) \
+	        -c tests/core/refleak/pytest.ini tests/core/refleak
+	@grep -q "License-Expression: BSD-3-Clause" $(WHEEL_DIR)/venv/lib/python*/site-packages/dcp_optim-*.dist-info/METADATA \
+	    || { echo "test-wheel: no SPDX license in the wheel's metadata" >&2; exit 1; }
+
+ci: lint test test-asan test-refleak test-valgrind test-pyversions test-wheel

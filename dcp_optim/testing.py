@@ -72,7 +72,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+try:
+    import pytest
+except ImportError as exc:  # pytest is the `test` extra, not a dependency
+    raise ImportError(
+        "dcp_optim.testing is a pytest plugin and needs pytest (>= 8): "
+        "pip install pytest, or dcp-optim[test]"
+    ) from exc
 
 __all__ = [
     "RankFailure",

@@ -56,9 +56,13 @@ def load_core():
         # classes); that module imports nothing else, so it is loaded from
         # the source tree under its own name without the package.
         if "dcp_optim.errors" not in sys.modules:
-            # this file is <repo>/tests/core/refleak/fakes.py
-            root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-            source = os.path.join(root, "dcp_optim", "errors.py")
+            # beside the core when it is an installed package (make
+            # test-wheel), else the source tree's: this file is
+            # <repo>/tests/core/refleak/fakes.py
+            source = os.path.join(os.path.dirname(os.path.abspath(path)), "errors.py")
+            if not os.path.exists(source):
+                root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+                source = os.path.join(root, "dcp_optim", "errors.py")
             espec = importlib.util.spec_from_file_location("dcp_optim.errors", source)
             errors = importlib.util.module_from_spec(espec)
             sys.modules["dcp_optim.errors"] = errors

@@ -17,10 +17,14 @@ import pytest
 from .fakes import load_core
 
 C = load_core()
-STUB = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-    "dcp_optim", "_dcp_optim.pyi",
-)
+# The stub shipped beside the core (an installed wheel: make test-wheel), or
+# the source tree's.
+STUB = os.path.join(os.path.dirname(os.path.abspath(C.__file__)), "_dcp_optim.pyi")
+if not os.path.exists(STUB):
+    STUB = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+        "dcp_optim", "_dcp_optim.pyi",
+    )
 # How the core words a wrong argument count (dcp_check_nargs and the
 # functions with optional trailing arguments).
 ARITY = re.compile(r"takes (exactly )?\d+( or \d+)? arguments? \(\d+ given\)")
