@@ -23,8 +23,15 @@ import dcp_optim
 from ..support.oracle import assert_same_tree, optimizer_snapshot, params_snapshot
 
 
-def impls(reason: str, *, upstream_fails: bool = True):
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if upstream_fails else []
+def impls(reason: str, *, raises: type[BaseException] | tuple[type[BaseException], ...] | None = None,
+          upstream_fails: bool = True):
+    """Run the test on upstream and on dcp_optim.  Where upstream fails
+    (upstream_fails), its run is a strict xfail that must fail with
+    `raises` (pytest.fail.Exception for a pytest.raises/warns that did not
+    trigger): any other exception, a bug in the test included, fails."""
+    if upstream_fails and raises is None:
+        raise TypeError(f"impls({reason!r}): an upstream xfail names the exception it expects")
+    marks = [pytest.mark.xfail(strict=True, raises=raises, reason=reason)] if upstream_fails else []
     return pytest.mark.parametrize(
         "impl",
         [pytest.param(upstream, id="upstream", marks=marks), pytest.param(dcp_optim, id="dcp_optim")],
@@ -104,7 +111,7 @@ def fresh(name, seed=0):
 def test_getters_leave_training_bit_identical(name, impl_name, flat, request):
     impl = upstream if impl_name == "upstream" else dcp_optim
     if impl is upstream and OPTIMIZERS[name][1]:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="fake step: pytorch/pytorch#164929"))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="fake step: pytorch/pytorch#164929"))
     reference = None
     for calls in (0, 1, 3):
         model, optim = fresh(name)
@@ -133,7 +140,7 @@ def test_getters_leave_training_bit_identical(name, impl_name, flat, request):
 def test_never_stepped_checkpoint_resumes_like_a_fresh_optimizer(name, impl_name, flat, tmp_path, request):
     impl = upstream if impl_name == "upstream" else dcp_optim
     if impl is upstream and OPTIMIZERS[name][1]:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="fake-stepped template: pytorch/pytorch#164929"))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="fake-stepped template: pytorch/pytorch#164929"))
     o = opts(impl, flatten_optimizer_state_dict=flat)
     # save a never-stepped optimizer (its template is the whole state)
     model, optim = fresh(name)
@@ -224,7 +231,7 @@ def test_schema_plugin_hook():
 # --- 3. state does not depend on .grad (pytorch/pytorch#140898) -------------------------
 
 
-@impls("state silently empty when grads are set: pytorch/pytorch#140898")
+@impls("state silently empty when grads are set: pytorch/pytorch#140898", raises=AssertionError)
 @FORMATS
 def test_state_after_backward_is_not_empty(impl, flat):
     torch.manual_seed(0)
@@ -236,7 +243,7 @@ def test_state_after_backward_is_not_empty(impl, flat):
     assert set(keys) == {n for n, _ in model.named_parameters()}
 
 
-@impls("state silently empty after a skipped step: pytorch/pytorch#140898")
+@impls("state silently empty after a skipped step: pytorch/pytorch#140898", raises=AssertionError)
 def test_state_after_grad_scaler_skipped_step(impl):
     torch.manual_seed(0)
     model = Net()
@@ -273,7 +280,7 @@ def drop(sd, fqn, flat):
 @impls("flat partial loads raise TypeError: pytorch/pytorch#192224", upstream_fails=False)
 def test_partial_load_non_strict_nested(impl, flat, request):
     if flat and impl is upstream:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="pytorch/pytorch#192224"))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=TypeError, reason="pytorch/pytorch#192224"))
     src, src_optim = trained(seed=0)
     sd = impl.get_optimizer_state_dict(src, src_optim, options=opts(impl, flatten_optimizer_state_dict=flat))
     sd = drop(sd, "a.weight", flat)
@@ -291,7 +298,7 @@ def test_partial_load_non_strict_nested(impl, flat, request):
 
 
 @FORMATS
-@impls("strict error names only the first missing FQN (nested) / TypeError (flat)")
+@impls("strict error names only the first missing FQN (nested) / TypeError (flat)", raises=(AssertionError, TypeError))
 def test_partial_load_strict_names_every_missing_fqn(impl, flat):
     src, src_optim = trained()
     sd = impl.get_optimizer_state_dict(src, src_optim, options=opts(impl, flatten_optimizer_state_dict=flat))
@@ -323,7 +330,7 @@ def test_partial_load_reports_missing_and_unexpected():
 
 
 @FORMATS
-@impls("saved state of now-frozen params dropped: pytorch/pytorch#192202")
+@impls("saved state of now-frozen params dropped: pytorch/pytorch#192202", raises=KeyError)
 def test_trained_then_frozen_keeps_state(impl, flat):
     src, src_optim = trained()
     src.a.weight.requires_grad_(False)
@@ -357,7 +364,7 @@ EMPTY_GROUPS = [
 
 
 @FORMATS
-@impls("two empty groups: E19 (nested) / IndexError (flat): pytorch/pytorch#143828")
+@impls("two empty groups: E19 (nested) / IndexError (flat): pytorch/pytorch#143828", raises=(ValueError, IndexError))
 def test_any_number_of_empty_groups(impl, flat):
     model, optim = grouped(EMPTY_GROUPS, lr=0.01)
     train(model, optim, 1)
@@ -372,7 +379,7 @@ def test_any_number_of_empty_groups(impl, flat):
     train(model2, optim2, 1)  # the step after loading works (KeyError: 'betas' upstream)
 
 
-@impls("the one empty group gets the last loaded group's keys: pytorch/pytorch#143828")
+@impls("the one empty group gets the last loaded group's keys: pytorch/pytorch#143828", raises=KeyError)
 def test_single_empty_group_gets_its_own_hyperparameters(impl):
     spec = [{"params": ["a.weight"]}, {"params": [], "lr": 0.5}, {"params": ["a.bias", "b.weight", "b.bias"], "lr": 0.02}]
     model, optim = grouped(spec, lr=0.01)
@@ -384,7 +391,7 @@ def test_single_empty_group_gets_its_own_hyperparameters(impl):
 
 
 @FORMATS
-@impls("several optimizers with empty groups: E20 (nested) / IndexError (flat)")
+@impls("several optimizers with empty groups: E20 (nested) / IndexError (flat)", raises=(ValueError, IndexError))
 def test_several_optimizers_with_empty_groups(impl, flat):
     def build(seed):
         torch.manual_seed(seed)
@@ -431,7 +438,7 @@ def test_frozen_only_group_round_trips(impl, flat):
 @impls("saved group keys dropped / KeyError on the flat path: pytorch/pytorch#140900", upstream_fails=False)
 def test_every_saved_group_key_survives(impl, flat, request):
     if flat and impl is upstream:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="pytorch/pytorch#140900, torchtune#2553"))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=KeyError, reason="pytorch/pytorch#140900, torchtune#2553"))
     torch.manual_seed(0)
     model = Net()
     optim = torch.optim.Adam(
@@ -466,7 +473,7 @@ def test_every_saved_group_key_survives(impl, flat, request):
 @impls("stateless SGD round-trips to {fqn: {}} entries (flat): pytorch/pytorch#192225", upstream_fails=False)
 def test_stateless_sgd_round_trips_as_empty(impl, flat, request):
     if flat and impl is upstream:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="pytorch/pytorch#192225"))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="pytorch/pytorch#192225"))
     torch.manual_seed(0)
     model = Net()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -478,7 +485,7 @@ def test_stateless_sgd_round_trips_as_empty(impl, flat, request):
     train(model, optim, 1)
 
 
-@impls("the fake step calls LBFGS.step(closure=None)")
+@impls("the fake step calls LBFGS.step(closure=None)", raises=TypeError)
 def test_lbfgs(impl):
     torch.manual_seed(0)
     model = Net()
@@ -502,7 +509,7 @@ def test_lbfgs(impl):
 # --- 8. the caller's data is never mutated (D11; torchtitan#961, #158519) -----------------
 
 
-@impls("the caller's model dict is re-keyed in place: pytorch/torchtitan#961")
+@impls("the caller's model dict is re-keyed in place: pytorch/torchtitan#961", raises=AssertionError)
 def test_callers_model_dict_is_not_mutated(impl, world1):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -532,7 +539,7 @@ def test_optimizer_dict_is_not_mutated_and_can_be_reused(flat):
 # --- 9. types survive a load (D8, D9; #126950) -------------------------------------------------
 
 
-@impls("state is cast to the parameter dtype (bf16 moments become fp32)")
+@impls("state is cast to the parameter dtype (bf16 moments become fp32)", raises=AssertionError)
 def test_low_precision_state_keeps_its_dtype(impl):
     """An optimizer that holds bf16 moments keeps them bf16 (a fresh,
     never-stepped one follows torch's cast: tests/unit/test_longtail_optim.py)."""
@@ -561,7 +568,7 @@ def test_step_follows_the_optimizers_device_policy():
 # --- 10. atomic loads --------------------------------------------------------------------------
 
 
-@impls("torch copies tensor by tensor and raises at the end: a half-loaded model")
+@impls("torch copies tensor by tensor and raises at the end: a half-loaded model", raises=AssertionError)
 def test_failed_model_load_changes_nothing(impl):
     src, _ = trained()
     sd = dict(src.state_dict())
@@ -573,7 +580,7 @@ def test_failed_model_load_changes_nothing(impl):
     assert_same_tree(params_snapshot(model), before)
 
 
-@impls("strict missing keys are reported after every other tensor was copied")
+@impls("strict missing keys are reported after every other tensor was copied", raises=AssertionError)
 def test_failed_strict_model_load_changes_nothing(impl):
     src, _ = trained()
     sd = {k: v for k, v in src.state_dict().items() if k != "b.bias"}
@@ -585,7 +592,7 @@ def test_failed_strict_model_load_changes_nothing(impl):
 
 
 @FORMATS
-@impls("a wrong-shaped state tensor is installed and fails later, in step()")
+@impls("a wrong-shaped state tensor is installed and fails later, in step()", raises=pytest.fail.Exception)
 def test_failed_optimizer_load_changes_nothing(impl, flat):
     src, src_optim = trained()
     o = opts(impl, flatten_optimizer_state_dict=flat)
@@ -603,7 +610,7 @@ def test_failed_optimizer_load_changes_nothing(impl, flat):
     assert_same_tree(optimizer_snapshot(optim), before)
 
 
-@impls("set_state_dict: optimizer loaded, then the model load fails")
+@impls("set_state_dict: optimizer loaded, then the model load fails", raises=AssertionError)
 def test_failed_set_state_dict_changes_nothing(impl):
     src, src_optim = trained()
     msd, osd = dcp_optim.get_state_dict(src, src_optim)

@@ -37,8 +37,13 @@ from ..support.oracle import assert_same_tree, optimizer_snapshot, params_snapsh
 FORMATS = pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 
 
-def impls(reason: str | None = None):
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+def impls(reason: str | None = None, *, raises: type[BaseException] | tuple[type[BaseException], ...] | None = None):
+    """Run the test on upstream and on dcp_optim; with a reason, upstream's
+    run is a strict xfail that must fail with `raises` (see
+    test_deviations.impls)."""
+    if reason and raises is None:
+        raise TypeError(f"impls({reason!r}): an upstream xfail names the exception it expects")
+    marks = [pytest.mark.xfail(strict=True, raises=raises, reason=reason)] if reason else []
     return pytest.mark.parametrize(
         "impl", [pytest.param(upstream, id="upstream", marks=marks), pytest.param(dcp_optim, id="dcp_optim")]
     )
@@ -288,7 +293,7 @@ def test_fallback_template_resumes_exactly(tmp_path, flat):
     assert torch.equal(dst_o.param_groups[0]["sum"], ref_o.param_groups[0]["sum"])
 
 
-@impls("the initialising dummy step fires process-wide step hooks")
+@impls("the initialising dummy step fires process-wide step hooks", raises=AssertionError)
 def test_getters_fire_no_process_wide_hooks(impl):
     model, optim = _build_needs_lr()
     calls = []
@@ -300,7 +305,7 @@ def test_getters_fire_no_process_wide_hooks(impl):
     assert calls == []
 
 
-@impls("the initialising dummy step creates the state in the live optimizer")
+@impls("the initialising dummy step creates the state in the live optimizer", raises=AssertionError)
 @pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
 def test_wrapper_template_and_live_untouched(impl):
     torch.manual_seed(0)
@@ -341,7 +346,7 @@ def _train_seeded(model, optim, steps, start=0):
 WRAPPERS = pytest.mark.parametrize("kind", ["Lookahead", "ScheduleFreeWrapper", "Magma"])
 
 
-@impls("KeyError: 'state' (the wrapper's own state_dict() layout)")
+@impls("KeyError: 'state' (the wrapper's own state_dict() layout)", raises=KeyError)
 @WRAPPERS
 @FORMATS
 def test_own_layout_wrappers_resume_exactly(impl, kind, flat, tmp_path):
@@ -418,7 +423,7 @@ class ExtraKeys(torch.optim.SGD):
         self.total = state_dict.get("total", 0)
 
 
-@impls("keys of the optimizer's own state_dict() besides state/param_groups are dropped")
+@impls("keys of the optimizer's own state_dict() besides state/param_groups are dropped", raises=AssertionError)
 @FORMATS
 def test_extra_state_dict_keys_survive(impl, flat):
     torch.manual_seed(0)
@@ -518,7 +523,8 @@ HYPER = {
 def test_checkpoint_of_another_setting_loads(impl, flat, strict, case, request):
     if impl is upstream and flat:
         request.applymarker(pytest.mark.xfail(
-            strict=True, reason="the flat load keeps the live group's flags: other state than torch's"))
+            strict=True, raises=AssertionError,
+            reason="the flat load keeps the live group's flags: other state than torch's"))
     saved, live = HYPER[case]
     torch.manual_seed(0)
     src = Net()
@@ -587,7 +593,7 @@ def test_optimizer_dict_of_the_wrong_type(impl, bad, api):
     assert_same_tree((params_snapshot(model), optimizer_snapshot(optim)), before)
 
 
-@impls("a str step is installed, then __setstate__ raises: other values already loaded")
+@impls("a str step is installed, then __setstate__ raises: other values already loaded", raises=AssertionError)
 @FORMATS
 def test_str_step_rejected_before_anything_changes(impl, flat):
     model, optim = _trained()
@@ -603,7 +609,7 @@ def test_str_step_rejected_before_anything_changes(impl, flat):
     assert len(dst_o.state) == 0
 
 
-@impls("KeyError: 'lr', naming no parameter")
+@impls("KeyError: 'lr', naming no parameter", raises=pytest.fail.Exception)
 def test_fqn_state_with_integer_group_params(impl):
     model, optim = _trained()
     sd = copy.deepcopy(dcp_optim.get_optimizer_state_dict(model, optim))
@@ -623,7 +629,7 @@ class NeedsLoss(NeedsLr):
         return super().step(closure)
 
 
-@impls("the initialising dummy step raises")
+@impls("the initialising dummy step raises", raises=pytest.fail.Exception)
 @pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
 def test_fallback_that_cannot_step_returns_parameters_without_state(impl):
     torch.manual_seed(0)
