@@ -283,7 +283,7 @@ test-pyversions:
 	    d=$(PYVER_DIR)/$$v; \
 	    [ -x $$d/venv/bin/python ] || $$py -m venv $$d/venv; \
 	    $$d/venv/bin/python -m pip install -q --disable-pip-version-check \
-	        setuptools "pytest>=8" pytest-timeout hypothesis; \
+	        "setuptools>=77" "pytest>=8" pytest-timeout hypothesis; \
 	    echo "== CPython $$v ($$py)"; \
 	    DCP_OPTIM_WERROR=1 $$d/venv/bin/python setup.py -q build_ext --force \
 	        --build-lib $$d/lib --build-temp $$d/tmp >$$d/build.log 2>&1 \

@@ -726,7 +726,7 @@ def dcp_load(rank: int, ws: int, ckpt_dir: str, expected: dict, kind: str) -> di
 def echo(rank: int, ws: int, payload) -> dict:
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return {"rank": rank, "ws": ws, "payload": payload, "sum": t.item(), "pid": os.getpid()}
+    return {"rank": rank, "ws": ws, "payload": payload, "sum": t.item(), "pid": os.getpid(), "ppid": os.getppid()}
 
 
 def fail_on_rank(rank: int, ws: int, bad_rank: int) -> int:

@@ -90,12 +90,11 @@ def test_harness_rejects_tensor_results_and_lambdas():
 
 @pytest.mark.dist
 def test_harness_deadline_kills_stragglers():
-    t0 = time.perf_counter()
     with pytest.raises(AssertionError) as excinfo:
         run_ranks(2, cases.sleep_forever, timeout=3)
-    assert time.perf_counter() - t0 < 30
     text = str(excinfo.value)
     assert "timed out / killed: ranks [0, 1]" in text
+    assert "no result within 3s" in text  # ended by the deadline, not by pytest's timeout
     assert "sleep_forever" in text  # the stack dumped at the deadline
 
 
@@ -119,19 +118,23 @@ def test_run_in_subprocess_isolated():
 
 @pytest.mark.dist
 def test_launch_cost_is_amortised(record_property):
-    costs = {}
+    """Launches are cheap because every rank is forked from one forkserver
+    that imported torch and dcp_optim once: every launch's ranks have the
+    same parent, and the preload holds torch.  (The launch times are
+    recorded, not asserted: a preloaded ws=2 launch is ~0.2 s on 2 idle
+    cores, and a loaded machine may take any time.)"""
+    parents = set()
     for ws in (2, 4):
         samples = []
         for _ in range(3):
             t0 = time.perf_counter()
-            run_ranks(ws, cases.echo, None)
+            res = run_ranks(ws, cases.echo, None)
             samples.append(time.perf_counter() - t0)
-        costs[ws] = samples
+            parents.update(r["ppid"] for r in res)
+            assert len({r["pid"] for r in res}) == ws
         record_property(f"launch_ws{ws}_s", [round(s, 3) for s in samples])
-    # Generous bound: a preloaded forkserver launch is ~0.2 s (ws=2) and
-    # ~0.4 s (ws=4) on 2 cores; a fresh torch import per rank would be >3 s.
-    assert min(costs[2]) < 2.5, costs
-    assert min(costs[4]) < 4.0, costs
+    assert len(parents) == 1, parents
+    assert "torch" in preload_info()["preloaded"]
     assert len(launch_times()) >= 6
 
 

@@ -145,8 +145,9 @@ def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
         assert out.count("call failed on rank(s) [1] of 2 (rank 0 passed)") == 2, out
         assert "Timed out waiting 5000ms" in out, out
         assert "3 failed, 4 passed" in out, out
-    # the hangs were ended by the test timeout (8 s) and the group's (5 s)
-    assert elapsed < 150, (elapsed, ranks)
+    # the hangs were ended by the test timeout (8 s) and the group's (5 s):
+    # the consolidated Timeout/"Timed out" verdicts above say so (no
+    # wall-clock bound: _torchrun's own limit ends a real hang)
 
 
 def test_run_ranks_failure_names_the_rank_and_stops_the_session(tmp_path):
