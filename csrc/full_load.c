@@ -316,9 +316,9 @@ LoadPlan_get_dests(PyObject *self, void *closure)
 
 /* plan.chunks(bucket) -> [(value, row_start, rows, offset, nbytes, dtype,
  * chunk_shape, dest, blocks)] for the row chunks of a stream bucket, in
- * bucket order: what the stream's executors (dcp_optim/_engine/distribute.py) pack on the
- * source and copy into the dests on every rank.  row_start is -1 for a
- * 0-dim value (it travels whole); dest None where the job is not needed
+ * bucket order: what the stream's executors (dcp_optim/_engine/distribute.py)
+ * pack on the source and copy into the dests on every rank.  row_start is -1
+ * for a 0-dim value (it travels whole); dest None where the job is not needed
  * here; blocks None where dest is the full tensor. */
 static PyObject *
 LoadPlan_chunks(PyObject *self, PyObject *arg)
