@@ -142,7 +142,7 @@ CLANG_TIDY   ?= clang-tidy
 CLANG_FORMAT ?= clang-format
 CPPCHECK     ?= cppcheck
 TIDY_JOBS    ?= 2
-RUFF_PATHS   ?= dcp_optim tests benchmarks setup.py
+RUFF_PATHS   ?= dcp_optim tests benchmarks tools setup.py
 # Single-process part of the suite (what runs under the sanitizers).
 UNIT_MARK    ?= not dist and not slow
 PYTEST_FLAGS ?= -q -p no:cacheprovider
