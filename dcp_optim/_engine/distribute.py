@@ -505,16 +505,3 @@ def reshard_fsdp2(model: nn.Module) -> None:
         if id(module) in inside:
             for group in groups:
                 group._to_sharded()
-
-
-def drive_steps(steps: Any, info: Any) -> tuple[Any, Any]:
-    """Run a load generator (``optim.optim_load_steps``,
-    ``model.model_load_steps``) alone, without agreeing with other ranks:
-    the source's metadata travels by one object broadcast on broadcast
-    loads.  Returns (commit, report)."""
-    with torch.no_grad():
-        meta = next(steps)
-        if info.broadcast_from_rank0 and dist.is_initialized():
-            meta = route_for(info.index, None).broadcast_object(meta)
-        steps.send(meta)
-        return next(steps)
