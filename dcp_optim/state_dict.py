@@ -452,7 +452,7 @@ def _run_load(
         try:
             torch.set_grad_enabled(False)
             info, optimizers, error = _load_info(api, model, optimizers, model_state_dict, optim_state_dict, options, error)
-            agreement = _agreement_for(api, model, info, options, model_state_dict, optim_state_dict) if _distributed() else None
+            agreement = _agreement_for(api, model, info, options, model_state_dict, optim_state_dict, optimizers) if _distributed() else None
             if error is None:
                 parts, error = _load_parts(api, model, optimizers, model_state_dict, optim_state_dict, info)
             metas, error = _phase(lambda p: p.plan(), parts, error)
@@ -461,7 +461,8 @@ def _run_load(
             prepared: list[Prepared | None] = []
             if sharded:
                 prepared, error = _phase(lambda p: p.move(), parts, error)
-            per_rank = _agree(agreement, error, has, _flags_check(api, info))
+            fallible = int(any(p.can_fail for p in parts))
+            per_rank = _agree(agreement, error, (*has, fallible), _flags_check(api, info))
             assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
                 parts = _source_parts(api, parts, per_rank, info, optimizers)
@@ -473,7 +474,7 @@ def _run_load(
                 # (its stream is a collective the others wait in)
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
                 _agree(agreement, error)
-            reports = _commit(parts, prepared)
+            reports = _commit(parts, prepared, agreement if any(f[2] for f in per_rank) else None)
         finally:
             torch.set_grad_enabled(grad)
     model_report = reports.get("model") or _IncompatibleKeys({}, {})
@@ -587,14 +588,32 @@ def _source_parts(
     return [p for p in parts if p.name != "model"]
 
 
-def _commit(parts: list[LoadPart], prepared: list[Prepared | None]) -> dict[str, Any]:
+def _commit(parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any) -> dict[str, Any]:
     """Install every part, the model first: a model whose modules decide
-    their own load rules is loaded by torch at its commit (restored if that
-    raises), before the optimizer's state is installed."""
+    their own load rules is loaded by torch at its commit, before the
+    optimizer's state is installed.  Such a commit can fail on some ranks
+    only (a module's hook): with ``agreement`` (some rank's commit can
+    fail), the ranks agree on its outcome, and where any failed, every
+    rank puts back what it committed and raises the same error."""
     reports: dict[str, Any] = {}
+    done: list[LoadPart] = []
     for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
         assert ready is not None  # a failed move was agreed on and raised
-        reports[part.name] = part.commit(ready)
+        if agreement is None or part.name != "model":
+            reports[part.name] = part.commit(ready)
+            continue
+        error = None
+        try:
+            reports[part.name] = part.commit(ready)
+            done.append(part)
+        except Exception as exc:  # noqa: BLE001 - agreed on below (restored already)
+            error = exc
+        try:
+            agreement.agree(error)
+        except BaseException:
+            for committed in done:
+                committed.rollback()
+            raise
     return reports
 
 
@@ -602,7 +621,10 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any) -> Any:
+def _agreement_for(
+    api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any,
+    optimizers: Any = None,
+) -> Any:
     """The agreement of a distributed load, or None for a load that runs
     alone on each rank (no full dict, no sharded tensors).  Decided from
     the options as passed and the model's tensors, also where the load
@@ -634,7 +656,29 @@ def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_di
         # same checkpoint, so the same keys, shapes, dtypes and
         # hyperparameters
         structure = _structure(model_state_dict, "model") + _structure(optim_state_dict, "optimizer")
-    return Agreement(mesh, api, pairs, structure)
+    identity = _identity(index, optimizers) if mesh is not None else None
+    return Agreement(mesh, api, pairs, structure, identity)
+
+
+def _identity(index: Any, optimizers: Any) -> list[tuple[str, Any]] | None:
+    """The FQNs of the model's tensors in registration order, then those
+    of every optimizer's parameters in group order: what every rank of a
+    mesh agrees on besides shapes (the order of the collectives; issue
+    24).  None where the optimizers cannot be read (their own error is
+    agreed on)."""
+    out: list[tuple[str, Any]] = [
+        (f"model tensor #{i}", "|".join(fqns)) for i, fqns in enumerate(index.tensor_fqns)
+    ]
+    try:
+        for k, optim in enumerate(optimizers or ()):
+            for g, group in enumerate(optim.param_groups):
+                for j, param in enumerate(group["params"]):
+                    slot = index.slot_of(param)
+                    name = "|".join(index.tensor_fqns[slot]) if slot is not None else "(not in the model)"
+                    out.append((f"optimizer {k} param_groups[{g}] param #{j}", name))
+    except Exception:  # noqa: BLE001 - the load's own checks report it
+        return out
+    return out
 
 
 def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:

@@ -178,6 +178,10 @@ class ModelLoad:
         self.full_path = False
         self.native_checks = False
         self.rules: LoadPlan = _NATIVE_PLAN
+        # torch's own load decides at commit (a module's load rules or
+        # hooks): its commit can fail, on some ranks only
+        self.can_fail = False
+        self.snapshot: _Snapshot | None = None
 
     def plan(self) -> Any:
         if self.noop:
@@ -197,6 +201,7 @@ class ModelLoad:
         # Load rules only the modules' own code knows (rules.torch_path): no
         # up-front key check; torch's load decides at commit.
         native_checks = self.native_checks = not info.fsdp_modules and not rules.torch_path
+        self.can_fail = not info.fsdp_modules and rules.torch_path
         if full_path:
             device, self.assign = _load_device(info, local, rules.lazy)
             # Where the model load's checks can run before any data moves, the
@@ -237,14 +242,33 @@ class ModelLoad:
             aliased = aliased_commit(model, load_sd, info, rules)
             if aliased is not None:
                 return Prepared(aliased)
-        if not info.fsdp_modules and rules.torch_path:
+        if self.can_fail:
             # torch's load decides, at commit: the setters commit the model
-            # before the optimizer, and what it wrote is put back if it raises.
-            return Prepared(functools.partial(load_restoring, model, load_sd, info, self.assign))
+            # before the optimizer, and what it wrote is put back if it
+            # raises here, or if it raised on another rank (rollback).
+            return Prepared(functools.partial(self._staged_load, load_sd))
         return Prepared(functools.partial(_torch_load, model, load_sd, info, self.assign))
 
     def commit(self, prepared: Prepared) -> _IncompatibleKeys:
         return cast(_IncompatibleKeys, prepared.install())
+
+    def _staged_load(self, load_sd: dict[str, Any]) -> _IncompatibleKeys:
+        """torch's load with a snapshot of what it can change taken first
+        (one copy of the model's tensors), kept until ``rollback`` or the
+        end of the load: restored here if it raises."""
+        self.snapshot = _Snapshot(self.model)
+        try:
+            return _torch_load(self.model, load_sd, self.info, self.assign)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def rollback(self) -> None:
+        """Put back what a committed load changed (the load failed on
+        another rank, after this rank's commit)."""
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is not None:
+            snapshot.restore()
 
 
 def _torch_load(model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool) -> _IncompatibleKeys:

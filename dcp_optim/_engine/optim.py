@@ -696,6 +696,7 @@ class OptimLoad:
         self.view: tuple = ()
         self.localize: Any = None  # distribute.OptimLocalize
         self.extras: dict[str, Any] = {}
+        self.can_fail = False  # installs validated state (own load_state_dict: as upstream)
 
     def plan(self) -> Any:
         model, optimizers, osd, info = self.model, self.optimizers, self.osd, self.info
@@ -776,6 +777,9 @@ class OptimLoad:
     def commit(self, prepared: Prepared) -> Report:
         prepared.install()
         return prepared.report
+
+    def rollback(self) -> None:
+        """Nothing to put back: the optimizers are installed last."""
 
 
 def _commit_native(optimizers: tuple[_Optimizer, ...], osd: dict[str, Any]) -> None:

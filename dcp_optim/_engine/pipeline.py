@@ -15,9 +15,12 @@ anything is installed:
                     FSDP1's exchange) and the checks made on the moved data;
                     returns what ``commit`` installs (``Prepared``), having
                     installed nothing;
-``commit(p)``       installs ``p``; cannot fail on bad input (a module's own
-                    load hook aside: see ``ModelLoad.rollback``); returns the
-                    part's report.
+``commit(p)``       installs ``p``; cannot fail on bad input; returns the
+                    part's report.  Where torch's own load decides (a
+                    module's load rules or hooks: ``can_fail``), it can
+                    still raise, on some ranks only: the ranks then agree
+                    on the outcome and every rank that committed puts
+                    back what it changed (``rollback``).
 
 ``run_alone`` drives one part without agreement (a single caller).
 """
@@ -56,6 +59,9 @@ class LoadPart(Protocol):
     """One part of a load (see the module's docstring)."""
 
     name: str
+    # whether commit can fail (torch's own load with a module's hooks): then
+    # the ranks agree on its outcome, and roll back where another failed
+    can_fail: bool
 
     def plan(self) -> SourceMeta | None: ...
 
@@ -64,6 +70,8 @@ class LoadPart(Protocol):
     def move(self) -> Prepared: ...
 
     def commit(self, prepared: Prepared) -> Report: ...
+
+    def rollback(self) -> None: ...
 
 
 def run_alone(part: LoadPart, info: Any) -> Prepared:
