@@ -604,6 +604,7 @@ def _commit(parts: list[LoadPart], prepared: list[Prepared | None], agreement: A
             continue
         error = None
         try:
+            part.stage()
             reports[part.name] = part.commit(ready)
             done.append(part)
         except Exception as exc:  # noqa: BLE001 - agreed on below (restored already)

@@ -271,15 +271,16 @@ def _details(
     signature: Any, leaf_indices: Any, names: list[str] | None, options_key: Any, budget: Any
 ) -> list[tuple[str, str]]:
     """Per-leaf description for the disagreement error (error path only):
-    the names in gather order first (a different order is the first
-    difference), then each leaf's geometry by name."""
+    each leaf's geometry by name, then the names in gather order (last:
+    an entry only some ranks hold is the difference, not everything
+    after it; where every rank holds the same leaves, the order is)."""
     out = [("options", f"options {options_key}, bucket {budget} bytes")]
     order = _names_of(names, leaf_indices) or []
-    out.extend((f"sharded tensor #{k} in gather order", name) for k, name in enumerate(order))
     for sig, i in zip(signature, leaf_indices):
         name = names[i] if names is not None and i < len(names) else f"tensor #{i}"
         shape, placements, itemsize = sig
         out.append((name, f"shape {tuple(shape)}, placements {placements}, {itemsize}-byte dtype"))
+    out.extend((f"sharded tensor #{k} in gather order", name) for k, name in enumerate(order))
     return out
 
 

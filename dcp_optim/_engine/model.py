@@ -252,11 +252,19 @@ class ModelLoad:
     def commit(self, prepared: Prepared) -> _IncompatibleKeys:
         return cast(_IncompatibleKeys, prepared.install())
 
+    def stage(self) -> None:
+        """Before a commit that another rank's failure can undo: snapshot
+        what it changes (one copy of the model's tensors, held until the
+        ranks agreed on the outcome)."""
+        if self.snapshot is None and not self.noop:
+            self.snapshot = _Snapshot(self.model)
+
     def _staged_load(self, load_sd: dict[str, Any]) -> _IncompatibleKeys:
         """torch's load with a snapshot of what it can change taken first
         (one copy of the model's tensors), kept until ``rollback`` or the
         end of the load: restored here if it raises."""
-        self.snapshot = _Snapshot(self.model)
+        if self.snapshot is None:
+            self.snapshot = _Snapshot(self.model)
         try:
             return _torch_load(self.model, load_sd, self.info, self.assign)
         except BaseException:

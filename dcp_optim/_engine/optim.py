@@ -778,6 +778,9 @@ class OptimLoad:
         prepared.install()
         return prepared.report
 
+    def stage(self) -> None:
+        """Nothing to keep: the optimizers are installed last."""
+
     def rollback(self) -> None:
         """Nothing to put back: the optimizers are installed last."""
 

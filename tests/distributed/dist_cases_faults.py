@@ -212,3 +212,47 @@ def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
                      "unchanged": _same(before, _local_snapshot(model, optim))}
         dist.barrier()
     return out
+
+
+def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str, Any]:
+    """A broadcast load whose source (rank 0) is SIGKILLed while it sends
+    the eighth bucket (64-byte buckets: two rows or so each; the first ones hold rows of rank 0 only), every
+    check passed (so the shards stream straight into the live tensors):
+    the survivor raises the backend's error well within the group's
+    timeout (10 s), and -- with the stream's undo log (``undo`` "1", the
+    default) -- its model and optimizer are as before the call."""
+    import signal
+
+    from dcp_optim._engine import collectives as _collectives
+    from dcp_optim._engine import distribute as _distribute
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = build(mesh)
+    src, src_optim = build(mesh, seed=5)
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=full)
+    before = _local_snapshot(model, optim)
+    os.environ[_distribute.UNDO_ENV] = undo
+    _collectives.set_bucket_bytes(64)
+    if rank == 0:
+        sent = [0]
+        original = _distribute.Route.broadcast
+
+        def dying(self, tensor):
+            sent[0] += 1
+            if sent[0] == 8:
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(self, tensor)
+
+        _distribute.Route.broadcast = dying  # type: ignore[method-assign]
+    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    if part == "model":
+        call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
+            model, msd if rank == 0 else {}, options=bopts)
+    else:
+        call = lambda: dcp_optim.set_optimizer_state_dict(  # noqa: E731
+            model, optim, osd if rank == 0 else {}, options=bopts)
+    result, seconds = _timed(call)
+    return {"result": result, "seconds": seconds,
+            "unchanged": _same(before, _local_snapshot(model, optim))}

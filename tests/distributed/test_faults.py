@@ -78,3 +78,22 @@ def test_a_load_hook_raising_on_one_rank_changes_nothing_anywhere(mode):
     # upstream: rank 1 raises, rank 0 loaded
     assert r0["torch"]["result"] == "ok" and not r0["torch"]["unchanged"]
     assert r1["torch"]["result"].startswith("RuntimeError: hook refuses")
+
+
+@pytest.mark.parametrize("part", ["model", "optim"])
+@pytest.mark.parametrize("undo", ["1", "0"])
+def test_a_source_killed_mid_stream(part, undo):
+    """SIGKILL of the source inside the eighth bucket of a broadcast load
+    that streams into the live tensors: the survivor raises the backend's
+    error (gloo: the connection closed), well within the group's 10 s
+    timeout; with the undo log (the default) nothing changed, without it
+    (DCP_OPTIM_STREAM_UNDO=0, upstream's footprint) rank 1's rows of the buckets before
+    rows were written."""
+    with pytest.raises(AssertionError) as info:
+        run_ranks(2, cases.killed_mid_stream_case, part, undo, timeout=120)
+    assert info.value.exitcodes[0] == -9, str(info.value)[-2000:]
+    survivor = info.value.rank_results.get(1)
+    assert survivor is not None, str(info.value)[-2000:]
+    assert survivor["result"].startswith("RuntimeError"), survivor
+    assert "Connection closed by peer" in survivor["result"] or "Connection reset by peer" in survivor["result"], survivor
+    assert survivor["unchanged"] is (undo == "1"), survivor
