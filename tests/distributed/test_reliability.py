@@ -136,6 +136,7 @@ def test_no_load_writes_another_global_shape():
         assert not changed0 and not changed1, key
 
 
+@pytest.mark.local
 def test_empty_model_load_reports_like_upstream():
     # the no-op load of an empty dict (strict=False) returns upstream's
     # _IncompatibleKeys({}, {}), dicts included
@@ -175,6 +176,7 @@ AGREED_FAILURE = {
 }
 
 
+@pytest.mark.local
 def test_agreed_failure_names_fault_cases():
     assert set(AGREED_FAILURE) <= {n for n, _ in cases._fault_cases(0, None)}
 
