@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import signal
 import sys
 import time
@@ -50,8 +51,10 @@ PATHS = {
     "broadcast": "broadcast set_state_dict (rank 0 holds the dict)",
     "flat": "full set_state_dict, flattened optimizer dict",
 }
-# cells that do not apply
-SKIP = {("kill-commit", "get-full"), ("hook", "get-full")}
+# cells that do not apply (a getter has no commit nor load hook; sharded
+# and full loads make fewer than three collectives: nothing is in transit)
+SKIP = {("kill-commit", "get-full"), ("hook", "get-full"), ("kill-mid", "sharded"),
+        ("kill-mid", "full"), ("kill-mid", "flat")}
 
 
 def _die() -> None:
@@ -166,6 +169,7 @@ def _short(text: str) -> str:
     if text in ("ok", "killed") or text.startswith("died"):
         return text
     kind, _, message = text.partition(": ")
+    message = re.sub(r"\[/\S*/gloo/transport/tcp/(\S+?)\]", r"[gloo \1]", message)
     words = message.replace("|", "/").split()
     return f"{kind}: {' '.join(words[:9])}{' ...' if len(words) > 9 else ''}"
 
