@@ -774,7 +774,7 @@ class _TorchrunSession:
             lines.append(f"--- rank {r} ---")
             lines.append(views[r]["text"].rstrip("\n"))
         firsts = {r: (views[r]["message"] or "failed").splitlines()[0] for r in failed}
-        if first is not None and first in firsts:
+        if first is not None and first in firsts and len(failed) > 1:
             # the rank that timed out first: the others failed because of it
             message = f"rank {first} timed out first: {firsts[first]} (failed on rank(s) {failed})"
         elif len(set(firsts.values())) == 1:
