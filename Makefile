@@ -104,6 +104,21 @@ test-torchrun: build
 	done
 	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/distributed/test_torchrun.py
 
+# Issue 24's fault matrix (docs/reliability.md): every fault x path,
+# dcp_optim beside upstream, one 2-rank gloo launch per cell; prints the
+# table.  A sample of it runs in `make test` (tests/distributed/test_faults.py).
+.PHONY: fault-matrix
+fault-matrix: build
+	$(PY) -m tests.distributed.fault_matrix
+
+# `make test-torchrun` 20 times in a row beside two busy loops (issue 24's
+# acceptance check; about 20 x its single run).
+.PHONY: test-torchrun-20x
+test-torchrun-20x: build
+	@busy() { while :; do :; done; }; busy & b1=$$!; busy & b2=$$!; \
+	trap 'kill $$b1 $$b2' EXIT; \
+	for i in $$(seq 20); do echo "== run $$i of 20"; $(MAKE) --no-print-directory test-torchrun || exit 1; done
+
 bench: build
 	$(PY) -m benchmarks
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any, no_type_check
+from typing import Any, cast, no_type_check
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,9 @@ from ._engine.checks import (
 # from here like the rest of upstream's private helpers (test_wrappers).
 from ._engine.core import EXTRA_STATE as _EXTRA_STATE  # noqa: F401
 from ._engine.core import C, context
-from ._engine.model import PATCH_MARK, get_model, model_load_steps, unflatten_model_state_dict
-from ._engine.optim import get_optim, init_optim_state, optim_load_steps
+from ._engine.model import PATCH_MARK, ModelLoad, get_model, unflatten_model_state_dict
+from ._engine.optim import OptimLoad, get_optim, init_optim_state
+from ._engine.pipeline import LoadPart, Prepared
 from .options import StateDictOptions
 
 __all__ = [
@@ -408,22 +409,30 @@ def _unflatten(model: Any, model_state_dict: Any) -> tuple[Any, Exception | None
         return model_state_dict, exc
 
 
-def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, options, error=None):
-    """The three setters.  Every check of every rank runs, and is agreed
-    on, before any data moves or anything is installed (atomic, the same
-    error on every rank):
+def _run_load(
+    api: str,
+    model: Any,
+    optimizers: Any,
+    model_state_dict: Any,
+    optim_state_dict: Any,
+    options: Any,
+    error: Exception | None = None,
+) -> tuple[Any, Any]:
+    """The three setters, as a loop over the phases of the load pipeline
+    (``_engine.pipeline.LoadPart``; parts: the optimizers', then the
+    model's -- upstream's order, also for the collectives).  Every check of
+    every rank runs, and is agreed on, before any data moves or anything
+    is installed (atomic, the same error on every rank):
 
-    1. local checks and planning of every part (optimizers first, then the
-       model: upstream's order, also for the collectives); without
-       broadcast, the validation of the whole load too;
+    1. ``plan`` every part (without broadcast, ``validate`` too);
     2. one agreement: options, D15, the full dicts' structure, every
        rank's verdict;
-    3. broadcast loads: one metadata broadcast from the source, the
-       validation of the whole load on every rank, one agreement;
-    4. the data movement and the checks made on the moved data, one more
-       agreement, then commit -- which cannot fail on bad input.  A
+    3. broadcast loads: the source's metadata (one object broadcast),
+       ``validate`` on every rank, one agreement;
+    4. ``move`` (data movement, the checks on the moved data), one more
+       agreement, then ``commit`` -- which cannot fail on bad input.  A
        sharded load moves no data between ranks and writes nothing before
-       commit: its step 4 runs before the agreement of step 2, which is
+       commit: its ``move`` runs before the agreement of step 2, which is
        its only one.
 
     Agreements are fixed-size all-gathers (``_engine.consistency.Agreement``)
@@ -432,106 +441,44 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     sharded load runs alone on each rank, as upstream's does."""
     from ._engine.distribute import route_for
 
-    info = None
-    steps: list[tuple[str, Any]] = []
-    metas: list[Any] = []
-    has = (model_state_dict is not None and bool(model_state_dict),
-           optim_state_dict is not None and bool(optim_state_dict))
     bcast = bool(getattr(options, "broadcast_from_rank0", False))
+    # Decided from the options as passed: ranks whose options differ meet
+    # at the first agreement and raise there.
+    sharded = not bcast and not getattr(options, "full_state_dict", False)
+    has = (int(bool(model_state_dict)), int(bool(optim_state_dict)))
     grad = torch.is_grad_enabled()
+    parts: list[LoadPart] = []
     with _gc_context():
         try:
             torch.set_grad_enabled(False)
-            if error is not None:
-                raise error
-            _reshard_fsdp2(model)
-            if optimizers is not None:
-                optimizers = _normalize_optimizers(optimizers)
-            if api == "set_model_state_dict":
-                info = _prepare(model, (), optim_only=False, options=options)
-            elif api == "set_optimizer_state_dict":
-                info = _prepare(model, optimizers, optim_only=True, options=options)
-            else:
-                info = _prepare(model, optimizers, optim_only=not model_state_dict, options=options)
-                if info.broadcast_from_rank0 and _distributed():
-                    # Receivers pass {}: whether the model is loaded is the
-                    # source's decision (learnt at the first agreement),
-                    # or ranks take different collective paths (upstream
-                    # hangs here).  Planned on every rank until then.
-                    info.handle_model = True
-            _verify_state_dict(model_state_dict or {}, optim_state_dict or {}, info)
-        except Exception as exc:  # noqa: BLE001 - agreed on below
-            error = exc
-        agreement = None
-        if _distributed():
-            agreement = _agreement_for(api, model, info, options, model_state_dict, optim_state_dict)
-        try:
+            info, optimizers, error = _load_info(api, model, optimizers, model_state_dict, optim_state_dict, options, error)
+            agreement = _agreement_for(api, model, info, options, model_state_dict, optim_state_dict, optimizers) if _distributed() else None
             if error is None:
-                try:
-                    if api != "set_model_state_dict":
-                        steps.append(("optim", optim_load_steps(model, optimizers, optim_state_dict, info)))
-                    if api != "set_optimizer_state_dict":
-                        steps.append(("model", model_load_steps(model, model_state_dict, info)))
-                    metas = [next(gen) for _, gen in steps]
-                    if not (bcast and agreement is not None):
-                        # alone: the source's metadata is its own
-                        for (_, gen), meta in zip(steps, metas):
-                            gen.send(meta)
-                except Exception as exc:  # noqa: BLE001
-                    error = exc
-            flags_check = None
-            if info is not None and info.full_state_dict and not info.broadcast_from_rank0:
-                flags_check = functools.partial(_full_dict_everywhere, api)
-            # A sharded load moves no data between ranks and writes nothing
-            # before commit: its last step runs before the one agreement.
-            # (Decided from the options as passed: ranks whose options
-            # differ meet at this first exchange and raise there.)
-            sharded = not bcast and not getattr(options, "full_state_dict", False)
-            results = []
+                parts, error = _load_parts(api, model, optimizers, model_state_dict, optim_state_dict, info)
+            metas, error = _phase(lambda p: p.plan(), parts, error)
+            if not (bcast and agreement is not None):  # alone: the source's metadata is its own
+                _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), error)
+            prepared: list[Prepared | None] = []
             if sharded:
-                error = _data_steps(steps, results, error, bcast)
-            if agreement is not None:
-                per_rank = agreement.agree(error, flags=(int(has[0]), int(has[1])), flags_check=flags_check)
-            elif error is not None:
-                raise error
+                prepared, error = _phase(lambda p: p.move(), parts, error)
+            fallible = int(any(p.can_fail for p in parts))
+            per_rank = _agree(agreement, error, (*has, fallible), _flags_check(api, info))
+            assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
-                if api == "set_state_dict":
-                    # the source is the mesh's first rank
-                    info.handle_model = bool(per_rank[0][0])
-                    if not info.handle_model:
-                        steps = [s for s in steps if s[0] != "model"]
-                        metas = metas[: len(steps)]
-                        if not optimizers:
-                            raise RuntimeError(errors.E4_NO_OPTIMIZERS)
-                metas = route_for(info.index, None).broadcast_object(tuple(metas))
-                try:
-                    for (_, gen), meta in zip(steps, metas):
-                        gen.send(meta)
-                except Exception as exc:  # noqa: BLE001
-                    error = exc
-                agreement.agree(error)
+                parts = _source_parts(api, parts, per_rank, info, optimizers)
+                metas = route_for(info.index, None).broadcast_object(tuple(metas[: len(parts)]))
+                _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), None)
+                _agree(agreement, error)
             if not sharded:
-                error = _data_steps(steps, results, error, bcast)
-                if agreement is not None:
-                    agreement.agree(error)
-                elif error is not None:
-                    raise error
-            parts = dict(zip([name for name, _ in steps], results))
-            # The model first: a model whose modules decide their own load
-            # rules is loaded by torch at its commit (restored if that
-            # raises), before the optimizer's state is installed.
-            model_report = _IncompatibleKeys({}, {})
-            if "model" in parts:
-                commit, _ = parts["model"]
-                model_report = commit()
-            optim_report = None
-            if "optim" in parts:
-                commit, optim_report = parts["optim"]
-                commit()
+                # on broadcast loads every part runs even after one failed
+                # (its stream is a collective the others wait in)
+                prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
+                _agree(agreement, error)
+            reports = _commit(parts, prepared, agreement if any(f[2] for f in per_rank) else None)
         finally:
             torch.set_grad_enabled(grad)
-            for _, gen in steps:
-                gen.close()
+    model_report = reports.get("model") or _IncompatibleKeys({}, {})
+    optim_report = reports.get("optim")
     if api == "set_model_state_dict":
         return model_report, optimizers
     if api == "set_optimizer_state_dict":
@@ -542,28 +489,143 @@ def _run_load(api, model, optimizers, model_state_dict, optim_state_dict, option
     return (result, info.handle_model), optimizers
 
 
-def _data_steps(steps: list[tuple[str, Any]], results: list[Any], error: Exception | None, bcast: bool):
-    """The last step of every part of a load (data movement, the checks
-    on the moved data), appending each part's (commit, report) to
-    ``results``; returns the load's error.  On broadcast loads every part
-    runs even after one failed (its stream is a collective the others
-    wait in)."""
-    for _, gen in steps:
-        if error is not None and not bcast:
+def _load_info(
+    api: str, model: Any, optimizers: Any, model_state_dict: Any, optim_state_dict: Any,
+    options: Any, error: Exception | None,
+) -> tuple[_StateDictInfo | None, Any, Exception | None]:
+    """The load's info (options checked against the model) and its
+    normalized optimizers; (None, ..., the error) where that fails: the
+    failure is agreed on like any other."""
+    info = None
+    try:
+        if error is not None:
+            raise error
+        _reshard_fsdp2(model)
+        if optimizers is not None:
+            optimizers = _normalize_optimizers(optimizers)
+        if api == "set_model_state_dict":
+            info = _prepare(model, (), optim_only=False, options=options)
+        elif api == "set_optimizer_state_dict":
+            info = _prepare(model, optimizers, optim_only=True, options=options)
+        else:
+            info = _prepare(model, optimizers, optim_only=not model_state_dict, options=options)
+            if info.broadcast_from_rank0 and _distributed():
+                # Receivers pass {}: whether the model is loaded is the
+                # source's decision (learnt at the first agreement),
+                # or ranks take different collective paths (upstream
+                # hangs here).  Planned on every rank until then.
+                info.handle_model = True
+        _verify_state_dict(model_state_dict or {}, optim_state_dict or {}, info)
+    except Exception as exc:  # noqa: BLE001 - agreed on by the caller
+        return info, optimizers, exc
+    return info, optimizers, None
+
+
+def _load_parts(
+    api: str, model: Any, optimizers: Any, model_state_dict: Any, optim_state_dict: Any, info: Any
+) -> tuple[list[LoadPart], Exception | None]:
+    parts: list[LoadPart] = []
+    try:
+        if api != "set_model_state_dict":
+            parts.append(OptimLoad(model, optimizers, optim_state_dict, info))
+        if api != "set_optimizer_state_dict":
+            parts.append(ModelLoad(model, model_state_dict, info))
+    except Exception as exc:  # noqa: BLE001 - agreed on by the caller
+        return parts, exc
+    return parts, None
+
+
+def _phase(
+    step: Callable[[Any], Any], items: list[Any], error: Exception | None, every: bool = False
+) -> tuple[list[Any], Exception | None]:
+    """``step`` of every item, in order: (the results, the load's error).
+    Stops at the first failure (or skips everything after an earlier
+    one), unless ``every``: then each item runs and a failed one's result
+    is None."""
+    results: list[Any] = []
+    for item in items:
+        if error is not None and not every:
             break
         try:
-            results.append(next(gen))
+            results.append(step(item))
         except Exception as exc:  # noqa: BLE001 - agreed on by the caller
             error = error or exc
             results.append(None)
-    return error
+    return results, error
+
+
+def _agree(
+    agreement: Any, error: Exception | None, flags: tuple[int, ...] = (), flags_check: Any = None
+) -> list[tuple[int, ...]]:
+    """One agreement point (see consistency.Agreement.agree); a load that
+    runs alone raises its own error."""
+    if agreement is not None:
+        return cast(list[tuple[int, ...]], agreement.agree(error, flags=flags, flags_check=flags_check))
+    if error is not None:
+        raise error
+    return []
+
+
+def _flags_check(api: str, info: Any) -> Any:
+    if info is not None and info.full_state_dict and not info.broadcast_from_rank0:
+        return functools.partial(_full_dict_everywhere, api)
+    return None
+
+
+def _source_parts(
+    api: str, parts: list[LoadPart], per_rank: list[tuple[int, ...]], info: Any, optimizers: Any
+) -> list[LoadPart]:
+    """The parts of a broadcast load, as the source decided: set_state_dict
+    loads the model only where the source passed one (its flags, learnt at
+    the first agreement; the source is the mesh's first rank)."""
+    if api != "set_state_dict":
+        return parts
+    info.handle_model = bool(per_rank[0][0])
+    if info.handle_model:
+        return parts
+    if not optimizers:
+        raise RuntimeError(errors.E4_NO_OPTIMIZERS)
+    return [p for p in parts if p.name != "model"]
+
+
+def _commit(parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any) -> dict[str, Any]:
+    """Install every part, the model first: a model whose modules decide
+    their own load rules is loaded by torch at its commit, before the
+    optimizer's state is installed.  Such a commit can fail on some ranks
+    only (a module's hook): with ``agreement`` (some rank's commit can
+    fail), the ranks agree on its outcome, and where any failed, every
+    rank puts back what it committed and raises the same error."""
+    reports: dict[str, Any] = {}
+    done: list[LoadPart] = []
+    for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
+        assert ready is not None  # a failed move was agreed on and raised
+        if agreement is None or part.name != "model":
+            reports[part.name] = part.commit(ready)
+            continue
+        error = None
+        try:
+            part.stage()
+            reports[part.name] = part.commit(ready)
+            done.append(part)
+        except Exception as exc:  # noqa: BLE001 - agreed on below (restored already)
+            error = exc
+        try:
+            agreement.agree(error)
+        except BaseException:
+            for committed in done:
+                committed.rollback()
+            raise
+    return reports
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any) -> Any:
+def _agreement_for(
+    api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any,
+    optimizers: Any = None,
+) -> Any:
     """The agreement of a distributed load, or None for a load that runs
     alone on each rank (no full dict, no sharded tensors).  Decided from
     the options as passed and the model's tensors, also where the load
@@ -595,7 +657,29 @@ def _agreement_for(api: str, model: Any, info: Any, options: Any, model_state_di
         # same checkpoint, so the same keys, shapes, dtypes and
         # hyperparameters
         structure = _structure(model_state_dict, "model") + _structure(optim_state_dict, "optimizer")
-    return Agreement(mesh, api, pairs, structure)
+    identity = _identity(index, optimizers) if mesh is not None else None
+    return Agreement(mesh, api, pairs, structure, identity)
+
+
+def _identity(index: Any, optimizers: Any) -> list[tuple[str, Any]] | None:
+    """The FQNs of the model's tensors in registration order, then those
+    of every optimizer's parameters in group order: what every rank of a
+    mesh agrees on besides shapes (the order of the collectives; issue
+    24).  None where the optimizers cannot be read (their own error is
+    agreed on)."""
+    out: list[tuple[str, Any]] = [
+        (f"model tensor #{i}", "|".join(fqns)) for i, fqns in enumerate(index.tensor_fqns)
+    ]
+    try:
+        for k, optim in enumerate(optimizers or ()):
+            for g, group in enumerate(optim.param_groups):
+                for j, param in enumerate(group["params"]):
+                    slot = index.slot_of(param)
+                    name = "|".join(index.tensor_fqns[slot]) if slot is not None else "(not in the model)"
+                    out.append((f"optimizer {k} param_groups[{g}] param #{j}", name))
+    except Exception:  # noqa: BLE001 - the load's own checks report it
+        return out
+    return out
 
 
 def _structure(state_dict: Any, what: str) -> list[tuple[str, str]]:
@@ -657,6 +741,9 @@ def _full_dict_everywhere(api: str, flags: list, ranks: list[int]) -> str | None
 class _LoadResult(_IncompatibleKeys):
     """``_IncompatibleKeys`` of the model, with the optimizer's report
     attached as ``optim_missing_keys`` / ``optim_unexpected_keys``."""
+
+    optim_missing_keys: list[str]
+    optim_unexpected_keys: list[str]
 
 
 def _mark_patched(fn: Callable) -> Callable:

@@ -52,9 +52,14 @@ collective of the process group the plugin creates; ``--dist-timeout``
 (default: pytest-timeout's ``--timeout`` plus the group timeout plus 60 s,
 or 1800 s without pytest-timeout) bounds how long a rank waits for its
 peers at an agreement point.  With pytest-timeout's (default) signal
-method a rank hanging in Python fails with ``Timeout`` and its peers report
-it; a rank blocked inside a collective fails when the group timeout
-expires.  Put an outer ``timeout`` around torchrun in CI as a last guard.
+method a rank hanging in Python fails with ``Timeout``; if a peer does not
+reach the verdict exchange within 3 s (it is blocked, most likely in a
+collective the timed-out rank left), the timed-out rank aborts the
+process group, so that the peer fails at once instead of at the group's
+timeout, and the report names the rank that timed out first.  The session
+then stops (the group is gone).  A rank blocked inside a collective with
+no peer in Python fails when the group timeout expires.  Put an outer
+``timeout`` around torchrun in CI as a last guard.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ __all__ = [
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEFAULT_PG_TIMEOUT_S = 60.0
+# How long a rank whose test timed out waits for its peers' verdicts
+# before it aborts the process group (a peer still blocked in a
+# collective would otherwise wait for the group's timeout).
+_TIMEOUT_GRACE_S = 3.0
 
 
 class RankFailure(AssertionError):
@@ -147,7 +156,9 @@ def init_from_env(timeout: float = _DEFAULT_PG_TIMEOUT_S) -> bool:
 # ---------------------------------------------------------------------------
 # exchange through the store (no collectives)
 
-_state: dict[str, Any] = {"counter": 0, "store": None, "store_of": None, "timeout": 1800.0}
+# "world": (rank, world size) of a torchrun session, kept for the verdict
+# exchanges after the group was aborted (a timeout)
+_state: dict[str, Any] = {"counter": 0, "store": None, "store_of": None, "timeout": 1800.0, "world": None}
 
 
 def _store():
@@ -155,6 +166,8 @@ def _store():
     from torch.distributed import distributed_c10d as c10d
 
     if not dist.is_initialized():
+        if _state["store"] is not None and _state["world"] is not None:
+            return _state["store"]  # the group was aborted after a timeout: its store lives on
         raise RuntimeError("dcp_optim.testing: no default process group is initialised")
     base = c10d._get_default_store()
     if _state["store_of"] is not base:
@@ -200,10 +213,13 @@ def gather_objects(obj: Any, *, what: str = "gather_objects", timeout: float | N
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        rank, ws = dist.get_rank(), dist.get_world_size()
+    elif _state["world"] is not None and _state["store"] is not None:
+        rank, ws = _state["world"]  # the session's group was aborted
+    else:
         return [obj]  # a single process without a group
     store = _store()
-    rank, ws = dist.get_rank(), dist.get_world_size()
     _state["counter"] += 1
     base = f"{_state['counter']}/"
     store.set(base + str(rank), pickle.dumps((what, obj)))
@@ -570,7 +586,10 @@ def pytest_configure(config):
 
 def _is_timeout(text: str) -> bool:
     lowered = text.lower()
-    return "timeout >" in lowered or "timed out" in lowered or "did not arrive within" in lowered
+    return (
+        "timeout >" in lowered or "timeout (>" in lowered  # pytest-timeout's message
+        or "timed out" in lowered or "did not arrive within" in lowered
+    )
 
 
 class _Crash:
@@ -620,6 +639,8 @@ class _TorchrunSession:
         self.created = init_from_env(self.pg_timeout)
         _state["timeout"] = self.wait
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        _state["world"] = (self.rank, self.world_size)
+        _store()
 
     def pytest_report_header(self, config):
         return (
@@ -650,7 +671,8 @@ class _TorchrunSession:
         with contextlib.suppress(Exception):
             gather_objects(None, what="end of session", timeout=60)
         if self.created:
-            dist.destroy_process_group()
+            with contextlib.suppress(Exception):  # aborted after a timeout
+                dist.destroy_process_group()
 
     # verdicts ----------------------------------------------------------------
 
@@ -659,6 +681,10 @@ class _TorchrunSession:
         outcome = yield
         report = outcome.get_result()
         local = self._describe(report, call)
+        if report.failed and _is_timeout(local["text"]) and not isinstance(
+            getattr(call.excinfo, "value", None), RankFailure
+        ):
+            self._timed_out(item, call.when)
         try:
             views = gather_objects(local, what=f"{item.nodeid} ({call.when})")
         except RankFailure as exc:
@@ -669,6 +695,42 @@ class _TorchrunSession:
             item.session.shouldstop = f"dcp_optim.testing: ranks out of step: {error}"
             return
         self._consolidate(item, report, call.when, views)
+
+    def _timed_out(self, item, when: str) -> None:
+        """This rank's test timed out (pytest-timeout): record it as the
+        first timeout of this phase if no peer did before, and give the
+        peers a moment to reach the verdict exchange.  A peer that does
+        not is blocked, most likely in a collective this rank left: the
+        process group is aborted, so that it fails at once (the
+        connection closes) instead of at the group's timeout."""
+        import torch.distributed as dist
+
+        store = _store()
+        store.compare_set(f"first-timeout/{item.nodeid}/{when}", "", str(self.rank))
+        base = f"{_state['counter'] + 1}/"
+        peers = [base + str(r) for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + _TIMEOUT_GRACE_S
+        with _alarm_paused():
+            while peers and not store.check(peers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if peers and not store.check(peers):
+            store.set("aborted", f"{item.nodeid} ({when}): rank {self.rank} timed out")
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._abort_process_group()
+
+    @staticmethod
+    def _aborted() -> bool:
+        with contextlib.suppress(Exception):
+            return bool(_store().check(["aborted"]))
+        return False
+
+    def _first_timeout(self, nodeid: str, when: str) -> int | None:
+        key = f"first-timeout/{nodeid}/{when}"
+        with contextlib.suppress(Exception):
+            store = _store()
+            if store.check([key]):
+                return int(store.get(key))
+        return None
 
     @staticmethod
     def _describe(report, call) -> dict:
@@ -704,6 +766,9 @@ class _TorchrunSession:
         others = [f"rank {r} {s}" for r, s in enumerate(statuses) if s != "failed"]
         if others:
             lines[0] += " (" + ", ".join(others) + ")"
+        first = self._first_timeout(item.nodeid, when)
+        if first is not None:
+            lines[0] += f"; rank {first} timed out first"
         seen: dict[str, int] = {}
         for r in failed:
             # The same exception message: show the traceback once.
@@ -715,7 +780,10 @@ class _TorchrunSession:
             lines.append(f"--- rank {r} ---")
             lines.append(views[r]["text"].rstrip("\n"))
         firsts = {r: (views[r]["message"] or "failed").splitlines()[0] for r in failed}
-        if len(set(firsts.values())) == 1:
+        if first is not None and first in firsts and len(failed) > 1:
+            # the rank that timed out first: the others failed because of it
+            message = f"rank {first} timed out first: {firsts[first]} (failed on rank(s) {failed})"
+        elif len(set(firsts.values())) == 1:
             message = f"rank(s) {failed}: {firsts[failed[0]]}"
         else:
             message = "; ".join(f"rank {r}: {firsts[r]}" for r in failed[:3])
@@ -728,6 +796,13 @@ class _TorchrunSession:
         in_step = len(failed) == n and False not in flags
         if in_step and not all(flags):
             in_step = len({views[r]["where"] for r in failed}) == 1 and not timed_out
+        if first is not None and self._aborted():
+            # no process group any more: every rank stops, --dist-keep-going or not
+            item.session.shouldstop = (
+                f"dcp_optim.testing: {item.nodeid}: rank {first} timed out first; the process "
+                "group was aborted so that its peers failed at once, stopping"
+            )
+            return
         if not in_step:
             why = f"{item.nodeid} failed on rank(s) {failed} of {n}"
             self._maybe_stop(item, why + (" after a timeout" if timed_out else ""))

@@ -45,21 +45,11 @@ if TORCHRUN:
         return dist_tmp_path
 
 
-def _calls_run_ranks(item) -> bool:
-    """Whether the test or one of its fixtures calls ``run_ranks``."""
-    import inspect
-
-    functions = [getattr(item, "function", None)]
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in getattr(info, "name2fixturedefs", {}).values():
-        functions += [d.func for d in defs]
-    for fn in functions:
-        try:
-            if "run_ranks(" in inspect.getsource(fn):
-                return True
-        except (TypeError, OSError):
-            continue
-    return False
+def _runs_on_ranks(item) -> bool:
+    """Whether a test runs rank functions (``tests.support.harness.run_ranks``),
+    by its markers: ``dist`` (the module's or its own), and not ``local``
+    (a single-process test in a module of dist tests)."""
+    return item.get_closest_marker("dist") is not None and item.get_closest_marker("local") is None
 
 
 def pytest_configure(config):
@@ -74,15 +64,17 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``torchrun`` (they launch torchrun, tens of seconds
     each) run only when ``-m`` names them.  Under torchrun only the
     distributed test bodies run (tests calling ``run_ranks``, directly or
-    through a fixture): a single-process test would find torchrun's process
-    group and act collectively (DCP does), and it runs in ``make test``."""
+    through a fixture; marked ``dist``): a single-process test would find torchrun's process
+    group and act collectively (DCP does), and it runs in ``make test``.
+    Selected by marker (``dist`` and not ``local``), never by reading the
+    tests' source."""
     keep, drop = [], []
     opted_in = "torchrun" in (config.option.markexpr or "")
     for item in items:
         if item.get_closest_marker("torchrun") is not None:
             ok = opted_in and not TORCHRUN
         else:
-            ok = not TORCHRUN or _calls_run_ranks(item)
+            ok = not TORCHRUN or _runs_on_ranks(item)
         (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -7,9 +7,11 @@ the order a get or a set runs:
                    builds the ``Context`` of torch objects it is handed
 * ``checks``       option checks, argument normalisation and the cached
                    model walk (``walk``) every call starts from
-* ``model``        model state dicts: get, and the load steps of a set
+* ``pipeline``     the load pipeline's interface (``LoadPart``: plan,
+                   validate, move, commit)
+* ``model``        model state dicts: get, and the model's ``LoadPart``
 * ``optim``        optimizer state dicts: get (pristine state of
-                   never-stepped parameters), init and the load steps
+                   never-stepped parameters), init and the optimizers' ``LoadPart``
 * ``pristine``     that pristine state, from the schema or a shadow step
 * ``fsdp1``        FSDP1 flat parameters: the optimizer's flat <-> original
                    mapping and its loads

@@ -151,12 +151,17 @@ def gather_full_tensors(
         leaves = reduced
         plans = _plan(leaves, fixed)
     work = []
+    # Identity, not only geometry: the names of the gathered leaves, in
+    # gather order, join every mesh's check (ranks that registered the
+    # same shapes in another order would swap values without it).
+    names = names_fn() if names_fn is not None and plans else None
     for mesh, plan, signature, leaf_indices, budget in plans:
+        order = _names_of(names, leaf_indices)
         flags = check_agreement(
             mesh,
             "sharded tensors to gather",
-            (options_key, budget, signature),
-            lambda: _details(signature, leaf_indices, names_fn, options_key, budget),
+            (options_key, budget, signature, order),
+            lambda: _details(signature, leaf_indices, names, options_key, budget),
             flag=1 if keep else 0,
         )
         keepers = [i for i, f in enumerate(flags) if f]
@@ -256,14 +261,26 @@ def _gather_mesh(mesh, plan, root, keep, results, offload) -> None:
             C.unpack_bucket(buffer, plan, b, torch.empty, device, results, offload, torch.cat)
 
 
-def _details(signature, leaf_indices, names_fn, options_key, budget):
-    """Per-leaf description for the disagreement error (error path only)."""
-    names = names_fn() if names_fn is not None else None
+def _names_of(names: list[str] | None, leaf_indices: Any) -> list[str] | None:
+    if names is None:
+        return None
+    return [names[i] if i < len(names) else f"tensor #{i}" for i in leaf_indices]
+
+
+def _details(
+    signature: Any, leaf_indices: Any, names: list[str] | None, options_key: Any, budget: Any
+) -> list[tuple[str, str]]:
+    """Per-leaf description for the disagreement error (error path only):
+    each leaf's geometry by name, then the names in gather order (last:
+    an entry only some ranks hold is the difference, not everything
+    after it; where every rank holds the same leaves, the order is)."""
     out = [("options", f"options {options_key}, bucket {budget} bytes")]
+    order = _names_of(names, leaf_indices) or []
     for sig, i in zip(signature, leaf_indices):
         name = names[i] if names is not None and i < len(names) else f"tensor #{i}"
         shape, placements, itemsize = sig
         out.append((name, f"shape {tuple(shape)}, placements {placements}, {itemsize}-byte dtype"))
+    out.extend((f"sharded tensor #{k} in gather order", name) for k, name in enumerate(order))
     return out
 
 

@@ -24,6 +24,8 @@ payload: the same two collectives on every rank).
 from __future__ import annotations
 
 import hashlib
+import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,7 +39,118 @@ __all__ = [
     "mesh_all_gather_bytes",
     "mesh_all_gather_rows",
     "check_agreement",
+    "await_arrival",
+    "arrival_bound",
 ]
+
+# --- bounded arrival ----------------------------------------------------------------
+#
+# A collective waits for every rank of its group until the process group's
+# timeout (30 minutes for gloo, 10 for NCCL by default), and a rank that
+# never comes -- it crashed before the call, is stuck elsewhere, or took
+# another path because its options differ -- leaves the others in that
+# wait.  So before its first data collective, every call that
+# communicates first meets the other ranks of its mesh on the process
+# group's store, with a wait of its own, bounded by ARRIVAL_ENV (seconds;
+# 0 turns it off; default: half the process group's timeout, at most 300
+# s).  Every rank that gives up marks the meeting abandoned, atomically
+# (compare_set), with the ranks that had not arrived: a rank arriving
+# after that raises too, so every rank that arrives raises the same
+# error, naming the missing ranks.  A meeting is 4 small store requests
+# per rank on the success path (set, add, wait, delete).
+
+ARRIVAL_ENV = "DCP_OPTIM_ARRIVAL_TIMEOUT"
+_ARRIVAL_MAX_DEFAULT = 300.0
+_ARRIVE = "dcp_optim/arrive"
+_ABANDONED = b"abandoned "
+# per group of ranks (a digest of their list), the number of meetings so far
+_meetings: dict[str, int] = {}
+
+
+def arrival_bound() -> float | None:
+    """Seconds a call waits for the other ranks to arrive (None: no bound
+    of ours, only the process group's timeout)."""
+    raw = os.environ.get(ARRIVAL_ENV, "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise errors.StateDictValueError(
+                f"{ARRIVAL_ENV}={raw!r} is not a number of seconds (0 turns the bounded "
+                "arrival off)"
+            ) from None
+        return value if value > 0 else None
+    timeout = _group_timeout()
+    if timeout is None:
+        return _ARRIVAL_MAX_DEFAULT
+    return min(_ARRIVAL_MAX_DEFAULT, timeout / 2)
+
+
+def _group_timeout() -> float | None:
+    """The default process group's timeout in seconds, or None."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        for device in group._device_types:
+            timeout = group._get_backend(device).options._timeout
+            return float(timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - another backend: the fixed default
+        return None
+    return None
+
+
+def _mesh_ranks(mesh: Any | None) -> tuple[int, ...]:
+    if mesh is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def await_arrival(mesh: Any | None, what: str) -> None:
+    """Meet every rank of ``mesh`` (None: the default group) on the
+    process group's store, waiting at most ``arrival_bound()`` seconds;
+    raise StateDictRuntimeError naming the ranks that did not arrive."""
+    bound = arrival_bound()
+    ranks = _mesh_ranks(mesh)
+    if bound is None or len(ranks) < 2:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    group = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+    seq = _meetings.get(group, 0) + 1
+    _meetings[group] = seq
+    base = f"{_ARRIVE}/{group}/{seq}"
+    mine = f"{base}/r{dist.get_rank()}"
+    store.set(mine, what)
+    if store.add(f"{base}/n", 1) == len(ranks):
+        state = bytes(store.compare_set(f"{base}/all", "", "1"))
+        if state == b"1":
+            # every rank is past the previous meeting: its keys can go
+            _delete(store, f"{_ARRIVE}/{group}/{seq - 1}/all", f"{_ARRIVE}/{group}/{seq - 1}/n")
+    else:
+        try:
+            store.wait([f"{base}/all"], timedelta(seconds=bound))
+        except RuntimeError:  # the store's timeout (DistStoreError)
+            pass
+        missing = [r for r in ranks if not store.check([f"{base}/r{r}"])]
+        desired = _ABANDONED.decode() + repr(missing)
+        state = bytes(store.compare_set(f"{base}/all", "", desired))
+    if state.startswith(_ABANDONED):
+        missing_text = state[len(_ABANDONED):].decode()
+        raise errors.StateDictRuntimeError(
+            f"{what}: timed out after {bound:g} s waiting for rank(s) {missing_text} of "
+            f"ranks {list(ranks)} to arrive (every rank must make the same dcp_optim "
+            "calls with the same options; a rank that crashed, is stuck elsewhere or "
+            "skipped this call because its options differ never arrives). The bound is "
+            f"{ARRIVAL_ENV} (seconds; default half the process group's timeout, at most "
+            f"{_ARRIVAL_MAX_DEFAULT:g} s; 0 turns it off)."
+        )
+    _delete(store, mine)
+
+
+def _delete(store: Any, *keys: str) -> None:
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a store without deletion keeps them
+            pass
 
 
 def mesh_all_gather_object(mesh: Any | None, obj: Any) -> tuple[list[Any], list[int]]:
@@ -158,6 +271,7 @@ def check_agreement(
     (name, description) pairs that locate the difference; it runs only on
     that error path.  ``flag`` (0-255) is not compared: the flags of every
     mesh rank, in row-major mesh order, are returned."""
+    await_arrival(mesh, what)
     record = (_digest(summary) + bytes((flag,))).ljust(RECORD_BYTES, b"\0")
     rows, ranks = mesh_all_gather_rows(mesh, record)
     flag_at = _DIGEST_BYTES  # record: digest, flag, padding
@@ -243,7 +357,12 @@ class Agreement:
     be equal on every rank (the call's options: they decide which
     collectives follow); ``structure`` another such list (the structure of
     the dicts every rank holds: keys, shapes, dtypes, hyperparameters),
-    compared after the options and the flags."""
+    compared after the options and the flags.  ``identity``: the FQNs (and
+    state keys) of what the ranks load, in the order their collectives
+    take them, as (position, name) pairs -- compared with the structure
+    (one digest for both), and named first when it differs.  The first
+    agreement is preceded by a bounded meeting of the ranks
+    (``await_arrival``)."""
 
     def __init__(
         self,
@@ -251,12 +370,15 @@ class Agreement:
         what: str,
         options: list[tuple[str, Any]],
         structure: list[tuple[str, Any]] | None = None,
+        identity: list[tuple[str, Any]] | None = None,
     ):
         self.mesh = mesh
         self.what = what
         self.options = options
         self.structure = structure or []
-        self.digest = _digest(options) + _digest(self.structure)
+        self.identity = identity or []
+        self.digest = _digest(options) + _digest((self.structure, self.identity))
+        self.arrived = False
 
     def agree(
         self,
@@ -274,6 +396,9 @@ class Agreement:
         lowest failing rank's exception, naming that rank)."""
         if len(flags) > _FLAG_BYTES:
             raise ValueError("at most 8 flags")
+        if not self.arrived:
+            await_arrival(self.mesh, self.what)
+            self.arrived = True
         record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
         record = (record + _AGREEMENT_TAG).ljust(RECORD_BYTES, b"\0")
         rows, ranks = mesh_all_gather_rows(self.mesh, record)
@@ -300,7 +425,7 @@ class Agreement:
             "load",
             self.what,
             None if same_options else self.options,
-            None if same_structure or not same_options or problem else self.structure,
+            None if same_structure or not same_options or problem else (self.structure, self.identity),
             None if error is None else _export_error(error),
         )
         gathered, ranks = mesh_all_gather_object(self.mesh, mine)
@@ -313,9 +438,19 @@ class Agreement:
         if problem is not None:
             raise errors.StateDictValueError(problem)
         if not same_structure:
+            identities = [g[1][1] for g in gathered]
+            if any(i != identities[0] for i in identities):
+                raise errors.StateDictRuntimeError(
+                    _describe_difference(
+                        f"parameters of the model in {self.what} (their FQNs in registration "
+                        "order: the order of the collectives)",
+                        identities,
+                        ranks,
+                    )
+                )
             raise errors.StateDictRuntimeError(
                 _describe_difference(
-                    f"state dicts passed to {self.what}", [g[1] for g in gathered], ranks
+                    f"state dicts passed to {self.what}", [g[1][0] for g in gathered], ranks
                 )
             )
         failures = [(r, g[2]) for r, g in zip(ranks, gathered) if g[2] is not None]

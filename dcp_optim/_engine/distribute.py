@@ -18,6 +18,8 @@ sharded on a sub-mesh the data travels within that mesh.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, NamedTuple
 
 import torch
@@ -127,18 +129,69 @@ def run_full_load(
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
     plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
     if route is not None and plan.nbuckets:
+        undo = _UndoLog(jobs) if in_place and undo_enabled() else None
         # One buffer for the whole stream: re-allocating per bucket lets
         # the allocator keep several freed buckets resident.
         storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
-        for b, nbytes in enumerate(plan.bucket_bytes):
-            buf = storage[:nbytes]
-            chunks = plan.chunks(b)
-            if route.is_source:
-                _pack_rows(buf, chunks)
-            route.broadcast(buf)
-            _extract_rows(buf, chunks)
-        del storage, buf, chunks
+        try:
+            for b, nbytes in enumerate(plan.bucket_bytes):
+                buf = storage[:nbytes]
+                chunks = plan.chunks(b)
+                if route.is_source:
+                    _pack_rows(buf, chunks)
+                route.broadcast(buf)
+                if undo is not None:
+                    undo.save(chunks)
+                _extract_rows(buf, chunks)
+        except BaseException:
+            # a peer died (or the backend failed) mid-stream: what the
+            # buckets so far wrote into live tensors is put back
+            if undo is not None:
+                undo.restore()
+            raise
+        del storage, buf, chunks, undo
     return C.finish_full_load(plan, DTensor.from_local, offload)
+
+
+UNDO_ENV = "DCP_OPTIM_STREAM_UNDO"
+
+
+def undo_enabled() -> bool:
+    """Whether an in-place stream keeps the values it overwrites (on the
+    host) until it completes: ``DCP_OPTIM_STREAM_UNDO`` (default 1; 0:
+    upstream's footprint, and a stream that fails mid-way -- a peer killed
+    -- leaves the tensors written so far)."""
+    return os.environ.get(UNDO_ENV, "1").strip() not in ("0", "false", "False", "")
+
+
+class _UndoLog:
+    """The previous values of the live tensors an in-place stream writes
+    into, each copied to the host the first time a bucket reaches it:
+    the stream's cost is at most this rank's shards in host memory (no
+    device memory), and a failed stream restores them."""
+
+    def __init__(self, jobs: list[tuple[Any, Any, Any]]):
+        self.live: set[int] = set()
+        for _, template, _ in jobs:
+            local = template.to_local() if isinstance(template, DTensor) else template
+            if isinstance(local, torch.Tensor):
+                self.live.add(local.untyped_storage().data_ptr())
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def save(self, chunks: list[tuple]) -> None:
+        for chunk in chunks:
+            dest = chunk[7]
+            if not isinstance(dest, torch.Tensor) or id(dest) in self.saved:
+                continue
+            if dest.untyped_storage().data_ptr() not in self.live:
+                continue  # a fresh tensor of this load, not a live one
+            self.saved[id(dest)] = (dest, dest.detach().to(_CPU, copy=True))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for dest, old in self.saved.values():
+            dest.copy_(old)
+        self.saved.clear()
 
 
 # The stream's executors only call torch methods: a C version measured no
@@ -505,16 +558,3 @@ def reshard_fsdp2(model: nn.Module) -> None:
         if id(module) in inside:
             for group in groups:
                 group._to_sharded()
-
-
-def drive_steps(steps: Any, info: Any) -> tuple[Any, Any]:
-    """Run a load generator (``optim.optim_load_steps``,
-    ``model.model_load_steps``) alone, without agreeing with other ranks:
-    the source's metadata travels by one object broadcast on broadcast
-    loads.  Returns (commit, report)."""
-    with torch.no_grad():
-        meta = next(steps)
-        if info.broadcast_from_rank0 and dist.is_initialized():
-            meta = route_for(info.index, None).broadcast_object(meta)
-        steps.send(meta)
-        return next(steps)

@@ -24,9 +24,10 @@ from torch.nn.parameter import UninitializedTensorMixin, is_lazy  # type: ignore
 
 from .. import errors
 from .core import C, context
+from .pipeline import Prepared
 from .tree import maybe_full_or_cpu_state_dict
 
-__all__ = ["get_model", "load_model", "state_dict_fn", "unflatten_model_state_dict"]
+__all__ = ["ModelLoad", "get_model", "load_model", "state_dict_fn", "unflatten_model_state_dict"]
 
 # Marks the closures _patch_*_state_dict installs (D17 in docs/differences.md: a marker on the
 # function instead of upstream's ever-growing registry of closures, which
@@ -144,99 +145,153 @@ def load_model(
 
 
 @torch.no_grad()
-def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any):
+def prepare_model(model: nn.Module, state_dict: dict[str, Any], info: Any) -> Callable[[], Any]:
     """Everything of a model load that can fail or communicate; returns
     commit(), which runs model.load_state_dict on the validated dict.
-    (Single-caller form of ``model_load_steps``, without agreement.)"""
-    from .distribute import drive_steps
+    (Single-caller form of ``ModelLoad``, without agreement.)"""
+    from .pipeline import run_alone
 
-    return drive_steps(model_load_steps(model, state_dict, info), info)[0]
+    return run_alone(ModelLoad(model, state_dict, info), info).install
 
 
 def _noop_commit() -> _IncompatibleKeys:
     return _IncompatibleKeys({}, {})  # upstream's, dicts included
 
 
-def model_load_steps(model: nn.Module, state_dict: dict[str, Any], info: Any):
-    """A model load as a generator of steps (see optim.optim_load_steps):
-    local checks (yields the source's metadata, receives the exchanged
-    one), validation of the whole load (yields None), data movement and
-    the final checks (yields (commit, None)).  Run under no_grad."""
-    if not info.handle_model or (not state_dict and not info.broadcast_from_rank0):
-        yield None
-        yield None
-        yield _noop_commit, None
-        return
-    from .distribute import ModelFullLoad, collective_device, route_for
+class ModelLoad:
+    """A model load as a ``pipeline.LoadPart``: ``plan`` runs the local
+    checks (and returns the source's metadata on broadcast loads),
+    ``validate`` the validation of the whole load, ``move`` the data
+    movement and the checks on the moved data, ``commit`` torch's
+    ``load_state_dict`` (or its native equivalent).  Run under no_grad."""
 
-    rules = load_plan(model, info)
-    full_path = info.broadcast_from_rank0 or info.full_state_dict
-    route = route_for(info.index, None) if info.broadcast_from_rank0 else None
-    rename = route is None or route.is_source
-    # A private, re-keyed view: the caller's dict is never mutated (D11).
-    load_sd, local = C.rename_for_load(
-        info.index, state_dict, info.strict, rename, full_path
-    )
-    assign = False
-    plan = None
-    # Load rules only the modules' own code knows (rules.torch_path): no
-    # up-front key check; torch's load decides at commit.
-    native_checks = not info.fsdp_modules and not rules.torch_path
-    if full_path:
-        device, assign = _load_device(info, local, rules.lazy)
-        # Where the model load's checks can run before any data moves, the
-        # shards are written straight into the parameters (see
-        # _distribute); FSDP1 and models whose modules decide their own
-        # load rules keep the load-then-copy path.
-        precheck = None
-        if native_checks:
-            def precheck(sd: dict[str, Any]) -> None:
-                check_load(model, sd, info, rules)
-        else:
-            info.validated_after_move = True
-        if route is not None:
-            route.device = collective_device(device, info.index)
-        plan = ModelFullLoad(
-            load_sd, local, device, route=route, strict=info.strict,
-            cpu_offload=info.cpu_offload, precheck=precheck, info=info,
+    name = "model"
+
+    def __init__(self, model: nn.Module, state_dict: dict[str, Any], info: Any):
+        self.model = model
+        self.state_dict = state_dict
+        self.info = info
+        self.noop = not info.handle_model or (not state_dict and not info.broadcast_from_rank0)
+        self.full_load: Any = None  # distribute.ModelFullLoad of full/broadcast loads
+        self.load_sd: dict[str, Any] = {}
+        self.assign = False
+        self.full_path = False
+        self.native_checks = False
+        self.rules: LoadPlan = _NATIVE_PLAN
+        # torch's own load decides at commit (a module's load rules or
+        # hooks): its commit can fail, on some ranks only
+        self.can_fail = False
+        self.snapshot: _Snapshot | None = None
+
+    def plan(self) -> Any:
+        if self.noop:
+            return None
+        from .distribute import ModelFullLoad, collective_device, route_for
+
+        model, info = self.model, self.info
+        rules = self.rules = load_plan(model, info)
+        full_path = self.full_path = info.broadcast_from_rank0 or info.full_state_dict
+        route = route_for(info.index, None) if info.broadcast_from_rank0 else None
+        rename = route is None or route.is_source
+        # A private, re-keyed view: the caller's dict is never mutated (D11).
+        load_sd, local = C.rename_for_load(
+            info.index, self.state_dict, info.strict, rename, full_path
         )
-    elif native_checks:
-        check_load(model, load_sd, info, rules)
-    meta = yield (plan.source_meta() if plan is not None else None)
-    if plan is not None:
-        plan.validate(meta)
-    yield None
-    if plan is not None:
-        load_sd = plan.move()
+        self.load_sd = load_sd
+        # Load rules only the modules' own code knows (rules.torch_path): no
+        # up-front key check; torch's load decides at commit.
+        native_checks = self.native_checks = not info.fsdp_modules and not rules.torch_path
+        self.can_fail = not info.fsdp_modules and rules.torch_path
+        if full_path:
+            device, self.assign = _load_device(info, local, rules.lazy)
+            # Where the model load's checks can run before any data moves, the
+            # shards are written straight into the parameters (see
+            # _distribute); FSDP1 and models whose modules decide their own
+            # load rules keep the load-then-copy path.
+            precheck = None
+            if native_checks:
+                def precheck(sd: dict[str, Any]) -> None:
+                    check_load(model, sd, info, rules)
+            else:
+                info.validated_after_move = True
+            if route is not None:
+                route.device = collective_device(device, info.index)
+            self.full_load = ModelFullLoad(
+                load_sd, local, device, route=route, strict=info.strict,
+                cpu_offload=info.cpu_offload, precheck=precheck, info=info,
+            )
+            return self.full_load.source_meta()
         if native_checks:
             check_load(model, load_sd, info, rules)
-    if not full_path and native_checks:
-        aliased = aliased_commit(model, load_sd, info, rules)
-        if aliased is not None:
-            yield aliased, None
-            return
-    if not info.fsdp_modules and rules.torch_path:
-        # torch's load decides, at commit: the setters commit the model
-        # before the optimizer, and what it wrote is put back if it raises.
-        def torch_commit() -> _IncompatibleKeys:
-            return load_restoring(model, load_sd, info, assign)
+        return None
 
-        yield torch_commit, None
-        return
+    def validate(self, meta: Any) -> None:
+        if self.full_load is not None:
+            self.full_load.validate(meta)
 
-    def commit() -> _IncompatibleKeys:
-        with info.fsdp_context():
-            return cast(
-                _IncompatibleKeys,
-                state_dict_fn(model, "load_state_dict")(
-                    state_dict=load_sd, strict=info.strict, assign=assign
-                ),
-            )
+    def move(self) -> Prepared:
+        if self.noop:
+            return Prepared(_noop_commit)
+        model, info, rules = self.model, self.info, self.rules
+        load_sd = self.load_sd
+        if self.full_load is not None:
+            load_sd = self.full_load.move()
+            if self.native_checks:
+                check_load(model, load_sd, info, rules)
+        if not self.full_path and self.native_checks:
+            aliased = aliased_commit(model, load_sd, info, rules)
+            if aliased is not None:
+                return Prepared(aliased)
+        if self.can_fail:
+            # torch's load decides, at commit: the setters commit the model
+            # before the optimizer, and what it wrote is put back if it
+            # raises here, or if it raised on another rank (rollback).
+            return Prepared(functools.partial(self._staged_load, load_sd))
+        return Prepared(functools.partial(_torch_load, model, load_sd, info, self.assign))
 
-    yield commit, None
+    def commit(self, prepared: Prepared) -> _IncompatibleKeys:
+        return cast(_IncompatibleKeys, prepared.install())
+
+    def stage(self) -> None:
+        """Before a commit that another rank's failure can undo: snapshot
+        what it changes (one copy of the model's tensors, held until the
+        ranks agreed on the outcome)."""
+        if self.snapshot is None and not self.noop:
+            self.snapshot = _Snapshot(self.model)
+
+    def _staged_load(self, load_sd: dict[str, Any]) -> _IncompatibleKeys:
+        """torch's load with a snapshot of what it can change taken first
+        (one copy of the model's tensors), kept until ``rollback`` or the
+        end of the load: restored here if it raises."""
+        if self.snapshot is None:
+            self.snapshot = _Snapshot(self.model)
+        try:
+            return _torch_load(self.model, load_sd, self.info, self.assign)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def rollback(self) -> None:
+        """Put back what a committed load changed (the load failed on
+        another rank, after this rank's commit)."""
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is not None:
+            snapshot.restore()
 
 
-def aliased_commit(model: nn.Module, load_sd: dict[str, Any], info: Any, rules: LoadPlan):
+def _torch_load(model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool) -> _IncompatibleKeys:
+    with info.fsdp_context():
+        return cast(
+            _IncompatibleKeys,
+            state_dict_fn(model, "load_state_dict")(
+                state_dict=load_sd, strict=info.strict, assign=assign
+            ),
+        )
+
+
+def aliased_commit(
+    model: nn.Module, load_sd: dict[str, Any], info: Any, rules: LoadPlan
+) -> Callable[[], _IncompatibleKeys] | None:
     """The commit of a sharded load whose every value holds the same data
     as the tensor it loads into (C.aliased_load: the DCP resume, which
     loads into the views get_state_dict returned), or None.  There

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ from .. import errors
 from ..schema import PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
 from .core import C, context
 from .model import _is_patched, state_dict_fn
+from .pipeline import Prepared, Report
 from .pristine import pristine, pristine_states
 from .tree import maybe_full_or_cpu_state_dict
 
-__all__ = ["get_optim", "load_optim", "init_optim_state"]
+__all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]
 
 _Optimizer = torch.optim.Optimizer
 
@@ -649,115 +651,154 @@ def prepare_optim(
     optimizers: tuple[_Optimizer, ...],
     osd: dict[str, Any],
     info: Any,
-):
+) -> tuple[Callable[[], Any], Report]:
     """Everything of an optimizer load that can fail or communicate, with
     nothing installed yet: returns (commit, report).  commit() installs the
     prepared state into every optimizer and cannot fail on bad input.
-    (Single-caller form of ``optim_load_steps``, without agreement.)"""
-    from .distribute import drive_steps
+    (Single-caller form of ``OptimLoad``, without agreement.)"""
+    from .pipeline import run_alone
 
-    return drive_steps(optim_load_steps(model, optimizers, osd, info), info)
+    prepared = run_alone(OptimLoad(model, optimizers, osd, info), info)
+    return prepared.install, prepared.report
 
 
-def optim_load_steps(
-    model: nn.Module,
-    optimizers: tuple[_Optimizer, ...],
-    osd: dict[str, Any],
-    info: Any,
-):
-    """An optimizer load as a generator of steps, so that the caller can
-    agree with the other ranks between them (state_dict._run_load):
+class OptimLoad:
+    """An optimizer load as a ``pipeline.LoadPart``, so that the caller can
+    agree with the other ranks between its phases (state_dict._run_load):
 
-    1. local checks and planning; yields what the source broadcasts (or
-       None), receives the exchanged metadata;
-    2. validation of the whole load; yields None;
-    3. data movement and the final checks; yields (commit, report).
+    1. ``plan()``: local checks and planning; returns what the source
+       broadcasts -- (its metadata or None, the loaded dict's extra
+       top-level entries) -- or None for loads that take no agreement
+       (the early exits: nothing to load, FSDP1's own load, a dict keyed
+       by parameter IDs);
+    2. ``validate(meta)``: the validation of the whole load;
+    3. ``move()``: data movement and the final checks (``_prepare_view``);
+    4. ``commit(prepared)``: installs into every optimizer.
 
     The caller runs it under ``torch.no_grad()``.
     """
-    commit_report = yield from _optim_steps(model, optimizers, osd, info)
-    yield commit_report
 
+    name = "optim"
 
-def _optim_steps(model, optimizers, osd, info):
-    if not info.handle_optim:
-        yield None
-        yield None
-        return _nothing, None
-    for i, optim in enumerate(optimizers):
-        _check_optimizer(optim, i)
-    _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
-    fsdp1 = bool(info.fsdp_modules)
-    if fsdp1:
-        from .fsdp1 import load_via_fsdp, native_supported
-
-        if not native_supported(info):
-            yield None
-            yield None
-            return (lambda: load_via_fsdp(model, optimizers, osd, info)), None
-    if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
-        def commit_native():
-            for optim in optimizers:
-                state_dict_fn(optim, "load_state_dict")(state_dict=osd)
-
-        yield None
-        yield None
-        return commit_native, _IncompatibleKeys([], [])
-    from .distribute import OptimLocalize
-
-    extras = {}
-    if not all(_native_load(optim) for optim in optimizers):
-        extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
-        if extras:
-            osd = {k: v for k, v in osd.items() if k not in extras}
-    # On broadcast loads only the source holds the extra keys: they travel
-    # with its metadata (every rank has the same optimizers).
-    source = {"extras": extras}
-    view = _view(info.index, osd or {}, optimizers)
-    localize = None
-    if not fsdp1 and (
-        # Full tensors of sharded parameters become local shards (full
-        # loads); plain tensors given for DTensor parameters are sharded
-        # too (D9).  A sharded load into a model without DTensors only
-        # copies the containers there, which the native install does
-        # anyway (it casts into new containers): skipped.
-        info.full_state_dict
-        or not all(_native_load(optim) for optim in optimizers)
-        or C.indices_of(info.index.tensors, DTensor)
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: tuple[_Optimizer, ...],
+        osd: dict[str, Any],
+        info: Any,
     ):
-        localize = OptimLocalize(
-            view,
-            info,
-            full=info.full_state_dict,
-            held=lambda: held_state(info.index, optimizers),
-            precheck=lambda v: _prepare_view(optimizers, v, info, source["extras"]),
+        self.model = model
+        self.optimizers = optimizers
+        self.osd = osd
+        self.info = info
+        self.direct: Prepared | None = None  # an early exit's install
+        self.fsdp1 = False
+        self.view: tuple = ()
+        self.localize: Any = None  # distribute.OptimLocalize
+        self.extras: dict[str, Any] = {}
+        self.can_fail = False  # installs validated state (own load_state_dict: as upstream)
+
+    def plan(self) -> Any:
+        model, optimizers, osd, info = self.model, self.optimizers, self.osd, self.info
+        if not info.handle_optim:
+            self.direct = Prepared(_nothing)
+            return None
+        for i, optim in enumerate(optimizers):
+            _check_optimizer(optim, i)
+        _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
+        fsdp1 = self.fsdp1 = bool(info.fsdp_modules)
+        if fsdp1:
+            from .fsdp1 import load_via_fsdp, native_supported
+
+            if not native_supported(info):
+                self.direct = Prepared(functools.partial(load_via_fsdp, model, optimizers, osd, info))
+                return None
+        if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
+            self.direct = Prepared(
+                functools.partial(_commit_native, optimizers, osd), _IncompatibleKeys([], [])
+            )
+            return None
+        from .distribute import OptimLocalize
+
+        extras: dict[str, Any] = {}
+        if not all(_native_load(optim) for optim in optimizers):
+            extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
+            if extras:
+                osd = {k: v for k, v in osd.items() if k not in extras}
+        # On broadcast loads only the source holds the extra keys: they travel
+        # with its metadata (every rank has the same optimizers).
+        self.extras = extras
+        view = self.view = _view(info.index, osd or {}, optimizers)
+        if not fsdp1 and (
+            # Full tensors of sharded parameters become local shards (full
+            # loads); plain tensors given for DTensor parameters are sharded
+            # too (D9).  A sharded load into a model without DTensors only
+            # copies the containers there, which the native install does
+            # anyway (it casts into new containers): skipped.
+            info.full_state_dict
+            or not all(_native_load(optim) for optim in optimizers)
+            or C.indices_of(info.index.tensors, DTensor)
+        ):
+            self.localize = OptimLocalize(
+                view,
+                info,
+                full=info.full_state_dict,
+                held=lambda: held_state(info.index, optimizers),
+                precheck=lambda v: _prepare_view(optimizers, v, info, self.extras),
+            )
+        return (self.localize.source_meta() if self.localize is not None else None, extras)
+
+    def validate(self, meta: Any) -> None:
+        if self.direct is not None:
+            return
+        source_meta, received = meta if meta is not None else (None, None)
+        self.extras = received or {}
+        if self.localize is not None:
+            self.localize.validate(source_meta)
+
+    def move(self) -> Prepared:
+        if self.direct is not None:
+            return self.direct
+        optimizers, info = self.optimizers, self.info
+        view = self.view
+        if self.fsdp1:
+            # original parameters' state -> flat shards / local pieces
+            from .fsdp1 import localize_fsdp1_view
+
+            view = localize_fsdp1_view(view, info)
+        elif self.localize is not None:
+            view = self.localize.move()
+        prepared, missing, unexpected = _prepare_view(optimizers, view, info, self.extras)
+        return Prepared(
+            functools.partial(_install, optimizers, prepared),
+            _IncompatibleKeys(list(missing), list(unexpected)),
         )
-    meta, received = yield (
-        localize.source_meta() if localize is not None else None,
-        extras,
-    )
-    source["extras"] = received or {}
-    if localize is not None:
-        localize.validate(meta)
-    yield None
-    if fsdp1:
-        # original parameters' state -> flat shards / local pieces
-        from .fsdp1 import localize_fsdp1_view
 
-        view = localize_fsdp1_view(view, info)
-    elif localize is not None:
-        view = localize.move()
-    prepared, missing, unexpected = _prepare_view(optimizers, view, info, source["extras"])
+    def commit(self, prepared: Prepared) -> Report:
+        prepared.install()
+        return prepared.report
 
-    def commit():
-        for optim, (native, payload) in zip(optimizers, prepared):
-            if native is _WRAPPER:
-                # positional: Lookahead's parameter is named `state`
-                state_dict_fn(optim, "load_state_dict")(payload)
-            elif native:
-                state, groups = payload
-                optim.__setstate__({"state": state, "param_groups": groups})
-            else:
-                state_dict_fn(optim, "load_state_dict")(state_dict=payload)
+    def stage(self) -> None:
+        """Nothing to keep: the optimizers are installed last."""
 
-    return commit, _IncompatibleKeys(list(missing), list(unexpected))
+    def rollback(self) -> None:
+        """Nothing to put back: the optimizers are installed last."""
+
+
+def _commit_native(optimizers: tuple[_Optimizer, ...], osd: dict[str, Any]) -> None:
+    """A dict keyed by parameter IDs: every optimizer's own load, as upstream."""
+    for optim in optimizers:
+        state_dict_fn(optim, "load_state_dict")(state_dict=osd)
+
+
+def _install(optimizers: tuple[_Optimizer, ...], prepared: list[tuple[bool | str, Any]]) -> None:
+    """Install what _prepare_view built into every optimizer."""
+    for optim, (native, payload) in zip(optimizers, prepared):
+        if native is _WRAPPER:
+            # positional: Lookahead's parameter is named `state`
+            state_dict_fn(optim, "load_state_dict")(payload)
+        elif native:
+            state, groups = payload
+            optim.__setstate__({"state": state, "param_groups": groups})
+        else:
+            state_dict_fn(optim, "load_state_dict")(state_dict=payload)

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 import dcp_optim
 from dcp_optim import StateDictOptions as Opts
 from dcp_optim._engine import collectives as _collectives
+from dcp_optim._engine import distribute as _distribute
 
 from ..support.oracle import assert_same_optimizers, assert_same_tree, params_snapshot
 
@@ -725,6 +726,11 @@ def broadcast_model_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[st
     full = {n: torch.full(p.shape, float(i)) for i, (n, p) in enumerate(model.named_parameters())} if rank == 0 else {}
     storage = [p.to_local().data_ptr() for p in model.parameters()]
     opts = Opts(full_state_dict=True, broadcast_from_rank0=True)
+    # upstream's footprint: the stream's undo log (host copies of the
+    # overwritten shards, DCP_OPTIM_STREAM_UNDO) is what this measures
+    # without; test_faults measures it with
+    undo_before = os.environ.get(_distribute.UNDO_ENV)
+    os.environ[_distribute.UNDO_ENV] = "0"
     previous = _collectives.set_bucket_bytes(bucket_mb * 2**20)
     try:
         gc.collect()
@@ -745,6 +751,10 @@ def broadcast_model_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[st
                 errors[what] = None
     finally:
         _collectives.set_bucket_bytes(previous)
+        if undo_before is None:
+            os.environ.pop(_distribute.UNDO_ENV, None)
+        else:
+            os.environ[_distribute.UNDO_ENV] = undo_before
     values_ok = all(
         bool((p.to_local() == float(i)).all()) for i, p in enumerate(model.parameters())
     )
@@ -808,6 +818,11 @@ def broadcast_optim_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[st
 
     before = storage()
     opts = Opts(full_state_dict=True, broadcast_from_rank0=True)
+    # upstream's footprint: the stream's undo log (host copies of the
+    # overwritten shards, DCP_OPTIM_STREAM_UNDO) is what this measures
+    # without; test_faults measures it with
+    undo_before = os.environ.get(_distribute.UNDO_ENV)
+    os.environ[_distribute.UNDO_ENV] = "0"
     previous = _collectives.set_bucket_bytes(bucket_mb * 2**20)
     try:
         osd = full_osd()
@@ -826,6 +841,10 @@ def broadcast_optim_in_place_case(rank: int, ws: int, bucket_mb: int) -> dict[st
                 errors[bad] = None
     finally:
         _collectives.set_bucket_bytes(previous)
+        if undo_before is None:
+            os.environ.pop(_distribute.UNDO_ENV, None)
+        else:
+            os.environ[_distribute.UNDO_ENV] = undo_before
     return {
         "peak_delta": mem.peak - mem.base,
         "bucket_bytes": bucket_mb * 2**20,

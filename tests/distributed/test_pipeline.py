@@ -75,6 +75,7 @@ def _failure_text(exc: BaseException) -> str:
     return " ".join(str(e) for e in failures.values()) if failures else str(exc)
 
 
+@pytest.mark.local
 def test_planner_skips_only_missing_empty_group_keys(tmp_path):
     import torch
 
@@ -103,6 +104,7 @@ def test_planner_skips_only_missing_empty_group_keys(tmp_path):
     assert "Missing key in checkpoint state_dict: optim.state.w.exp_avg_sq" in _failure_text(info.value)
 
 
+@pytest.mark.local
 def test_planner_without_flattening_leaves_the_callers_dict(tmp_path):
     import torch
 
@@ -120,6 +122,7 @@ def test_planner_without_flattening_leaves_the_callers_dict(tmp_path):
     assert torch.equal(template["w"], torch.ones(2))
 
 
+@pytest.mark.local
 @pytest.mark.parametrize(
     "key, reserved",
     [

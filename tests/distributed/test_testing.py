@@ -26,6 +26,7 @@ def helpers(tmp_path_factory):
     return ws, run_ranks(ws, cases.helpers_case, ckpt, timeout=300)
 
 
+@pytest.mark.dist
 def test_gather_and_assert_all_ranks(helpers):
     ws, results = helpers
     for r in results:
@@ -40,6 +41,7 @@ def test_gather_and_assert_all_ranks(helpers):
         assert "ValueError: only rank 0 objects" in block["message"]
 
 
+@pytest.mark.dist
 def test_state_dicts_compared_as_full_tensors(helpers):
     ws, results = helpers
     for r in results:
@@ -60,6 +62,7 @@ def test_state_dicts_compared_as_full_tensors(helpers):
         assert "dtype torch.float32 != torch.float64" in r["dtype"]["message"]
 
 
+@pytest.mark.dist
 def test_save_resume_round_trip(helpers):
     _, results = helpers
     for r in results:

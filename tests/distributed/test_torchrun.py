@@ -77,6 +77,46 @@ HARNESS_CASES = textwrap.dedent(
 )
 
 
+# A test timing out on rank 0 (in Python) while rank 1 waits in a
+# collective rank 0 never joins (issue 24: the harness fails fast).
+TIMEOUT_CASES = textwrap.dedent(
+    '''
+    import time
+
+    import torch.distributed as dist
+
+
+    def test_times_out_on_rank_0_while_rank_1_waits_in_a_collective():
+        if dist.get_rank() == 0:
+            time.sleep(600)
+        else:
+            dist.barrier()
+
+
+    def test_never_reached():
+        pass
+    '''
+)
+
+
+# Rank 1 has no pytest-timeout timer of its own: what ends its wait in
+# the barrier shows in its failure (the abort: the connection closed; the
+# group's timeout: "Timed out waiting 120000ms").
+TIMEOUT_CONFTEST = textwrap.dedent(
+    '''
+    import os
+
+    import pytest
+
+
+    def pytest_collection_modifyitems(items):
+        if os.environ.get("RANK") != "0":
+            for item in items:
+                item.add_marker(pytest.mark.timeout(0))
+    '''
+)
+
+
 def _readme_example() -> tuple[str, str]:
     """The README's example ``conftest.py`` and test file."""
     with open(os.path.join(REPO, "README.md")) as f:
@@ -175,6 +215,33 @@ def test_run_ranks_failure_names_the_rank_and_stops_the_session(tmp_path):
             "failed on rank(s) [0, 1] of 2 after a timeout; the ranks' collectives may be out of step"
         ) in out, out
         assert "1 failed in" in out and "test_never_reached" not in out, out
+
+
+def test_a_timeout_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """pytest-timeout fires on rank 0 (5 s) while rank 1 (no timer) is
+    blocked in a barrier; the group's timeout is 120 s.  Rank 0 aborts the process
+    group, so rank 1's barrier fails at once (gloo: the connection
+    closed), not at the group's timeout; the report names rank 0 as the
+    rank that timed out first, and the session stops."""
+    (tmp_path / "conftest.py").write_text(CONFTEST + TIMEOUT_CONFTEST)
+    (tmp_path / "test_timeout_cases.py").write_text(TIMEOUT_CASES)
+    rc, ranks, _ = _torchrun(
+        2, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--timeout", "5",
+        "--dist-pg-timeout", "120", "--dist-keep-going", "test_timeout_cases.py",
+        cwd=str(tmp_path), timeout=240, logs=tmp_path / "logs",
+    )
+    assert rc != 0, ranks
+    for out in ranks:
+        assert (
+            "FAILED test_timeout_cases.py::test_times_out_on_rank_0_while_rank_1_waits_in_a_collective"
+            " - rank 0 timed out first: Failed: Timeout (>5.0s)"
+        ) in out, out
+        assert "call failed on rank(s) [0, 1] of 2; rank 0 timed out first" in out, out
+        # rank 1 failed because the group was aborted, not at its timeout
+        assert "Connection closed by peer" in out or "Connection reset by peer" in out, out
+        assert "Timed out waiting 120000ms" not in out, out
+        assert "the process group was aborted so that its peers failed at once, stopping" in out, out
+        assert "test_never_reached" not in out, out
 
 
 def test_demo_under_torchrun_resumes_at_another_world_size(tmp_path):

@@ -1,0 +1,258 @@
+"""Issue 24's faults at world 2 on gloo: ranks that disagree on identity
+(parameters registered in another order), a rank that never arrives,
+and a module load hook that raises on one rank only.  Rank functions for
+tests/distributed/test_faults.py.
+
+Every scenario returns, per implementation, "ok" or the error it raised
+("Type: message"), how long it took (seconds, rounded) and whether this
+rank's model or optimizer changed.  A scenario in which upstream hangs
+runs on upstream only with a short process-group timeout (its cell then
+records the backend's timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as upstream
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dcp_optim
+
+from .dist_cases_reliability import _local_snapshot, _outcome, _same, build
+
+
+class TwoParams(nn.Module):
+    """Two parameters of the same shape, registered in ``order``."""
+
+    def __init__(self, order: tuple[str, str]):
+        super().__init__()
+        for name in order:
+            value = torch.full((4, 3), 1.0 if name == "a" else 2.0)
+            self.register_parameter(name, nn.Parameter(value))
+
+    def forward(self, x):
+        return x @ self.a.T + x @ self.b.T
+
+
+def _two_params(mesh, rank: int, swapped: bool):
+    order = ("b", "a") if swapped and rank == 1 else ("a", "b")
+    torch.manual_seed(0)
+    model = TwoParams(order)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return model, optim
+
+
+@contextlib.contextmanager
+def _arrival_bound(seconds: str) -> Iterator[None]:
+    """DCP_OPTIM_ARRIVAL_TIMEOUT for the calls inside (restored after:
+    under torchrun the rank functions run in the test process)."""
+    from dcp_optim._engine.consistency import ARRIVAL_ENV
+
+    old = os.environ.get(ARRIVAL_ENV)
+    os.environ[ARRIVAL_ENV] = seconds
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ARRIVAL_ENV, None)
+        else:
+            os.environ[ARRIVAL_ENV] = old
+
+
+def _timed(fn) -> tuple[str, float]:
+    t0 = time.monotonic()
+    result = _outcome(fn)
+    return result, round(time.monotonic() - t0, 1)
+
+
+def parameter_order_case(rank: int, ws: int) -> dict[str, Any]:
+    """Same shapes, another registration order on rank 1: every getter
+    that gathers and every setter raises on every rank (dcp_optim);
+    upstream returns mixed-up values."""
+    mesh = init_device_mesh("cpu", (ws,))
+    out: dict[str, Any] = {}
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    for impl, mod in (("dcp_optim", dcp_optim), ("torch", upstream)):
+        model, optim = _two_params(mesh, rank, swapped=True)
+        opts = mod.StateDictOptions(full_state_dict=True)
+        result: dict[str, Any] = {}
+        holder: dict[str, Any] = {}
+
+        def get_model(m=mod, model=model, opts=opts, holder=holder):
+            holder["msd"] = m.get_model_state_dict(model, options=opts)
+
+        def get_optim(m=mod, model=model, optim=optim, opts=opts):
+            m.get_optimizer_state_dict(model, optim, options=opts)
+
+        result["get_model"] = _outcome(get_model)
+        msd = holder.get("msd")
+        # the values it returned: "a" holds 1s (before the step), "b" 2s
+        result["get_model_values"] = (
+            None if msd is None else
+            {k: round(float(v.float().mean()), 1) for k, v in msd.items()}
+        )
+        result["get_optim"] = _outcome(get_optim)
+        out[impl] = result
+        dist.barrier()
+    # setters (dcp_optim only): a full and a sharded load of rank 0's
+    # layout, into the swapped model; nothing changes on any rank
+    model, optim = _two_params(mesh, rank, swapped=True)
+    before = _local_snapshot(model, optim)
+    ref, ref_optim = _two_params(mesh, rank, swapped=False)
+    sharded_msd = dcp_optim.get_model_state_dict(ref)
+    out["set_full"] = _outcome(lambda: dcp_optim.set_model_state_dict(
+        model, {"a": torch.ones(4, 3), "b": torch.ones(4, 3)}, options=full))
+    out["set_sharded"] = _outcome(lambda: dcp_optim.set_model_state_dict(model, sharded_msd))
+    out["unchanged"] = _same(before, _local_snapshot(model, optim))
+    dist.barrier()
+    return out
+
+
+def one_rank_full_getter_case(rank: int, ws: int, which: str) -> dict[str, Any]:
+    """full_state_dict=True on rank 0 only: rank 0 gathers, rank 1 does
+    not communicate.  dcp_optim: rank 0 raises within the arrival bound
+    (set to 2 s here) naming rank 1; rank 1 returns its sharded dict."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = build(mesh)
+    opts = dcp_optim.StateDictOptions(full_state_dict=rank == 0)
+    with _arrival_bound("2"):
+        if which == "optim":
+            result, seconds = _timed(lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=opts))
+        else:
+            result, seconds = _timed(lambda: dcp_optim.get_model_state_dict(model, options=opts))
+    # both ranks meet again (a store barrier: the group's collectives
+    # would pair with whatever the other rank left behind)
+    dist.distributed_c10d._get_default_store().add("one_rank_full_done", 1)
+    return {"result": result, "seconds": seconds}
+
+
+def never_arrives_case(rank: int, ws: int, api: str) -> dict[str, Any]:
+    """Rank 1 never calls (it sleeps past the arrival bound of 2 s, well
+    inside the process group's 30 s): rank 0 raises within the bound,
+    naming rank 1, with nothing changed.  Then rank 1 arrives late: it
+    raises the same error at once (the meeting was abandoned)."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = build(mesh)
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=full)
+    before = _local_snapshot(model, optim)
+    if rank == 1:
+        time.sleep(4)
+    if api == "set_state_dict":
+        call = lambda: dcp_optim.set_state_dict(  # noqa: E731
+            model, optim, model_state_dict=msd, optim_state_dict=osd, options=full)
+    elif api == "broadcast":
+        bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
+            model, msd if rank == 0 else {}, options=bopts)
+    else:  # a full getter
+        call = lambda: dcp_optim.get_model_state_dict(model, options=full)  # noqa: E731
+    with _arrival_bound("2"):
+        result, seconds = _timed(call)
+    return {"result": result, "seconds": seconds,
+            "unchanged": _same(before, _local_snapshot(model, optim))}
+
+
+class Hooked(nn.Module):
+    """A linear layer whose load post-hook raises on ``bad_rank``."""
+
+    def __init__(self, bad_rank: int):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.bad_rank = bad_rank
+
+        def hook(module, incompatible):
+            if dist.get_rank() == module.bad_rank:
+                raise RuntimeError(f"hook refuses the load on rank {dist.get_rank()}")
+
+        self.register_load_state_dict_post_hook(hook)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
+    """A module's own load hook raises on rank 1 only: the same error on
+    every rank, nothing changed on any rank (dcp_optim); upstream raises
+    on rank 1 only, rank 0 loaded."""
+    mesh = init_device_mesh("cpu", (ws,))
+    out: dict[str, Any] = {}
+    for impl, mod in (("dcp_optim", dcp_optim), ("torch", upstream)):
+        torch.manual_seed(0)
+        model = Hooked(bad_rank=1)
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.ones(2, 3)).sum().backward()
+        optim.step()
+        before = _local_snapshot(model, optim)
+        opts = mod.StateDictOptions(full_state_dict=mode == "full")
+        src = dcp_optim.get_model_state_dict(model, options=dcp_optim.StateDictOptions(full_state_dict=mode == "full"))
+        if mode == "full":
+            src = {k: v + 1 for k, v in src.items()}
+        else:
+            src = {k: v.detach() + 1 for k, v in src.items()}
+        result, seconds = _timed(lambda m=mod, model=model, opts=opts, src=src: m.set_model_state_dict(model, src, options=opts))
+        out[impl] = {"result": result, "seconds": seconds,
+                     "unchanged": _same(before, _local_snapshot(model, optim))}
+        dist.barrier()
+    return out
+
+
+def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str, Any]:
+    """A broadcast load whose source (rank 0) is SIGKILLed while it sends
+    the eighth bucket (64-byte buckets: two rows or so each; the first ones hold rows of rank 0 only), every
+    check passed (so the shards stream straight into the live tensors):
+    the survivor raises the backend's error well within the group's
+    timeout (10 s), and -- with the stream's undo log (``undo`` "1", the
+    default) -- its model and optimizer are as before the call."""
+    import signal
+
+    from dcp_optim._engine import collectives as _collectives
+    from dcp_optim._engine import distribute as _distribute
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = build(mesh)
+    src, src_optim = build(mesh, seed=5)
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=full)
+    before = _local_snapshot(model, optim)
+    os.environ[_distribute.UNDO_ENV] = undo
+    _collectives.set_bucket_bytes(64)
+    if rank == 0:
+        sent = [0]
+        original = _distribute.Route.broadcast
+
+        def dying(self, tensor):
+            sent[0] += 1
+            if sent[0] == 8:
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(self, tensor)
+
+        _distribute.Route.broadcast = dying  # type: ignore[method-assign]
+    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    if part == "model":
+        call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
+            model, msd if rank == 0 else {}, options=bopts)
+    else:
+        call = lambda: dcp_optim.set_optimizer_state_dict(  # noqa: E731
+            model, optim, osd if rank == 0 else {}, options=bopts)
+    result, seconds = _timed(call)
+    return {"result": result, "seconds": seconds,
+            "unchanged": _same(before, _local_snapshot(model, optim))}

@@ -1,0 +1,206 @@
+"""Issue 24's fault matrix: every fault x path, dcp_optim beside upstream
+(torch 2.13), two gloo ranks, FSDP2 (uneven shards).  ``make fault-matrix``
+runs it all (one launch per cell) and prints the table of
+docs/reliability.md; tests/distributed/test_faults.py runs a sample of it
+in ``make test``.
+
+Each cell records, per implementation, what every surviving rank saw:
+the time from the call to its end (seconds), the error (its type and
+first words) or "ok", and whether that rank's model or optimizer changed.
+The process group's timeout is 6 s in every cell (so that upstream's hangs
+end), dcp_optim's arrival bound (DCP_OPTIM_ARRIVAL_TIMEOUT) 2 s.
+
+    python -m tests.distributed.fault_matrix [--faults a,b] [--paths x,y]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as upstream
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dcp_optim
+
+PG_TIMEOUT_S = 6
+ARRIVAL_S = "2"
+
+FAULTS = {
+    "options": "full_state_dict (or broadcast_from_rank0) differs on rank 1",
+    "order": "parameters registered in another order on rank 1",
+    "never": "rank 1 arrives 8 s late (past both bounds)",
+    "kill-before": "rank 1 SIGKILLed before the call",
+    "kill-mid": "rank 0 SIGKILLed in its third collective (mid-transfer)",
+    "kill-commit": "rank 1 SIGKILLed as its commit starts",
+    "hook": "a module's load hook raises on rank 1 only",
+}
+PATHS = {
+    "get-full": "full getter (get_state_dict, full_state_dict)",
+    "sharded": "sharded set_state_dict",
+    "full": "full set_state_dict (every rank holds the dict)",
+    "broadcast": "broadcast set_state_dict (rank 0 holds the dict)",
+    "flat": "full set_state_dict, flattened optimizer dict",
+}
+# cells that do not apply (a getter has no commit nor load hook; sharded
+# and full loads make fewer than three collectives: nothing is in transit)
+SKIP = {("kill-commit", "get-full"), ("hook", "get-full"), ("kill-mid", "sharded"),
+        ("kill-mid", "full"), ("kill-mid", "flat")}
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _build(mesh, fault: str, rank: int, seed: int):
+    from tests.distributed.dist_cases_faults import Hooked, _two_params
+    from tests.distributed.dist_cases_reliability import build
+
+    if fault == "order":
+        return _two_params(mesh, rank, swapped=seed == 0)
+    if fault == "hook":
+        torch.manual_seed(seed)
+        model = Hooked(bad_rank=1 if seed == 0 else -1)
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.ones(2, 3)).sum().backward()
+        optim.step()
+        return model, optim
+    return build(mesh, seed=seed)
+
+
+def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]:
+    from tests.distributed.dist_cases_reliability import _local_snapshot, _outcome, _same
+
+    os.environ["DCP_OPTIM_ARRIVAL_TIMEOUT"] = ARRIVAL_S
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=PG_TIMEOUT_S))
+    mesh = init_device_mesh("cpu", (ws,))
+    mod: Any = dcp_optim if impl == "dcp_optim" else upstream
+    model, optim = _build(mesh, fault, rank, 0)
+    src, src_optim = _build(mesh, "plain" if fault == "order" else fault, rank, 3)
+    if fault == "order":
+        src, src_optim = _build(mesh, fault, rank, 3)  # rank 0's layout everywhere
+    flat = path == "flat"
+    full = path in ("full", "broadcast", "flat", "get-full")
+    bcast = path == "broadcast"
+    get_opts = dcp_optim.StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=flat)
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=get_opts)
+    if bcast and rank != 0:
+        msd, osd = {}, {}
+    kw: dict[str, Any] = {"full_state_dict": full, "broadcast_from_rank0": bcast,
+                          "flatten_optimizer_state_dict": flat}
+    if fault == "options" and rank == 1:
+        key = "broadcast_from_rank0" if bcast else "full_state_dict"
+        kw[key] = not kw[key]
+        if key == "full_state_dict" and kw[key] is False:
+            kw["broadcast_from_rank0"] = False
+    opts = mod.StateDictOptions(**kw)
+    before = _local_snapshot(model, optim)
+    if fault == "kill-mid" and rank == 0:
+        count = [0]
+        for name in ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
+                     "all_reduce", "scatter", "all_to_all_single", "reduce_scatter_tensor"):
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, _fn=fn, **k):
+                count[0] += 1
+                if count[0] == 3:
+                    _die()
+                return _fn(*a, **k)
+
+            setattr(dist, name, wrapped)
+    if fault == "kill-commit" and rank == 1:
+        if impl == "dcp_optim":
+            import dcp_optim.state_dict as ours
+
+            ours._commit = lambda *a, **k: _die()  # type: ignore[assignment]
+        else:
+            model.load_state_dict = lambda *a, **k: _die()  # type: ignore[method-assign]
+    if path == "get-full":
+        def call():
+            mod.get_state_dict(model, optim, options=opts)
+    else:
+        def call():
+            mod.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=opts)
+    dist.barrier()
+    if fault == "never" and rank == 1:
+        time.sleep(8)
+    if fault == "kill-before" and rank == 1:
+        _die()
+    t0 = time.monotonic()
+    result = _outcome(call)
+    seconds = round(time.monotonic() - t0, 1)
+    return {"result": result, "seconds": seconds, "changed": not _same(before, _local_snapshot(model, optim))}
+
+
+def run_cell(fault: str, path: str, impl: str) -> list[Any]:
+    """Per rank: the cell's record, or what ended the rank."""
+    from tests.distributed.fault_matrix import cell as importable_cell  # not __main__'s
+    from tests.support.harness import run_ranks
+
+    try:
+        return run_ranks(2, importable_cell, fault, path, impl, timeout=120)
+    except AssertionError as exc:
+        results = getattr(exc, "rank_results", {}) or {}
+        codes = getattr(exc, "exitcodes", {}) or {}
+        out: list[Any] = []
+        for r in range(2):
+            if r in results:
+                out.append(results[r])
+            else:
+                code = codes.get(r)
+                out.append({"result": "killed" if code == -9 else f"died (exit code {code})",
+                            "seconds": None, "changed": None})
+        return out
+
+
+def _short(text: str) -> str:
+    if text in ("ok", "killed") or text.startswith("died"):
+        return text
+    kind, _, message = text.partition(": ")
+    message = re.sub(r"\[/\S*/gloo/transport/tcp/(\S+?)\]", r"[gloo \1]", message)
+    words = message.replace("|", "/").split()
+    return f"{kind}: {' '.join(words[:9])}{' ...' if len(words) > 9 else ''}"
+
+
+def describe(records: list[Any]) -> str:
+    parts = []
+    for r, rec in enumerate(records):
+        if rec["result"] == "killed":
+            parts.append(f"r{r}: killed")
+            continue
+        changed = {True: "CHANGED", False: "unchanged", None: "?"}[rec["changed"]]
+        secs = "" if rec["seconds"] is None else f"{rec['seconds']:g} s, "
+        parts.append(f"r{r}: {secs}{_short(rec['result'])}, {changed}")
+    return "<br>".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--paths", default=",".join(PATHS))
+    args = parser.parse_args(argv)
+    print("| fault | path | dcp_optim | upstream |")
+    print("|---|---|---|---|")
+    for fault in args.faults.split(","):
+        for path in args.paths.split(","):
+            if (fault, path) in SKIP:
+                continue
+            row = [describe(run_cell(fault, path, impl)) for impl in ("dcp_optim", "torch")]
+            print(f"| {FAULTS[fault]} | {PATHS[path]} | {row[0]} | {row[1]} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
