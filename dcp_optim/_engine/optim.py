@@ -426,7 +426,31 @@ def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
 def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = ()) -> tuple:
     if "state" in osd:
         return C.view_from_nested(osd)
+    # Dotted state names are read whole (upstream's unflattening looks the
+    # names up whole): the names the live optimizers hold or their schemas
+    # declare; where the view still nests a name (or cannot: "exp_avg" and
+    # "exp_avg.sq" side by side), the names of the optimizers' templates
+    # too -- a never-stepped optimizer has no live names (rule 6 of
+    # docs/differences.md#d26).
     whole = _whole_state_names(index, osd, optimizers)
+    try:
+        view = _flat_view(index, osd, whole)
+        retry = optimizers and _nests(view[0])
+    except ValueError:
+        if not optimizers:
+            raise
+        view, retry = None, True
+    if retry:
+        more = _whole_state_names(index, osd, optimizers, template=True)
+        if set(more) - set(whole):
+            view = _flat_view(index, osd, {**whole, **more})
+        elif view is None:
+            view = _flat_view(index, osd, whole)  # raises as before
+    _restore_group_keys(view, optimizers)
+    return view
+
+
+def _flat_view(index: Any, osd: dict[str, Any], whole: dict[str, tuple[str, str]]) -> tuple:
     if not whole:
         return C.unflatten_optim(index, osd)
     view = C.unflatten_optim(index, {k: v for k, v in osd.items() if k not in whole})
@@ -435,15 +459,76 @@ def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = 
     return view
 
 
+def _nests(state: dict[str, Any]) -> bool:
+    """Whether some parameter's loaded state holds a dict (a name the
+    flattened keys nested at a dot)."""
+    return any(
+        isinstance(entry, dict) and any(isinstance(v, dict) for v in entry.values())
+        for entry in state.values()
+    )
+
+
+def _restore_group_keys(view: tuple, optimizers: tuple[_Optimizer, ...]) -> None:
+    """A flattened key "param_groups.<fqn>.<k>" names a group key by its
+    str(); upstream's unflattening reads it back under the live group's
+    own key (``3``, not ``"3"``).  The non-str keys of the live groups are
+    put back the same way in the view's groups (built here, never the
+    caller's); a str that two live keys share is left as it is."""
+    keys: dict[str, Any] = {}
+    for optim in optimizers:
+        for group in getattr(optim, "param_groups", ()):
+            for k in group:
+                if not isinstance(k, str):
+                    s = str(k)
+                    keys[s] = k if keys.get(s, k) == k else _AMBIGUOUS
+    keys = {s: k for s, k in keys.items() if k is not _AMBIGUOUS}
+    if not keys:
+        return
+    groups = [g for g in view[1] if isinstance(g, dict)]
+    groups += [g for g in view[3] if isinstance(g, dict)]
+    groups += [x for e in view[3] if isinstance(e, tuple) for x in e if isinstance(x, dict)]
+    for group in groups:
+        for s, k in keys.items():
+            if s in group and k not in group:
+                group[k] = group.pop(s)
+
+
+_AMBIGUOUS = object()
+
+
 def _whole_state_names(
-    index: Any, flat: dict[str, Any], optimizers: tuple[_Optimizer, ...]
+    index: Any, flat: dict[str, Any], optimizers: tuple[_Optimizer, ...], template: bool = False
 ) -> dict[str, tuple[str, str]]:
     """Flat state keys to read whole, not split at the dots of their state
     path, as upstream's unflattening does: {key: (fqn, name)} for every
-    dotted state name the live optimizers hold whose whole key
-    "state.<fqn>.<name>" is in ``flat`` (docs/architecture.md, Flat keys)."""
+    dotted state name the live optimizers hold or their schemas declare
+    (``template``: the names of their templates, see _template_names)
+    whose whole key "state.<fqn>.<name>" is in ``flat``
+    (docs/architecture.md, Flat keys)."""
     out: dict[str, tuple[str, str]] = {}
+
+    def add(param: Any, dotted: list[str]) -> None:
+        slot = index.slot_of(param) if dotted else None
+        if slot is None:
+            return
+        for fqn in index.tensor_fqns[slot]:
+            for name in dotted:
+                key = f"state.{fqn}.{name}"
+                if key in flat:
+                    out[key] = (fqn, name)
+
     for optim in optimizers:
+        if template:
+            for param, names in _template_names(index, optim).items():
+                add(param, [k for k in names if isinstance(k, str) and "." in k])
+            continue
+        schema = schema_for(optim)
+        if schema is not None:
+            for group in optim.param_groups:
+                dotted = [s.name for s in schema(optim, group) or () if "." in s.name]
+                if dotted:
+                    for param in group["params"]:
+                        add(param, dotted)
         for param, live in optim.state.items():
             if not isinstance(live, dict):
                 continue
@@ -452,16 +537,29 @@ def _whole_state_names(
                     continue
             except TypeError:  # a key that is not a str
                 pass
-            dotted = [k for k in live if isinstance(k, str) and "." in k]
-            slot = index.slot_of(param) if dotted else None
-            if slot is None:
-                continue
-            for fqn in index.tensor_fqns[slot]:
-                for name in dotted:
-                    key = f"state.{fqn}.{name}"
-                    if key in flat:
-                        out[key] = (fqn, name)
+            add(param, [k for k in live if isinstance(k, str) and "." in k])
     return out
+
+
+def _template_names(index: Any, optim: _Optimizer) -> dict[Any, list[Any]]:
+    """{param: state names} of the template of ``optim``'s trainable
+    parameters without state: from the schema, or else one shadow step
+    (schema.fallback_pristine); {} where that step cannot run."""
+    try:
+        missing = C.optim_missing(index, optim)
+    except Exception:  # noqa: BLE001 - not an optimizer the index knows
+        return {}
+    if not missing:
+        return {}
+    schema = schema_for(optim)
+    if schema is not None:
+        groups = optim.param_groups
+        return {p: [s.name for s in schema(optim, groups[g]) or ()] for p, g, _ in missing}
+    try:
+        states, _ = fallback_pristine(optim, [p for p, _, _ in missing])
+    except Exception:  # noqa: BLE001 - no template: nothing to go by
+        return {}
+    return {p: list(states.get(id(p)) or ()) for p, _, _ in missing}
 
 
 @torch.no_grad()
