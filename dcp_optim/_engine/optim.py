@@ -116,7 +116,58 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         # after "state"/"param_groups" (nested) or the flat keys
         for key, value in extras.items():
             osd.setdefault(key, value)
-    return maybe_full_or_cpu_state_dict(osd, info)
+    out = maybe_full_or_cpu_state_dict(osd, info)
+    if info.cpu_offload and out:
+        out = _unaliased(out, optimizers)
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (a fake/meta-like subclass)
+        return 0
+
+
+def _live_storages(value: Any, out: set[int]) -> None:
+    if isinstance(value, torch.Tensor):
+        ptr = _storage(value)
+        if ptr:
+            out.add(ptr)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _live_storages(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _live_storages(v, out)
+
+
+def _unaliased(osd: dict[str, Any], optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]:
+    """``cpu_offload=True`` returns copies (D26 in docs/differences.md):
+    ``.to("cpu")`` keeps a tensor already on the CPU, so upstream returns
+    the optimizer's own state tensors there (``step`` on every device),
+    and training on after the get changes the dict about to be saved.
+    Every returned tensor that shares storage with the live state (of
+    any optimizer, including a wrapper's inner one) is cloned; the
+    containers are rebuilt around them."""
+    live: set[int] = set()
+    for optim in optimizers:
+        for entry in getattr(optim, "state", {}).values():
+            _live_storages(entry, live)
+        inner = _inner_optimizer(optim)
+        if inner is not None:
+            for entry in inner.state.values():
+                _live_storages(entry, live)
+    if not live:
+        return osd
+    ctx = context()
+    leaves = C.tree_leaves(ctx, osd, True)
+    copies = [t.clone() if _storage(t) in live else t for t in leaves]
+    if all(a is b for a, b in zip(copies, leaves)):
+        return osd
+    return C.tree_rebuild(ctx, osd, copies, True)
 
 
 # The flat getter's key strings, kept between calls per model (id(model)
@@ -399,6 +450,37 @@ def _param_shaped(optim: _Optimizer, groups: list[dict[str, Any]]) -> list[dict[
     return out
 
 
+def _cast_integer_state(
+    optim: _Optimizer, split: dict[str, Any], expected: list[dict[str, int] | None] | None
+) -> None:
+    """Integer (or bool) tensors loaded for state the schema wants
+    floating and shaped like a floating parameter (an int64 ``exp_avg``)
+    take the parameter's dtype, as ``Optimizer.load_state_dict`` and
+    upstream cast them (D26 in docs/differences.md).  The split's entries
+    are replaced, never the caller's dicts changed."""
+    if not expected:
+        return
+    state = split["state"]
+    for names, saved, live in zip(expected, split["param_groups"], optim.param_groups):
+        shaped = [n for n, need in (names or {}).items() if need == 2]
+        if not shaped:
+            continue
+        for fqn, param in zip(saved["params"], live["params"]):
+            entry = state.get(fqn)
+            if not isinstance(entry, dict) or not isinstance(param, torch.Tensor):
+                continue
+            if not (param.is_floating_point() or param.is_complex()):
+                continue
+            cast = {
+                n: entry[n].to(param.dtype)
+                for n in shaped
+                if isinstance(entry.get(n), torch.Tensor)
+                and not (entry[n].is_floating_point() or entry[n].is_complex())
+            }
+            if cast:
+                state[fqn] = {**entry, **cast}
+
+
 def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
     """SGD with dampening: an all-negative-zero momentum buffer is the
     pristine placeholder of schema._sgd -- "no buffer yet" (first-step
@@ -641,6 +723,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     for owner, optim, split, w in zip(owners, optimizers, splits, wrapped):
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
+        _cast_integer_state(optim, split, expected)
         _check_steps(split["state"])
         if w is None and _native_load(optim):
             # the optimizer's own state tensors (the DCP resume) keep
