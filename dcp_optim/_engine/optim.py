@@ -660,34 +660,92 @@ def _nothing() -> None:
     return None
 
 
-def _drop_stateless(
+def _templates(
     optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str]
-) -> list[str]:
+) -> list[dict[str, list[Any] | None] | None]:
+    """Per optimizer without a schema, the state names its template has
+    for each parameter that is ``missing`` or has a loaded entry:
+    {fqn: names} -- the names the parameter holds, else those one shadow
+    step gives it (schema.fallback_pristine; [] for a parameter a first
+    step gives no state, None for all of them where that step cannot
+    run).  One shadow step per optimizer, over the parameters without
+    state only.  None for optimizers with a schema (their entries are
+    checked against it by prepare_install)."""
+    todo = set(missing)
+    out: list[dict[str, list[Any] | None] | None] = []
+    for optim, split in zip(optimizers, splits):
+        if schema_for(optim) is not None:
+            out.append(None)
+            continue
+        state = split["state"]
+        names: dict[str, list[Any] | None] = {}
+        shadow: list[tuple[str, Any]] = []
+        for saved, live in zip(split["param_groups"], optim.param_groups):
+            for fqn, param in zip(saved["params"], live["params"]):
+                if fqn not in todo and not isinstance(state.get(fqn), dict):
+                    continue
+                held = optim.state.get(param)
+                if isinstance(held, dict) and held:
+                    names[fqn] = list(held)
+                else:
+                    shadow.append((fqn, param))
+        if shadow:
+            try:
+                states: dict[int, dict[str, Any]] | None = fallback_pristine(optim, [p for _, p in shadow])[0]
+            except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
+                states = None
+            for fqn, param in shadow:
+                names[fqn] = None if states is None else list(states.get(id(param)) or ())
+        out.append(names)
+    return out
+
+
+def _drop_stateless(missing: list[str], templates: list[dict[str, list[Any] | None] | None]) -> list[str]:
     """``missing`` without the parameters of schema-less optimizers that a
     first step gives no state (LoRA-RITE keeps none for 1-D parameters):
     nothing of theirs can be missing from a checkpoint.  Where the shadow
     step cannot run (see schema.fallback_pristine), none of that
     optimizer's parameters count as missing: torch's rule, which checks
     nothing."""
-    todo = set(missing)
-    stateless: set[str] = set()
-    for optim, split in zip(optimizers, splits):
-        if schema_for(optim) is not None:
-            continue
-        pairs = [
-            (fqn, param)
-            for saved, live in zip(split["param_groups"], optim.param_groups)
-            for fqn, param in zip(saved["params"], live["params"])
-            if fqn in todo
-        ]
-        if not pairs:
-            continue
-        try:
-            states, _ = fallback_pristine(optim, [p for _, p in pairs])
-        except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
-            states = {}
-        stateless.update(fqn for fqn, p in pairs if not states.get(id(p)))
-    return [fqn for fqn in missing if fqn not in stateless] if stateless else missing
+    drop = {fqn for t in templates if t for fqn, names in t.items() if not names}
+    return [fqn for fqn in missing if fqn not in drop] if drop else missing
+
+
+def _check_entries(
+    optimizers: tuple[_Optimizer, ...],
+    splits: list[dict[str, Any]],
+    templates: list[dict[str, list[Any] | None] | None],
+) -> None:
+    """``strict=True``: a loaded entry must hold every state name of the
+    template (D26 in docs/differences.md).  A partial entry would install
+    and report success, and the next step would recreate the rest from
+    zeros: a silent restart of that state.  Schema-less optimizers: the
+    template's names (see _templates); optimizers with a schema: an
+    empty entry (prepare_install checks the others against the schema).
+    Raises before anything is installed."""
+    for optim, split, template in zip(optimizers, splits, templates):
+        state = split["state"]
+        shaped = _param_shaped(optim, split["param_groups"]) if template is None else None
+        for g, saved in enumerate(split["param_groups"]):
+            for fqn in saved["params"]:
+                entry = state.get(fqn)
+                if not isinstance(entry, dict):
+                    continue
+                if template is not None:
+                    need = template.get(fqn) or []
+                elif entry or not shaped or g >= len(shaped):
+                    continue
+                else:
+                    need = list(shaped[g] or ())
+                lacking = [n for n in need if n not in entry]
+                if lacking:
+                    raise errors.MissingOptimizerStateError(
+                        f"optimizer state of parameter '{fqn}' lacks {lacking} that "
+                        f"{type(optim).__qualname__} holds after a step (the loaded entry has "
+                        f"{list(entry)}): loading it would restart that state from scratch. "
+                        "Nothing was loaded. To load anyway, use StateDictOptions(strict=False).",
+                        [fqn],
+                    )
 
 
 def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, extras: dict[str, Any] | None = None):
@@ -710,8 +768,11 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ]
     if loaded_expect != expect:
         splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
+    templates = _templates(optimizers, splits, missing)
     if missing:
-        missing = _drop_stateless(optimizers, splits, missing)
+        missing = _drop_stateless(missing, templates)
+    if info.strict:
+        _check_entries(optimizers, splits, templates)
     if missing and info.strict:
         message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
         if len(missing) > 1:
