@@ -515,19 +515,18 @@ def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = 
     # too -- a never-stepped optimizer has no live names (rule 6 of
     # docs/differences.md#d26).
     whole = _whole_state_names(index, osd, optimizers)
+    view: tuple | None = None
     try:
         view = _flat_view(index, osd, whole)
-        retry = optimizers and _nests(view[0])
     except ValueError:
         if not optimizers:
             raise
-        view, retry = None, True
-    if retry:
+    if optimizers and (view is None or _nests(view[0])):
         more = _whole_state_names(index, osd, optimizers, template=True)
         if set(more) - set(whole):
             view = _flat_view(index, osd, {**whole, **more})
-        elif view is None:
-            view = _flat_view(index, osd, whole)  # raises as before
+    if view is None:
+        view = _flat_view(index, osd, whole)  # raises as before
     _restore_group_keys(view, optimizers)
     return view
 
