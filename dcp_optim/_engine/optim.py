@@ -222,17 +222,20 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     groups: list[dict[str, Any]] = []
     counts: list[int] = []
     extras: dict[str, Any] = {}
-    for optim in optimizers:
+    for o, optim in enumerate(optimizers):
         if _native_get(optim):
             extra, group_keys = pristine(index, optim)
             first = len(groups)
-            C.optim_pack(index, (optim,), (extra,), state, groups)
+            wide: list[dict[str, Any]] = []
+            C.optim_pack(index, (optim,), (extra,), state, groups, wide)
+            _add_wide(state, o, wide[0])
             _add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
         osd = state_dict_fn(optim, "state_dict")()
         if not osd:
             continue
+        osd, own_wide = _split_own_wide(osd)
         target, wrapper_keys = optim, None
         wrapped = _wrapper_layout(optim, osd)
         if wrapped is not None:
@@ -241,11 +244,13 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
+        osd, inner_wide = _split_own_wide(osd)
         C.optim_remap(index, target, osd)
         _collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
             state.update(extra)
+        _add_wide(state, o, {**own_wide, **inner_wide})
         _add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
@@ -255,6 +260,78 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
 
 
 _LAYOUT = ("state", "param_groups")
+
+# --- optimizer-wide state (D27 in docs/differences.md) ------------------------
+#
+# Entries of ``optimizer.state`` keyed by a str, not by a parameter
+# (MADGRAD's "k", SPAM's counters, EmoNavi's "ema"): torch's own
+# ``Optimizer.state_dict()`` keeps them under their key; upstream's getter
+# raises KeyError.  Here they sit in "state" under the key
+# ".optimizer_<o>" (o: the optimizer's position in the call), a dict of
+# the optimizer's entries; flattened, "state..optimizer_<o>.<name>".  An
+# FQN never starts with "." (module, parameter and buffer names are
+# non-empty), so the key cannot name a parameter.
+
+_WIDE_PREFIX = ".optimizer_"
+
+
+def _wide_key(o: int) -> str:
+    return f"{_WIDE_PREFIX}{o}"
+
+
+def _wide_index(key: Any) -> int | None:
+    """o for a key ".optimizer_<o>", else None."""
+    if not isinstance(key, str) or not key.startswith(_WIDE_PREFIX):
+        return None
+    digits = key[len(_WIDE_PREFIX):]
+    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
+
+
+def _copy_containers(value: Any) -> Any:
+    """``value`` with its dicts, lists and tuples copied (tensors and
+    other leaves kept): the returned or installed optimizer-wide entries
+    never share a container with the live ones or the caller's."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_copy_containers(v) for v in value)
+    return value
+
+
+def _add_wide(state: dict[str, Any], o: int, wide: dict[str, Any]) -> None:
+    if not wide:
+        return
+    for name, value in wide.items():
+        if _holds_tensor_keys(value):
+            raise errors.StateDictKeyError(
+                f"optimizer {o}'s optimizer-wide state {name!r} is keyed by parameter "
+                "tensors inside (pytorch-optimizer's TRAC), which no state dict format "
+                "can key by FQN yet; save this optimizer with its own state_dict()"
+            )
+    state[_wide_key(o)] = _copy_containers(wide)
+
+
+def _holds_tensor_keys(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(isinstance(k, torch.Tensor) or _holds_tensor_keys(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor_keys(v) for v in value)
+    return False
+
+
+def _split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
+    """(osd without the str-keyed entries of its "state", those entries):
+    an optimizer's own ``state_dict()`` keyed by parameter IDs keeps its
+    optimizer-wide entries beside them."""
+    if not _has_layout(osd) or not isinstance(osd["state"], dict):
+        return osd, {}
+    wide = {k: v for k, v in osd["state"].items() if isinstance(k, str)}
+    if not wide:
+        return osd, {}
+    rest = {k: v for k, v in osd["state"].items() if not isinstance(k, str)}
+    return {**osd, "state": rest}, wide
 
 
 def _has_layout(osd: Any) -> bool:
@@ -368,17 +445,92 @@ def _collect_extras(optim: _Optimizer, osd: dict[str, Any], extras: dict[str, An
         extras[key] = value
 
 
-def _loaded_extras(osd: Any, flat: bool) -> dict[str, Any]:
-    """The top-level entries of a loaded dict that belong to neither
-    format's state or groups (see _collect_extras)."""
+def _loaded_extras(osd: Any, flat: bool, own: bool = True) -> dict[str, Any]:
+    """The entries of a loaded dict that are not parameters' state or
+    groups: the optimizer-wide entries (D27: ".optimizer_<o>" in "state",
+    or flattened "state..optimizer_<o>.<name>"), and with ``own`` the
+    top-level entries that belong to neither format's state or groups
+    (see _collect_extras).  They travel with the source's metadata on
+    broadcast loads."""
     if not isinstance(osd, dict):
         return {}
-    if flat:
+    if flat or "state" not in osd:
         return {
             k: v for k, v in osd.items()
-            if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
+            if isinstance(k, str) and k.startswith("state..")
+            or own and not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
         }
-    return {k: v for k, v in osd.items() if k not in _LAYOUT}
+    out = {k: v for k, v in osd.items() if k not in _LAYOUT} if own else {}
+    state = osd.get("state")
+    if isinstance(state, dict):
+        out.update((k, v) for k, v in state.items() if isinstance(k, str) and k[:1] == ".")
+    return out
+
+
+def _without_extras(osd: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
+    """``osd`` without the entries _loaded_extras took (a new dict; the
+    caller's is never changed)."""
+    out = {k: v for k, v in osd.items() if k not in extras}
+    state = out.get("state")
+    if isinstance(state, dict) and any(_wide_index(k) is not None for k in extras):
+        out["state"] = {k: v for k, v in state.items() if not (k in extras and _wide_index(k) is not None)}
+    return out
+
+
+def _take_wide(
+    extras: dict[str, Any], optimizers: tuple[_Optimizer, ...]
+) -> tuple[dict[int, dict[str, Any]], dict[str, Any], list[str]]:
+    """(optimizer-wide entries per optimizer position, the other extras,
+    keys of optimizer-wide entries for no optimizer of this call).
+    Flattened entries "state..optimizer_<o>.<path>" nest at the dots of
+    their path, as parameters' state does, except where the path is a
+    name the optimizer holds (a dotted name stays whole)."""
+    wide: dict[int, dict[str, Any]] = {}
+    rest: dict[str, Any] = {}
+    unexpected: list[str] = []
+    for key, value in extras.items():
+        o = _wide_index(key)
+        if o is not None:  # nested: the optimizer's whole dict
+            if o >= len(optimizers) or not isinstance(value, dict):
+                unexpected.append(key)
+            else:
+                wide.setdefault(o, {}).update(value)
+            continue
+        if not (isinstance(key, str) and key.startswith("state..")):
+            rest[key] = value
+            continue
+        head, _, path = key[len("state."):].partition(".optimizer_")[2].partition(".")
+        o = int(head) if head.isdigit() and str(int(head)) == head else None
+        if o is None or o >= len(optimizers) or not path:
+            unexpected.append(key)
+            continue
+        names = wide.setdefault(o, {})
+        held = optimizers[o].state
+        if path in held or "." not in path:
+            names[path] = value
+            continue
+        parts = path.split(".")
+        node = names
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise errors.StateDictValueError(
+                    f"flattened optimizer key {key!r} nests under a non-dict optimizer-wide value"
+                )
+            node = nxt
+        node[parts[-1]] = value
+    return wide, rest, unexpected
+
+
+def _live_wide(optim: _Optimizer) -> list[str]:
+    """The names of the optimizer-wide entries ``optim`` holds."""
+    state = getattr(optim, "state", None)
+    if not isinstance(state, dict):
+        return []
+    try:
+        return [k for k in state if isinstance(k, str)]
+    except RuntimeError:  # changed while iterating
+        return []
 
 
 def init_optim_state(optim: _Optimizer) -> None:
@@ -770,8 +922,12 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     templates = _templates(optimizers, splits, missing)
     if missing:
         missing = _drop_stateless(missing, templates)
+    wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
+    if wide_unexpected:
+        unexpected = [*unexpected, *wide_unexpected]
     if info.strict:
         _check_entries(optimizers, splits, templates)
+        _check_wide(optimizers, splits, wide)
     if missing and info.strict:
         message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
         if len(missing) > 1:
@@ -780,7 +936,9 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ctx = context()
     # (True: native install | False: load_state_dict | _WRAPPER, payload)
     prepared: list[tuple[bool | str, Any]] = []
-    for owner, optim, split, w in zip(owners, optimizers, splits, wrapped):
+    for o, (owner, optim, split, w) in enumerate(zip(owners, optimizers, splits, wrapped)):
+        if o in wide:  # torch's load_state_dict keeps the keys that are no parameter's
+            split = {**split, "state": {**split["state"], **_copy_containers(wide[o])}}
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
         _cast_integer_state(optim, split, expected)
@@ -790,7 +948,10 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
             # their identity without the cast, which a __torch_function__
             # mode could intercept: then always cast
             aliased = not torch._C._is_torch_function_mode_enabled()
-            prepared.append((True, C.prepare_install(ctx, optim, split, expected, aliased)))
+            payload = C.prepare_install(ctx, optim, split, expected, aliased)
+            if o in wide:
+                payload[0].update(_copy_containers(wide[o]))
+            prepared.append((True, payload))
         elif w is not None:
             # the wrapper's own layout: its entries beside the inner dict
             own = [k for k in w[2] if k in (extras or {})]
@@ -814,6 +975,27 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
 _WRAPPER = "wrapper"  # a prepared load for a wrapper's own load_state_dict
 
 
+def _check_wide(
+    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], wide: dict[int, dict[str, Any]]
+) -> None:
+    """``strict=True``: a load that gives an optimizer parameters' state
+    must give it the optimizer-wide entries it holds too (D27), or the
+    next step restarts them (MADGRAD's ``k`` from 0)."""
+    for o, (optim, split) in enumerate(zip(optimizers, splits)):
+        if not split["state"]:
+            continue
+        lacking = [k for k in _live_wide(optim) if k not in wide.get(o, {})]
+        if lacking:
+            raise errors.MissingOptimizerStateError(
+                f"the optimizer state dict lacks the optimizer-wide state {lacking} that "
+                f"optimizer {o} ({type(optim).__qualname__}) holds ('{_wide_key(o)}' in "
+                f"'state'; flattened, 'state.{_wide_key(o)}.<name>'): loading it would restart "
+                "that state from scratch. Nothing was loaded. To load anyway, use "
+                "StateDictOptions(strict=False).",
+                [_wide_key(o)],
+            )
+
+
 def _live_wrapper_layout(optim: _Optimizer) -> tuple[Any, _Optimizer, list[Any]] | None:
     """_wrapper_layout of a live optimizer, with the keys of the wrapper's
     own entries (reads its own state_dict(); only for optimizers that
@@ -831,7 +1013,7 @@ def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]
     optimizers = tuple(optim if w is None else w[1] for optim, w in
                        ((o, _live_wrapper_layout(o)) for o in optimizers))
     state: dict[str, Any] = {}
-    C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [])
+    C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [], [])  # optimizer-wide entries: not written into
     return state
 
 
@@ -946,11 +1128,11 @@ def _optim_steps(model, optimizers, osd, info):
         return commit_native, _IncompatibleKeys([], [])
     from .distribute import OptimLocalize
 
-    extras = {}
-    if not all(_native_load(optim) for optim in optimizers):
-        extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
-        if extras:
-            osd = {k: v for k, v in osd.items() if k not in extras}
+    extras = _loaded_extras(
+        osd, bool(info.flatten_optimizer_state_dict), own=not all(_native_load(optim) for optim in optimizers)
+    )
+    if extras:
+        osd = _without_extras(osd, extras)
     # On broadcast loads only the source holds the extra keys: they travel
     # with its metadata (every rank has the same optimizers).
     source = {"extras": extras}
