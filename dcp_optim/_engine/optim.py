@@ -304,20 +304,21 @@ def _add_wide(state: dict[str, Any], o: int, wide: dict[str, Any]) -> None:
     if not wide:
         return
     for name, value in wide.items():
-        if _holds_tensor_keys(value):
+        if _holds_non_str_keys(value):
             raise errors.StateDictKeyError(
-                f"optimizer {o}'s optimizer-wide state {name!r} is keyed by parameter "
-                "tensors inside (pytorch-optimizer's TRAC), which no state dict format "
-                "can key by FQN yet; save this optimizer with its own state_dict()"
+                f"optimizer {o}'s optimizer-wide state {name!r} holds entries keyed by "
+                "parameters or their positions (pytorch-optimizer's TRAC), which cannot be "
+                "keyed by FQN (nor spelled in the flattened format); nothing is returned. "
+                "Save this optimizer with its own state_dict()"
             )
     state[_wide_key(o)] = _copy_containers(wide)
 
 
-def _holds_tensor_keys(value: Any) -> bool:
+def _holds_non_str_keys(value: Any) -> bool:
     if isinstance(value, dict):
-        return any(isinstance(k, torch.Tensor) or _holds_tensor_keys(v) for k, v in value.items())
+        return any(not isinstance(k, str) or _holds_non_str_keys(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return any(_holds_tensor_keys(v) for v in value)
+        return any(_holds_non_str_keys(v) for v in value)
     return False
 
 
