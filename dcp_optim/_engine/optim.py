@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
-from ..schema import PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
+from ..schema import OPTIMIZER_WIDE, PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
 from .core import C, context
 from .model import _is_patched, state_dict_fn
 from .pristine import pristine, pristine_states
@@ -225,10 +225,11 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     for o, optim in enumerate(optimizers):
         if _native_get(optim):
             extra, group_keys = pristine(index, optim)
+            extra, first_wide = _pop_wide(extra)
             first = len(groups)
             wide: list[dict[str, Any]] = []
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
-            _add_wide(state, o, wide[0])
+            _add_wide(state, o, {**first_wide, **wide[0]})
             _add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
@@ -241,6 +242,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         if wrapped is not None:
             osd, target, wrapper_keys = _unwrap_state_dict(index, optim, osd, *wrapped)
         extra, group_keys = pristine(index, target)
+        extra, first_wide = _pop_wide(extra)
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
@@ -250,7 +252,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         state.update(osd["state"])
         if extra:
             state.update(extra)
-        _add_wide(state, o, {**own_wide, **inner_wide})
+        _add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
         _add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
@@ -298,6 +300,17 @@ def _copy_containers(value: Any) -> Any:
     if isinstance(value, tuple) and type(value) is tuple:
         return tuple(_copy_containers(v) for v in value)
     return value
+
+
+def _pop_wide(extra: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(pristine state without the optimizer-wide entries a first step
+    creates, those entries): pristine() hands them over under
+    schema.OPTIMIZER_WIDE (the template of a never-stepped MADGRAD holds
+    its "k")."""
+    if not extra or OPTIMIZER_WIDE not in extra:
+        return extra, {}
+    rest = {k: v for k, v in extra.items() if k != OPTIMIZER_WIDE}
+    return rest or None, dict(extra[OPTIMIZER_WIDE])
 
 
 def _add_wide(state: dict[str, Any], o: int, wide: dict[str, Any]) -> None:
@@ -817,11 +830,10 @@ def _templates(
 ) -> list[dict[str, list[Any] | None] | None]:
     """Per optimizer without a schema, the state names its template has
     for each parameter that is ``missing`` or has a loaded entry:
-    {fqn: names} -- the names the parameter holds, else those one shadow
-    step gives it (schema.fallback_pristine; [] for a parameter a first
-    step gives no state, None for all of them where that step cannot
-    run).  One shadow step per optimizer, over the parameters without
-    state only.  None for optimizers with a schema (their entries are
+    {fqn: names} -- those one shadow step gives it
+    (schema.fallback_pristine) and those it holds ([] for a parameter a
+    first step gives no state; where that step cannot run, the held
+    names, or None: no check).  One shadow step per optimizer.  None for optimizers with a schema (their entries are
     checked against it by prepare_install)."""
     todo = set(missing)
     out: list[dict[str, list[Any] | None] | None] = []
@@ -836,18 +848,23 @@ def _templates(
             for fqn, param in zip(saved["params"], live["params"]):
                 if fqn not in todo and not isinstance(state.get(fqn), dict):
                     continue
-                held = optim.state.get(param)
-                if isinstance(held, dict) and held:
-                    names[fqn] = list(held)
-                else:
-                    shadow.append((fqn, param))
+                shadow.append((fqn, param))
         if shadow:
             try:
                 states: dict[int, dict[str, Any]] | None = fallback_pristine(optim, [p for _, p in shadow])[0]
             except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
                 states = None
             for fqn, param in shadow:
-                names[fqn] = None if states is None else list(states.get(id(param)) or ())
+                # what a step creates, with what the parameter holds (SPAM's
+                # masks, made by its constructor): held state alone is no
+                # template -- the first step adds the moments
+                held = optim.state.get(param)
+                held_names = list(held) if isinstance(held, dict) else []
+                if states is None:
+                    names[fqn] = held_names or None
+                else:
+                    step_names = list(states.get(id(param)) or ())
+                    names[fqn] = step_names + [n for n in held_names if n not in step_names]
         out.append(names)
     return out
 
