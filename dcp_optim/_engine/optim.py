@@ -28,7 +28,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
-from ..schema import OPTIMIZER_WIDE, PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
+from ..schema import (
+    OPTIMIZER_WIDE,
+    PARAM,
+    PARAM_DEVICE,
+    fallback_pristine,
+    fallback_wrapper_entries,
+    schema_for,
+)
 from .core import C, context
 from .model import _is_patched, state_dict_fn
 from .pristine import pristine, pristine_states
@@ -687,7 +694,9 @@ def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = 
     except ValueError:
         if not optimizers:
             raise
-    if optimizers and (view is None or _nests(view[0])):
+    # (optimizers with a schema: their names are all in `whole` already)
+    schema_less = any(schema_for(optim) is None for optim in optimizers)
+    if schema_less and (view is None or _nests(view[0])):
         more = _whole_state_names(index, osd, optimizers, template=True)
         if set(more) - set(whole):
             view = _flat_view(index, osd, {**whole, **more})
