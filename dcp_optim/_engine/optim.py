@@ -116,7 +116,15 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
     if info.flatten_optimizer_state_dict:
         keys = _flat_keys(model)
         osd_nested = osd
-        osd = C.flatten_optim(context(), osd_nested, info.group_counts, keys)
+        try:
+            osd = C.flatten_optim(context(), osd_nested, info.group_counts, keys)
+        except NotImplementedError:
+            # lists in the state (LBFGS's history): spelled element by
+            # element with their length (D27); anything else raises as before
+            encoded = _encode_lists(osd_nested)
+            if encoded is osd_nested:
+                raise
+            osd = C.flatten_optim(context(), encoded, info.group_counts, keys)
         if keys is not None:
             _trim_flat_keys(keys, osd_nested)
     if extras:
@@ -702,8 +710,56 @@ def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = 
             view = _flat_view(index, osd, {**whole, **more})
     if view is None:
         view = _flat_view(index, osd, whole)  # raises as before
+    if C.first_key_containing(osd, "." + _LIST_LEN) is not None:
+        state = view[0]
+        for fqn, entry in list(state.items()):
+            if isinstance(entry, dict) and any(isinstance(v, dict) for v in entry.values()):
+                state[fqn] = {k: _decode_lists(v) for k, v in entry.items()}
     _restore_group_keys(view, optimizers)
     return view
+
+
+# Lists in the flattened format (D27: LBFGS's history): a list value ``v``
+# of a state path ``p`` is spelled "p.[i]" for each element that is not
+# None and "p.[]" for its length (so an empty list, and None elements,
+# survive); upstream's flattening raises NotImplementedError on lists.
+_LIST_LEN = "[]"
+
+
+def _encode_lists(osd: dict[str, Any]) -> dict[str, Any]:
+    """``osd`` (nested, FQN-keyed) with every list inside a state entry
+    replaced by its spelling as a dict ({"[i]": element, "[]": length});
+    ``osd`` itself when it holds no list."""
+    def enc(value: Any) -> Any:
+        if isinstance(value, list):
+            # None elements (LBFGS's scratch list "al") are left out
+            out = {f"[{i}]": enc(v) for i, v in enumerate(value) if v is not None}
+            out[_LIST_LEN] = len(value)
+            return out
+        if isinstance(value, dict):
+            new = {k: enc(v) for k, v in value.items()}
+            return value if all(new[k] is value[k] for k in value) else new
+        return value
+
+    state = osd.get("state")
+    if not isinstance(state, dict):
+        return osd
+    new_state = {k: enc(v) for k, v in state.items()}
+    if all(new_state[k] is state[k] for k in state):
+        return osd
+    return {**osd, "state": new_state}
+
+
+def _decode_lists(value: Any) -> Any:
+    """The inverse of _encode_lists' spelling, at any depth of dicts."""
+    if not isinstance(value, dict):
+        return value
+    n = value.get(_LIST_LEN)
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        spelled = {f"[{i}]" for i in range(n)}
+        if all(k == _LIST_LEN or k in spelled for k in value):
+            return [_decode_lists(value.get(f"[{i}]")) for i in range(n)]
+    return {k: _decode_lists(v) for k, v in value.items()}
 
 
 def _flat_view(index: Any, osd: dict[str, Any], whole: dict[str, tuple[str, str]]) -> tuple:

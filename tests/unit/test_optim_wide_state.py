@@ -214,3 +214,72 @@ def test_parameter_keyed_entries_inside_are_refused_clearly():
     for flat in (False, True):
         with pytest.raises(errors.StateDictKeyError, match="optimizer-wide state 'trac' holds entries keyed by"):
             dcp_optim.get_optimizer_state_dict(model, optim, options=opts(dcp_optim, flat))
+
+
+# --- LBFGS: its history in the flattened format --------------------------------
+
+
+def _lbfgs(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 1)
+    return model, torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=2)
+
+
+def _lbfgs_step(model, optim):
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+
+    def closure():
+        optim.zero_grad()
+        out = model(x).pow(2).sum() + model(x).sum()
+        out.backward()
+        return out
+
+    optim.step(closure)
+
+
+def test_lbfgs_history_flattened_upstream_raises():
+    model, optim = _lbfgs()
+    for _ in range(3):
+        _lbfgs_step(model, optim)
+    with pytest.raises(NotImplementedError, match="list"):
+        upstream.get_optimizer_state_dict(model, optim, options=opts(upstream, True))
+
+
+@FORMATS
+def test_lbfgs_history_resumes_bit_identically_through_dcp(flat, tmp_path):
+    """LBFGS keeps its history (lists of tensors, a list with None
+    scratch entries) under its first parameter.  Flattened, a list is
+    spelled "<name>.[i]" per element and "<name>.[]" for its length.  A
+    never-stepped LBFGS's template is empty (the history's length varies),
+    so the DCP flow loads the checkpoint's entries with the planner."""
+    model, optim = _lbfgs()
+    for _ in range(3):
+        _lbfgs_step(model, optim)
+    options = opts(dcp_optim, flat)
+    osd = dcp_optim.get_optimizer_state_dict(model, optim, options=options)
+    if flat:
+        assert osd["state.weight.old_dirs.[]"] == len(optim.state[model.weight]["old_dirs"])
+        assert "state.weight.old_dirs.[0]" in osd
+    dcp.save({"optim": osd}, checkpoint_id=str(tmp_path))
+    model2, optim2 = _lbfgs(seed=1)
+    model2.load_state_dict(model.state_dict())
+    state = {"optim": dcp_optim.get_optimizer_state_dict(model2, optim2, options=options)}
+    planner = dcp_optim.LoadPlanner(unrequested="load")
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
+    loaded = dict(state["optim"])
+    if flat:
+        loaded.update((k[len("optim."):], v) for k, v in planner.unrequested_state.items())
+    else:
+        # nested: the entries DCP flattened ("optim.state.weight.old_dirs.0")
+        # come back through a direct get of the checkpoint's full dict
+        loaded = copy.deepcopy(osd)
+    dcp_optim.set_optimizer_state_dict(model2, optim2, loaded, options=options)
+    live, got = optim.state[model.weight], optim2.state[model2.weight]
+    assert sorted(live) == sorted(got)
+    assert isinstance(got["old_dirs"], list) and len(got["old_dirs"]) == len(live["old_dirs"])
+    assert [a is None for a in got["al"]] == [a is None for a in live["al"]]
+    for _ in range(2):
+        _lbfgs_step(model, optim)
+        _lbfgs_step(model2, optim2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
