@@ -241,6 +241,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         if _native_get(optim):
             extra, group_keys = pristine(index, optim)
             extra, first_wide = _pop_wide(extra)
+            if extra and schema_for(optim) is None:
+                _remember_template(optim, extra)
             first = len(groups)
             wide: list[dict[str, Any]] = []
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
@@ -258,6 +260,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             osd, target, wrapper_keys = _unwrap_state_dict(index, optim, osd, *wrapped)
         extra, group_keys = pristine(index, target)
         extra, first_wide = _pop_wide(extra)
+        if extra and schema_for(target) is None:
+            _remember_template(target, extra)
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
@@ -890,16 +894,37 @@ def _nothing() -> None:
     return None
 
 
+# The state names of the last template built for a schema-less optimizer
+# (its getter's shadow step), by FQN: the strict load that follows the
+# template flow's get -> dcp.load checks against them without a second
+# shadow step.  Names only (no tensor); gone with the optimizer.
+_TEMPLATE_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None) -> None:
+    if not pristine_states:
+        return
+    try:
+        known = _TEMPLATE_NAMES.setdefault(optim, {})
+    except TypeError:  # not weakly referenceable
+        return
+    for fqn, entry in pristine_states.items():
+        if isinstance(entry, dict):
+            known[fqn] = list(entry)
+
+
 def _templates(
-    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str]
+    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str], strict: bool
 ) -> list[dict[str, list[Any] | None] | None]:
     """Per optimizer without a schema, the state names its template has
-    for each parameter that is ``missing`` or has a loaded entry:
-    {fqn: names} -- those one shadow step gives it
-    (schema.fallback_pristine) and those it holds ([] for a parameter a
+    for each parameter that is ``missing`` or (``strict``) has a loaded
+    entry: {fqn: names} -- those a first step gives it (the getter's
+    template of this optimizer, or else one shadow step,
+    schema.fallback_pristine) and those it holds ([] for a parameter a
     first step gives no state; where that step cannot run, the held
-    names, or None: no check).  One shadow step per optimizer.  None for optimizers with a schema (their entries are
-    checked against it by prepare_install)."""
+    names, or None: no check).  At most one shadow step per optimizer.
+    None for optimizers with a schema (their entries are checked against
+    it by prepare_install)."""
     todo = set(missing)
     out: list[dict[str, list[Any] | None] | None] = []
     for optim, split in zip(optimizers, splits):
@@ -907,29 +932,41 @@ def _templates(
             out.append(None)
             continue
         state = split["state"]
-        names: dict[str, list[Any] | None] = {}
+        try:
+            known = _TEMPLATE_NAMES.get(optim) or {}
+        except TypeError:
+            known = {}
+        first: dict[str, list[Any] | None] = {}
         shadow: list[tuple[str, Any]] = []
+        pairs: list[tuple[str, Any]] = []
         for saved, live in zip(split["param_groups"], optim.param_groups):
             for fqn, param in zip(saved["params"], live["params"]):
-                if fqn not in todo and not isinstance(state.get(fqn), dict):
+                if fqn not in todo and not (strict and isinstance(state.get(fqn), dict)):
                     continue
-                shadow.append((fqn, param))
+                pairs.append((fqn, param))
+                if fqn in known:
+                    first[fqn] = known[fqn]
+                else:
+                    shadow.append((fqn, param))
         if shadow:
             try:
                 states: dict[int, dict[str, Any]] | None = fallback_pristine(optim, [p for _, p in shadow])[0]
             except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
                 states = None
             for fqn, param in shadow:
-                # what a step creates, with what the parameter holds (SPAM's
-                # masks, made by its constructor): held state alone is no
-                # template -- the first step adds the moments
-                held = optim.state.get(param)
-                held_names = list(held) if isinstance(held, dict) else []
-                if states is None:
-                    names[fqn] = held_names or None
-                else:
-                    step_names = list(states.get(id(param)) or ())
-                    names[fqn] = step_names + [n for n in held_names if n not in step_names]
+                first[fqn] = None if states is None else list(states.get(id(param)) or ())
+        names: dict[str, list[Any] | None] = {}
+        for fqn, param in pairs:
+            # what a step creates, with what the parameter holds (SPAM's
+            # masks, made by its constructor): held state alone is no
+            # template -- the first step adds the moments
+            held = optim.state.get(param)
+            held_names = list(held) if isinstance(held, dict) else []
+            step_names = first[fqn]
+            if step_names is None:
+                names[fqn] = held_names or None
+            else:
+                names[fqn] = step_names + [n for n in held_names if n not in step_names]
         out.append(names)
     return out
 
@@ -1002,7 +1039,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ]
     if loaded_expect != expect:
         splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
-    templates = _templates(optimizers, splits, missing)
+    templates = _templates(optimizers, splits, missing, bool(info.strict))
     if missing:
         missing = _drop_stateless(missing, templates)
     wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)

@@ -209,3 +209,26 @@ def test_cpu_offload_getter_returns_copies(impl, flat, full):
     optim.step()  # training on does not change the dict about to be saved
     after = got.items() if flat else got["state"]["0.weight"].items()
     assert_same_tree(dict(after), want)
+
+
+@NO_SCHEMA
+@FORMATS
+def test_strict_check_after_the_template_flow_uses_the_template(flat, tmp_path):
+    """The template flow (get -> dcp.load -> set): the setter checks the
+    loaded entries against the names of the template the getter built
+    (no second shadow step), and refuses what the checkpoint lacks."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = stepped(po.AdaBelief)
+    options = opts(dcp_optim, flatten_optimizer_state_dict=flat)
+    osd = dcp_optim.get_optimizer_state_dict(model, optim, options=options)
+    dcp.save({"optim": without(osd, flat, "0.weight", "exp_avg_var")}, checkpoint_id=str(tmp_path))
+    fresh = po.AdaBelief(model.parameters())
+    template = {"optim": dcp_optim.get_optimizer_state_dict(model, fresh, options=options)}
+    # DCP would refuse the missing key; a template without it stands for a
+    # dict that lacks it
+    template["optim"] = without(template["optim"], flat, "0.weight", "exp_avg_var")
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    with pytest.raises(errors.MissingOptimizerStateError, match="exp_avg_var"):
+        dcp_optim.set_optimizer_state_dict(model, fresh, template["optim"], options=options)
+    assert not fresh.state
