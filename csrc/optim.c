@@ -331,16 +331,22 @@ error:
 }
 
 /* out_state[fqn of key] = value for one entry of an optimizer's state.
+ * `wide`: NULL, or the dict that takes the optimizer-wide entries (str
+ * keys, not parameters: MADGRAD's "k"; D29 in docs/differences.md).
  * 0 or -1. */
 static int
 pack_state_entry(dcp_state *st,
                  dcp_ModelIndex *ix,
                  dcp_pack_members *pm,
                  PyObject *out_state,
+                 PyObject *wide,
                  Py_ssize_t opt_i,
                  PyObject *key,
                  PyObject *value)
 {
+    if (wide != NULL && PyUnicode_Check(key)) {
+        return PyDict_SetItem(wide, key, value);
+    }
     Py_ssize_t at = pack_members_find(st, pm, key);
     if (at == -2) {
         return -1;
@@ -366,6 +372,7 @@ pack_state(dcp_state *st,
            PyObject *optim,
            dcp_pack_members *pm,
            PyObject *out_state,
+           PyObject *wide,
            Py_ssize_t opt_i)
 {
     PyObject *state = PyObject_GetAttr(optim, st->str_state);
@@ -392,7 +399,8 @@ pack_state(dcp_state *st,
         while (PyDict_Next(state, &pos, &key, &value)) {
             Py_INCREF(key);
             Py_INCREF(value);
-            int r = pack_state_entry(st, ix, pm, out_state, opt_i, key, value);
+            int r = pack_state_entry(
+                st, ix, pm, out_state, wide, opt_i, key, value);
             Py_DECREF(key);
             Py_DECREF(value);
             if (r < 0) {
@@ -419,6 +427,7 @@ pack_state(dcp_state *st,
                              ix,
                              pm,
                              out_state,
+                             wide,
                              opt_i,
                              PyTuple_GET_ITEM(pair, 0),
                              PyTuple_GET_ITEM(pair, 1)) < 0) {
@@ -434,15 +443,20 @@ done:
 
 PyDoc_STRVAR(
     dcp_optim_pack__doc__,
-    "optim_pack(index, optimizers, extra_states, out_state, out_groups, /)"
+    "optim_pack(index, optimizers, extra_states, out_state, out_groups, "
+    "out_wide=None, /)"
     "\n--\n\n"
     "FQN-keyed equivalent of Optimizer.state_dict() for each optimizer, "
     "merged into out_state / out_groups.");
 
-/* optim_pack(index, optimizers, extra_states, out_state, out_groups)
+/* optim_pack(index, optimizers, extra_states, out_state, out_groups
+ *            [, out_wide])
  *
  * extra_states[i] is None or a dict {fqn: state} appended after
  * optimizer i's own state (the pristine entries of D2 in docs/differences.md).
+ * out_wide: None (a str key in a state is an error, as before), or a list
+ * that takes one dict per optimizer: its optimizer-wide entries (the
+ * str-keyed entries of its state, D29).
  */
 static PyObject *
 dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -452,16 +466,24 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *groups = NULL, *result = NULL;
     dcp_pack_members pm = {NULL, NULL, {NULL, 0, 0}, 0, 0, 0, 1};
 
-    if (dcp_check_nargs("optim_pack", nargs, 5) < 0 ||
-        !dcp_index_check(st, args[0])) {
+    if (nargs != 5 && nargs != 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "optim_pack() takes 5 or 6 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    if (!dcp_index_check(st, args[0])) {
         return NULL;
     }
     dcp_ModelIndex *ix = (dcp_ModelIndex *)args[0];
     PyObject *out_state = args[3], *out_groups = args[4];
-    if (!PyDict_Check(out_state) || !PyList_Check(out_groups)) {
+    PyObject *out_wide = nargs == 6 && args[5] != Py_None ? args[5] : NULL;
+    PyObject *wide = NULL;
+    if (!PyDict_Check(out_state) || !PyList_Check(out_groups) ||
+        (out_wide != NULL && !PyList_Check(out_wide))) {
         PyErr_SetString(PyExc_TypeError,
-                        "optim_pack(): out_state must be a dict and "
-                        "out_groups a list");
+                        "optim_pack(): out_state must be a dict, "
+                        "out_groups a list and out_wide None or a list");
         return NULL;
     }
     optims = dcp_as_list(st, args[1], "optimizers");
@@ -498,9 +520,16 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
         }
-        if (pack_state(st, ix, optim, &pm, out_state, o) < 0) {
+        if (out_wide != NULL) {
+            wide = PyDict_New();
+            if (wide == NULL || PyList_Append(out_wide, wide) < 0) {
+                goto done;
+            }
+        }
+        if (pack_state(st, ix, optim, &pm, out_state, wide, o) < 0) {
             goto done;
         }
+        Py_CLEAR(wide);
         PyObject *extra = PyList_GET_ITEM(extras, o);
         if (extra != Py_None && PyDict_Update(out_state, extra) < 0) {
             goto done;
@@ -514,6 +543,7 @@ dcp_optim_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     result = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(wide);
     dcp_ptrmap_free(&pm.map);
     Py_XDECREF(pm.plists);
     Py_XDECREF(pm.fqns);

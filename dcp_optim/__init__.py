@@ -52,10 +52,11 @@ from .tools import convert, verify  # noqa: E402
 
 __all__ += ["patch", "unpatch", "patched", "is_patched", "patching", "convert", "verify"]
 
-# DCP load planner tolerating empty-group keys across layouts (pipelines).
-from .tools.planner import LoadPlanner  # noqa: E402
+# DCP load planner tolerating empty-group keys across layouts (pipelines)
+# and reporting (or loading) the checkpoint entries a load leaves behind.
+from .tools.planner import LoadPlanner, UnrequestedEntriesError, unrequested_entries  # noqa: E402
 
-__all__ += ["LoadPlanner"]
+__all__ += ["LoadPlanner", "UnrequestedEntriesError", "unrequested_entries"]
 
 # Reading checkpoints safely (the command line's reader): a restricted
 # unpickler for the metadata and non-tensor entries unless trusted=True.

@@ -150,7 +150,7 @@ def materialize_state(missing: Any, specs_by_group: Any, PARAM: Any, PARAM_DEVIC
 def optim_missing(index: Any, optimizer: Any, /) -> Any:
     """(param, group_index, fqn) of trainable parameters without state."""
 
-def optim_pack(index: Any, optimizers: Any, extra_states: Any, out_state: Any, out_groups: Any, /) -> Any:
+def optim_pack(index: Any, optimizers: Any, extra_states: Any, out_state: Any, out_groups: Any, out_wide: Any = None, /) -> Any:
     """FQN-keyed equivalent of Optimizer.state_dict() for each optimizer, merged into out_state / out_groups."""
 
 def optim_remap(index: Any, optimizer: Any, osd: Any, /) -> Any:

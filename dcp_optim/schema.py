@@ -615,8 +615,18 @@ def _shadow_step(
     if own_key is not None:
         own = shadow.state_dict()
         return {k: _zero_steps(_own(v)) for k, v in own.items() if k != own_key}, new_keys
-    states = {}
+    states: dict[Any, Any] = {}
     for p, clone in order:
         if id(p) in wanted and clone in shadow.state:
             states[id(p)] = _zero_steps(_own(dict(shadow.state[clone])))
+    # optimizer-wide entries the step created (str keys: MADGRAD's "k"),
+    # under OPTIMIZER_WIDE beside the parameters' ids (D29)
+    wide = {k: _zero_steps(_own(v)) for k, v in shadow.state.items() if isinstance(k, str)}
+    if wide:
+        states[OPTIMIZER_WIDE] = wide
     return states, new_keys
+
+
+#: Key of fallback_pristine's result holding the optimizer-wide entries
+#: (str keys of ``optimizer.state``) a first step creates.
+OPTIMIZER_WIDE = ".optimizer-wide"  # a leading dot: no FQN

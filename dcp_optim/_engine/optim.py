@@ -29,7 +29,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
-from ..schema import PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
+from ..schema import (
+    OPTIMIZER_WIDE,
+    PARAM,
+    PARAM_DEVICE,
+    fallback_pristine,
+    fallback_wrapper_entries,
+    schema_for,
+)
 from .core import C, context
 from .model import _is_patched, state_dict_fn
 from .pipeline import Prepared, Report
@@ -111,14 +118,73 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
     if info.flatten_optimizer_state_dict:
         keys = _flat_keys(model)
         osd_nested = osd
-        osd = C.flatten_optim(context(), osd_nested, info.group_counts, keys)
+        try:
+            osd = C.flatten_optim(context(), osd_nested, info.group_counts, keys)
+        except NotImplementedError:
+            # lists in the state (LBFGS's history): spelled element by
+            # element with their length (D29); anything else raises as before
+            encoded = _encode_lists(osd_nested)
+            if encoded is osd_nested:
+                raise
+            osd = C.flatten_optim(context(), encoded, info.group_counts, keys)
         if keys is not None:
             _trim_flat_keys(keys, osd_nested)
     if extras:
         # after "state"/"param_groups" (nested) or the flat keys
         for key, value in extras.items():
             osd.setdefault(key, value)
-    return maybe_full_or_cpu_state_dict(osd, info)
+    out = maybe_full_or_cpu_state_dict(osd, info)
+    if info.cpu_offload and out:
+        out = _unaliased(out, optimizers)
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (a fake/meta-like subclass)
+        return 0
+
+
+def _live_storages(value: Any, out: set[int]) -> None:
+    if isinstance(value, torch.Tensor):
+        ptr = _storage(value)
+        if ptr:
+            out.add(ptr)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _live_storages(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _live_storages(v, out)
+
+
+def _unaliased(osd: dict[str, Any], optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]:
+    """``cpu_offload=True`` returns copies (D28 in docs/differences.md):
+    ``.to("cpu")`` keeps a tensor already on the CPU, so upstream returns
+    the optimizer's own state tensors there (``step`` on every device),
+    and training on after the get changes the dict about to be saved.
+    Every returned tensor that shares storage with the live state (of
+    any optimizer, including a wrapper's inner one) is cloned; the
+    containers are rebuilt around them."""
+    live: set[int] = set()
+    for optim in optimizers:
+        for entry in getattr(optim, "state", {}).values():
+            _live_storages(entry, live)
+        inner = _inner_optimizer(optim)
+        if inner is not None:
+            for entry in inner.state.values():
+                _live_storages(entry, live)
+    if not live:
+        return osd
+    ctx = context()
+    leaves = C.tree_leaves(ctx, osd, True)
+    copies = [t.clone() if _storage(t) in live else t for t in leaves]
+    if all(a is b for a, b in zip(copies, leaves)):
+        return osd
+    return C.tree_rebuild(ctx, osd, copies, True)
 
 
 # The flat getter's key strings, kept between calls per model (id(model)
@@ -173,30 +239,41 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     groups: list[dict[str, Any]] = []
     counts: list[int] = []
     extras: dict[str, Any] = {}
-    for optim in optimizers:
+    for o, optim in enumerate(optimizers):
         if _native_get(optim):
             extra, group_keys = pristine(index, optim)
+            extra, first_wide = _pop_wide(extra)
+            if extra and schema_for(optim) is None:
+                _remember_template(optim, extra)
             first = len(groups)
-            C.optim_pack(index, (optim,), (extra,), state, groups)
+            wide: list[dict[str, Any]] = []
+            C.optim_pack(index, (optim,), (extra,), state, groups, wide)
+            _add_wide(state, o, {**first_wide, **wide[0]})
             _add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
         osd = state_dict_fn(optim, "state_dict")()
         if not osd:
             continue
+        osd, own_wide = _split_own_wide(osd)
         target, wrapper_keys = optim, None
         wrapped = _wrapper_layout(optim, osd)
         if wrapped is not None:
             osd, target, wrapper_keys = _unwrap_state_dict(index, optim, osd, *wrapped)
         extra, group_keys = pristine(index, target)
+        extra, first_wide = _pop_wide(extra)
+        if extra and schema_for(target) is None:
+            _remember_template(target, extra)
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
+        osd, inner_wide = _split_own_wide(osd)
         C.optim_remap(index, target, osd)
         _collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
             state.update(extra)
+        _add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
         _add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
@@ -206,6 +283,90 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
 
 
 _LAYOUT = ("state", "param_groups")
+
+# --- optimizer-wide state (D29 in docs/differences.md) ------------------------
+#
+# Entries of ``optimizer.state`` keyed by a str, not by a parameter
+# (MADGRAD's "k", SPAM's counters, EmoNavi's "ema"): torch's own
+# ``Optimizer.state_dict()`` keeps them under their key; upstream's getter
+# raises KeyError.  Here they sit in "state" under the key
+# ".optimizer_<o>" (o: the optimizer's position in the call), a dict of
+# the optimizer's entries; flattened, "state..optimizer_<o>.<name>".  An
+# FQN never starts with "." (module, parameter and buffer names are
+# non-empty), so the key cannot name a parameter.
+
+_WIDE_PREFIX = ".optimizer_"
+
+
+def _wide_key(o: int) -> str:
+    return f"{_WIDE_PREFIX}{o}"
+
+
+def _wide_index(key: Any) -> int | None:
+    """o for a key ".optimizer_<o>", else None."""
+    if not isinstance(key, str) or not key.startswith(_WIDE_PREFIX):
+        return None
+    digits = key[len(_WIDE_PREFIX):]
+    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
+
+
+def _copy_containers(value: Any) -> Any:
+    """``value`` with its dicts, lists and tuples copied (tensors and
+    other leaves kept): the returned or installed optimizer-wide entries
+    never share a container with the live ones or the caller's."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_copy_containers(v) for v in value)
+    return value
+
+
+def _pop_wide(extra: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(pristine state without the optimizer-wide entries a first step
+    creates, those entries): pristine() hands them over under
+    schema.OPTIMIZER_WIDE (the template of a never-stepped MADGRAD holds
+    its "k")."""
+    if not extra or OPTIMIZER_WIDE not in extra:
+        return extra, {}
+    rest = {k: v for k, v in extra.items() if k != OPTIMIZER_WIDE}
+    return rest or None, dict(extra[OPTIMIZER_WIDE])
+
+
+def _add_wide(state: dict[str, Any], o: int, wide: dict[str, Any]) -> None:
+    if not wide:
+        return
+    for name, value in wide.items():
+        if _holds_non_str_keys(value):
+            raise errors.StateDictKeyError(
+                f"optimizer {o}'s optimizer-wide state {name!r} holds entries keyed by "
+                "parameters or their positions (pytorch-optimizer's TRAC), which cannot be "
+                "keyed by FQN (nor spelled in the flattened format); nothing is returned. "
+                "Save this optimizer with its own state_dict()"
+            )
+    state[_wide_key(o)] = _copy_containers(wide)
+
+
+def _holds_non_str_keys(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(not isinstance(k, str) or _holds_non_str_keys(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_non_str_keys(v) for v in value)
+    return False
+
+
+def _split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
+    """(osd without the str-keyed entries of its "state", those entries):
+    an optimizer's own ``state_dict()`` keyed by parameter IDs keeps its
+    optimizer-wide entries beside them."""
+    if not _has_layout(osd) or not isinstance(osd["state"], dict):
+        return osd, {}
+    wide = {k: v for k, v in osd["state"].items() if isinstance(k, str)}
+    if not wide:
+        return osd, {}
+    rest = {k: v for k, v in osd["state"].items() if not isinstance(k, str)}
+    return {**osd, "state": rest}, wide
 
 
 def _has_layout(osd: Any) -> bool:
@@ -319,17 +480,92 @@ def _collect_extras(optim: _Optimizer, osd: dict[str, Any], extras: dict[str, An
         extras[key] = value
 
 
-def _loaded_extras(osd: Any, flat: bool) -> dict[str, Any]:
-    """The top-level entries of a loaded dict that belong to neither
-    format's state or groups (see _collect_extras)."""
+def _loaded_extras(osd: Any, flat: bool, own: bool = True) -> dict[str, Any]:
+    """The entries of a loaded dict that are not parameters' state or
+    groups: the optimizer-wide entries (D29: ".optimizer_<o>" in "state",
+    or flattened "state..optimizer_<o>.<name>"), and with ``own`` the
+    top-level entries that belong to neither format's state or groups
+    (see _collect_extras).  They travel with the source's metadata on
+    broadcast loads."""
     if not isinstance(osd, dict):
         return {}
-    if flat:
+    if flat or "state" not in osd:
         return {
             k: v for k, v in osd.items()
-            if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
+            if isinstance(k, str) and k.startswith("state..")
+            or own and not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
         }
-    return {k: v for k, v in osd.items() if k not in _LAYOUT}
+    out = {k: v for k, v in osd.items() if k not in _LAYOUT} if own else {}
+    state = osd.get("state")
+    if isinstance(state, dict):
+        out.update((k, v) for k, v in state.items() if isinstance(k, str) and k[:1] == ".")
+    return out
+
+
+def _without_extras(osd: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
+    """``osd`` without the entries _loaded_extras took (a new dict; the
+    caller's is never changed)."""
+    out = {k: v for k, v in osd.items() if k not in extras}
+    state = out.get("state")
+    if isinstance(state, dict) and any(_wide_index(k) is not None for k in extras):
+        out["state"] = {k: v for k, v in state.items() if not (k in extras and _wide_index(k) is not None)}
+    return out
+
+
+def _take_wide(
+    extras: dict[str, Any], optimizers: tuple[_Optimizer, ...]
+) -> tuple[dict[int, dict[str, Any]], dict[str, Any], list[str]]:
+    """(optimizer-wide entries per optimizer position, the other extras,
+    keys of optimizer-wide entries for no optimizer of this call).
+    Flattened entries "state..optimizer_<o>.<path>" nest at the dots of
+    their path, as parameters' state does, except where the path is a
+    name the optimizer holds (a dotted name stays whole)."""
+    wide: dict[int, dict[str, Any]] = {}
+    rest: dict[str, Any] = {}
+    unexpected: list[str] = []
+    for key, value in extras.items():
+        o = _wide_index(key)
+        if o is not None:  # nested: the optimizer's whole dict
+            if o >= len(optimizers) or not isinstance(value, dict):
+                unexpected.append(key)
+            else:
+                wide.setdefault(o, {}).update(value)
+            continue
+        if not (isinstance(key, str) and key.startswith("state..")):
+            rest[key] = value
+            continue
+        head, _, path = key[len("state."):].partition(".optimizer_")[2].partition(".")
+        o = int(head) if head.isdigit() and str(int(head)) == head else None
+        if o is None or o >= len(optimizers) or not path:
+            unexpected.append(key)
+            continue
+        names = wide.setdefault(o, {})
+        held = optimizers[o].state
+        if path in held or "." not in path:
+            names[path] = value
+            continue
+        parts = path.split(".")
+        node = names
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise errors.StateDictValueError(
+                    f"flattened optimizer key {key!r} nests under a non-dict optimizer-wide value"
+                )
+            node = nxt
+        node[parts[-1]] = value
+    return wide, rest, unexpected
+
+
+def _live_wide(optim: _Optimizer) -> list[str]:
+    """The names of the optimizer-wide entries ``optim`` holds."""
+    state = getattr(optim, "state", None)
+    if not isinstance(state, dict):
+        return []
+    try:
+        return [k for k in state if isinstance(k, str)]
+    except RuntimeError:  # changed while iterating
+        return []
 
 
 def init_optim_state(optim: _Optimizer) -> None:
@@ -401,6 +637,37 @@ def _param_shaped(optim: _Optimizer, groups: list[dict[str, Any]]) -> list[dict[
     return out
 
 
+def _cast_integer_state(
+    optim: _Optimizer, split: dict[str, Any], expected: list[dict[str, int] | None] | None
+) -> None:
+    """Integer (or bool) tensors loaded for state the schema wants
+    floating and shaped like a floating parameter (an int64 ``exp_avg``)
+    take the parameter's dtype, as ``Optimizer.load_state_dict`` and
+    upstream cast them (D28 in docs/differences.md).  The split's entries
+    are replaced, never the caller's dicts changed."""
+    if not expected:
+        return
+    state = split["state"]
+    for names, saved, live in zip(expected, split["param_groups"], optim.param_groups):
+        shaped = [n for n, need in (names or {}).items() if need == 2]
+        if not shaped:
+            continue
+        for fqn, param in zip(saved["params"], live["params"]):
+            entry = state.get(fqn)
+            if not isinstance(entry, dict) or not isinstance(param, torch.Tensor):
+                continue
+            if not (param.is_floating_point() or param.is_complex()):
+                continue
+            cast = {
+                n: entry[n].to(param.dtype)
+                for n in shaped
+                if isinstance(entry.get(n), torch.Tensor)
+                and not (entry[n].is_floating_point() or entry[n].is_complex())
+            }
+            if cast:
+                state[fqn] = {**entry, **cast}
+
+
 def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
     """SGD with dampening: an all-negative-zero momentum buffer is the
     pristine placeholder of schema._sgd -- "no buffer yet" (first-step
@@ -428,7 +695,80 @@ def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
 def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = ()) -> tuple:
     if "state" in osd:
         return C.view_from_nested(osd)
+    # Dotted state names are read whole (upstream's unflattening looks the
+    # names up whole): the names the live optimizers hold or their schemas
+    # declare; where the view still nests a name (or cannot: "exp_avg" and
+    # "exp_avg.sq" side by side), the names of the optimizers' templates
+    # too -- a never-stepped optimizer has no live names (rule 6 of
+    # docs/differences.md#d28).
     whole = _whole_state_names(index, osd, optimizers)
+    view: tuple | None = None
+    try:
+        view = _flat_view(index, osd, whole)
+    except ValueError:
+        if not optimizers:
+            raise
+    # (optimizers with a schema: their names are all in `whole` already)
+    schema_less = any(schema_for(optim) is None for optim in optimizers)
+    if schema_less and (view is None or _nests(view[0])):
+        more = _whole_state_names(index, osd, optimizers, template=True)
+        if set(more) - set(whole):
+            view = _flat_view(index, osd, {**whole, **more})
+    if view is None:
+        view = _flat_view(index, osd, whole)  # raises as before
+    if C.first_key_containing(osd, "." + _LIST_LEN) is not None:
+        state = view[0]
+        for fqn, entry in list(state.items()):
+            if isinstance(entry, dict) and any(isinstance(v, dict) for v in entry.values()):
+                state[fqn] = {k: _decode_lists(v) for k, v in entry.items()}
+    _restore_group_keys(view, optimizers)
+    return view
+
+
+# Lists in the flattened format (D29: LBFGS's history): a list value ``v``
+# of a state path ``p`` is spelled "p.[i]" for each element that is not
+# None and "p.[]" for its length (so an empty list, and None elements,
+# survive); upstream's flattening raises NotImplementedError on lists.
+_LIST_LEN = "[]"
+
+
+def _encode_lists(osd: dict[str, Any]) -> dict[str, Any]:
+    """``osd`` (nested, FQN-keyed) with every list inside a state entry
+    replaced by its spelling as a dict ({"[i]": element, "[]": length});
+    ``osd`` itself when it holds no list."""
+    def enc(value: Any) -> Any:
+        if isinstance(value, list):
+            # None elements (LBFGS's scratch list "al") are left out
+            out = {f"[{i}]": enc(v) for i, v in enumerate(value) if v is not None}
+            out[_LIST_LEN] = len(value)
+            return out
+        if isinstance(value, dict):
+            new = {k: enc(v) for k, v in value.items()}
+            return value if all(new[k] is value[k] for k in value) else new
+        return value
+
+    state = osd.get("state")
+    if not isinstance(state, dict):
+        return osd
+    new_state = {k: enc(v) for k, v in state.items()}
+    if all(new_state[k] is state[k] for k in state):
+        return osd
+    return {**osd, "state": new_state}
+
+
+def _decode_lists(value: Any) -> Any:
+    """The inverse of _encode_lists' spelling, at any depth of dicts."""
+    if not isinstance(value, dict):
+        return value
+    n = value.get(_LIST_LEN)
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        spelled = {f"[{i}]" for i in range(n)}
+        if all(k == _LIST_LEN or k in spelled for k in value):
+            return [_decode_lists(value.get(f"[{i}]")) for i in range(n)]
+    return {k: _decode_lists(v) for k, v in value.items()}
+
+
+def _flat_view(index: Any, osd: dict[str, Any], whole: dict[str, tuple[str, str]]) -> tuple:
     if not whole:
         return C.unflatten_optim(index, osd)
     view = C.unflatten_optim(index, {k: v for k, v in osd.items() if k not in whole})
@@ -437,15 +777,76 @@ def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = 
     return view
 
 
+def _nests(state: dict[str, Any]) -> bool:
+    """Whether some parameter's loaded state holds a dict (a name the
+    flattened keys nested at a dot)."""
+    return any(
+        isinstance(entry, dict) and any(isinstance(v, dict) for v in entry.values())
+        for entry in state.values()
+    )
+
+
+def _restore_group_keys(view: tuple, optimizers: tuple[_Optimizer, ...]) -> None:
+    """A flattened key "param_groups.<fqn>.<k>" names a group key by its
+    str(); upstream's unflattening reads it back under the live group's
+    own key (``3``, not ``"3"``).  The non-str keys of the live groups are
+    put back the same way in the view's groups (built here, never the
+    caller's); a str that two live keys share is left as it is."""
+    keys: dict[str, Any] = {}
+    for optim in optimizers:
+        for group in getattr(optim, "param_groups", ()):
+            for k in group:
+                if not isinstance(k, str):
+                    s = str(k)
+                    keys[s] = k if keys.get(s, k) == k else _AMBIGUOUS
+    keys = {s: k for s, k in keys.items() if k is not _AMBIGUOUS}
+    if not keys:
+        return
+    groups = [g for g in view[1] if isinstance(g, dict)]
+    groups += [g for g in view[3] if isinstance(g, dict)]
+    groups += [x for e in view[3] if isinstance(e, tuple) for x in e if isinstance(x, dict)]
+    for group in groups:
+        for s, k in keys.items():
+            if s in group and k not in group:
+                group[k] = group.pop(s)
+
+
+_AMBIGUOUS = object()
+
+
 def _whole_state_names(
-    index: Any, flat: dict[str, Any], optimizers: tuple[_Optimizer, ...]
+    index: Any, flat: dict[str, Any], optimizers: tuple[_Optimizer, ...], template: bool = False
 ) -> dict[str, tuple[str, str]]:
     """Flat state keys to read whole, not split at the dots of their state
     path, as upstream's unflattening does: {key: (fqn, name)} for every
-    dotted state name the live optimizers hold whose whole key
-    "state.<fqn>.<name>" is in ``flat`` (docs/architecture.md, Flat keys)."""
+    dotted state name the live optimizers hold or their schemas declare
+    (``template``: the names of their templates, see _template_names)
+    whose whole key "state.<fqn>.<name>" is in ``flat``
+    (docs/architecture.md, Flat keys)."""
     out: dict[str, tuple[str, str]] = {}
+
+    def add(param: Any, dotted: list[str]) -> None:
+        slot = index.slot_of(param) if dotted else None
+        if slot is None:
+            return
+        for fqn in index.tensor_fqns[slot]:
+            for name in dotted:
+                key = f"state.{fqn}.{name}"
+                if key in flat:
+                    out[key] = (fqn, name)
+
     for optim in optimizers:
+        if template:
+            for param, names in _template_names(index, optim).items():
+                add(param, [k for k in names if isinstance(k, str) and "." in k])
+            continue
+        schema = schema_for(optim)
+        if schema is not None:
+            for group in optim.param_groups:
+                dotted = [s.name for s in schema(optim, group) or () if "." in s.name]
+                if dotted:
+                    for param in group["params"]:
+                        add(param, dotted)
         for param, live in optim.state.items():
             if not isinstance(live, dict):
                 continue
@@ -454,16 +855,29 @@ def _whole_state_names(
                     continue
             except TypeError:  # a key that is not a str
                 pass
-            dotted = [k for k in live if isinstance(k, str) and "." in k]
-            slot = index.slot_of(param) if dotted else None
-            if slot is None:
-                continue
-            for fqn in index.tensor_fqns[slot]:
-                for name in dotted:
-                    key = f"state.{fqn}.{name}"
-                    if key in flat:
-                        out[key] = (fqn, name)
+            add(param, [k for k in live if isinstance(k, str) and "." in k])
     return out
+
+
+def _template_names(index: Any, optim: _Optimizer) -> dict[Any, list[Any]]:
+    """{param: state names} of the template of ``optim``'s trainable
+    parameters without state: from the schema, or else one shadow step
+    (schema.fallback_pristine); {} where that step cannot run."""
+    try:
+        missing = C.optim_missing(index, optim)
+    except Exception:  # noqa: BLE001 - not an optimizer the index knows
+        return {}
+    if not missing:
+        return {}
+    schema = schema_for(optim)
+    if schema is not None:
+        groups = optim.param_groups
+        return {p: [s.name for s in schema(optim, groups[g]) or ()] for p, g, _ in missing}
+    try:
+        states, _ = fallback_pristine(optim, [p for p, _, _ in missing])
+    except Exception:  # noqa: BLE001 - no template: nothing to go by
+        return {}
+    return {p: list(states.get(id(p)) or ()) for p, _, _ in missing}
 
 
 @torch.no_grad()
@@ -482,34 +896,129 @@ def _nothing() -> None:
     return None
 
 
-def _drop_stateless(
-    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str]
-) -> list[str]:
+# The state names of the last template built for a schema-less optimizer
+# (its getter's shadow step), by FQN: the strict load that follows the
+# template flow's get -> dcp.load checks against them without a second
+# shadow step.  Names only (no tensor); gone with the optimizer.
+_TEMPLATE_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None) -> None:
+    if not pristine_states:
+        return
+    try:
+        known = _TEMPLATE_NAMES.setdefault(optim, {})
+    except TypeError:  # not weakly referenceable
+        return
+    for fqn, entry in pristine_states.items():
+        if isinstance(entry, dict):
+            known[fqn] = list(entry)
+
+
+def _templates(
+    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str], strict: bool
+) -> list[dict[str, list[Any] | None] | None]:
+    """Per optimizer without a schema, the state names its template has
+    for each parameter that is ``missing`` or (``strict``) has a loaded
+    entry: {fqn: names} -- those a first step gives it (the getter's
+    template of this optimizer, or else one shadow step,
+    schema.fallback_pristine) and those it holds ([] for a parameter a
+    first step gives no state; where that step cannot run, the held
+    names, or None: no check).  At most one shadow step per optimizer.
+    None for optimizers with a schema (their entries are checked against
+    it by prepare_install)."""
+    todo = set(missing)
+    out: list[dict[str, list[Any] | None] | None] = []
+    for optim, split in zip(optimizers, splits):
+        if schema_for(optim) is not None:
+            out.append(None)
+            continue
+        state = split["state"]
+        try:
+            known = _TEMPLATE_NAMES.get(optim) or {}
+        except TypeError:
+            known = {}
+        first: dict[str, list[Any] | None] = {}
+        shadow: list[tuple[str, Any]] = []
+        pairs: list[tuple[str, Any]] = []
+        for saved, live in zip(split["param_groups"], optim.param_groups):
+            for fqn, param in zip(saved["params"], live["params"]):
+                if fqn not in todo and not (strict and isinstance(state.get(fqn), dict)):
+                    continue
+                pairs.append((fqn, param))
+                if fqn in known:
+                    first[fqn] = known[fqn]
+                else:
+                    shadow.append((fqn, param))
+        if shadow:
+            try:
+                states: dict[int, dict[str, Any]] | None = fallback_pristine(optim, [p for _, p in shadow])[0]
+            except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
+                states = None
+            for fqn, param in shadow:
+                first[fqn] = None if states is None else list(states.get(id(param)) or ())
+        names: dict[str, list[Any] | None] = {}
+        for fqn, param in pairs:
+            # what a step creates, with what the parameter holds (SPAM's
+            # masks, made by its constructor): held state alone is no
+            # template -- the first step adds the moments
+            held = optim.state.get(param)
+            held_names = list(held) if isinstance(held, dict) else []
+            step_names = first[fqn]
+            if step_names is None:
+                names[fqn] = held_names or None
+            else:
+                names[fqn] = step_names + [n for n in held_names if n not in step_names]
+        out.append(names)
+    return out
+
+
+def _drop_stateless(missing: list[str], templates: list[dict[str, list[Any] | None] | None]) -> list[str]:
     """``missing`` without the parameters of schema-less optimizers that a
     first step gives no state (LoRA-RITE keeps none for 1-D parameters):
     nothing of theirs can be missing from a checkpoint.  Where the shadow
     step cannot run (see schema.fallback_pristine), none of that
     optimizer's parameters count as missing: torch's rule, which checks
     nothing."""
-    todo = set(missing)
-    stateless: set[str] = set()
-    for optim, split in zip(optimizers, splits):
-        if schema_for(optim) is not None:
-            continue
-        pairs = [
-            (fqn, param)
-            for saved, live in zip(split["param_groups"], optim.param_groups)
-            for fqn, param in zip(saved["params"], live["params"])
-            if fqn in todo
-        ]
-        if not pairs:
-            continue
-        try:
-            states, _ = fallback_pristine(optim, [p for _, p in pairs])
-        except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
-            states = {}
-        stateless.update(fqn for fqn, p in pairs if not states.get(id(p)))
-    return [fqn for fqn in missing if fqn not in stateless] if stateless else missing
+    drop = {fqn for t in templates if t for fqn, names in t.items() if not names}
+    return [fqn for fqn in missing if fqn not in drop] if drop else missing
+
+
+def _check_entries(
+    optimizers: tuple[_Optimizer, ...],
+    splits: list[dict[str, Any]],
+    templates: list[dict[str, list[Any] | None] | None],
+) -> None:
+    """``strict=True``: a loaded entry must hold every state name of the
+    template (D28 in docs/differences.md).  A partial entry would install
+    and report success, and the next step would recreate the rest from
+    zeros: a silent restart of that state.  Schema-less optimizers: the
+    template's names (see _templates); optimizers with a schema: an
+    empty entry (prepare_install checks the others against the schema).
+    Raises before anything is installed."""
+    for optim, split, template in zip(optimizers, splits, templates):
+        state = split["state"]
+        shaped = _param_shaped(optim, split["param_groups"]) if template is None else None
+        for g, saved in enumerate(split["param_groups"]):
+            for fqn in saved["params"]:
+                entry = state.get(fqn)
+                if not isinstance(entry, dict):
+                    continue
+                if template is not None:
+                    need = template.get(fqn) or []
+                elif entry or not shaped or g >= len(shaped):
+                    continue
+                else:
+                    need = list(shaped[g] or ())
+                lacking = [n for n in need if n not in entry]
+                if lacking:
+                    raise errors.MissingOptimizerStateError(
+                        f"optimizer state of parameter '{fqn}' lacks {lacking} that "
+                        f"{type(optim).__qualname__} holds after a step (the loaded entry has "
+                        f"{list(entry)}): loading it would restart that state from scratch. "
+                        "Nothing was loaded. To load anyway, use StateDictOptions(strict=False).",
+                        [fqn],
+                    )
 
 
 def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, extras: dict[str, Any] | None = None):
@@ -532,8 +1041,15 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ]
     if loaded_expect != expect:
         splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
+    templates = _templates(optimizers, splits, missing, bool(info.strict))
     if missing:
-        missing = _drop_stateless(optimizers, splits, missing)
+        missing = _drop_stateless(missing, templates)
+    wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
+    if wide_unexpected:
+        unexpected = [*unexpected, *wide_unexpected]
+    if info.strict:
+        _check_entries(optimizers, splits, templates)
+        _check_wide(optimizers, splits, wide)
     if missing and info.strict:
         message = errors.E18_MISSING_OPTIM_STATE.format(fqn=missing[0])
         if len(missing) > 1:
@@ -542,16 +1058,22 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ctx = context()
     # (True: native install | False: load_state_dict | _WRAPPER, payload)
     prepared: list[tuple[bool | str, Any]] = []
-    for owner, optim, split, w in zip(owners, optimizers, splits, wrapped):
+    for o, (owner, optim, split, w) in enumerate(zip(owners, optimizers, splits, wrapped)):
+        if o in wide:  # torch's load_state_dict keeps the keys that are no parameter's
+            split = {**split, "state": {**split["state"], **_copy_containers(wide[o])}}
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
+        _cast_integer_state(optim, split, expected)
         _check_steps(split["state"])
         if w is None and _native_load(optim):
             # the optimizer's own state tensors (the DCP resume) keep
             # their identity without the cast, which a __torch_function__
             # mode could intercept: then always cast
             aliased = not torch._C._is_torch_function_mode_enabled()
-            prepared.append((True, C.prepare_install(ctx, optim, split, expected, aliased)))
+            payload = C.prepare_install(ctx, optim, split, expected, aliased)
+            if o in wide:
+                payload[0].update(_copy_containers(wide[o]))
+            prepared.append((True, payload))
         elif w is not None:
             # the wrapper's own layout: its entries beside the inner dict
             own = [k for k in w[2] if k in (extras or {})]
@@ -575,6 +1097,27 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
 _WRAPPER = "wrapper"  # a prepared load for a wrapper's own load_state_dict
 
 
+def _check_wide(
+    optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], wide: dict[int, dict[str, Any]]
+) -> None:
+    """``strict=True``: a load that gives an optimizer parameters' state
+    must give it the optimizer-wide entries it holds too (D29), or the
+    next step restarts them (MADGRAD's ``k`` from 0)."""
+    for o, (optim, split) in enumerate(zip(optimizers, splits)):
+        if not split["state"]:
+            continue
+        lacking = [k for k in _live_wide(optim) if k not in wide.get(o, {})]
+        if lacking:
+            raise errors.MissingOptimizerStateError(
+                f"the optimizer state dict lacks the optimizer-wide state {lacking} that "
+                f"optimizer {o} ({type(optim).__qualname__}) holds ('{_wide_key(o)}' in "
+                f"'state'; flattened, 'state.{_wide_key(o)}.<name>'): loading it would restart "
+                "that state from scratch. Nothing was loaded. To load anyway, use "
+                "StateDictOptions(strict=False).",
+                [_wide_key(o)],
+            )
+
+
 def _live_wrapper_layout(optim: _Optimizer) -> tuple[Any, _Optimizer, list[Any]] | None:
     """_wrapper_layout of a live optimizer, with the keys of the wrapper's
     own entries (reads its own state_dict(); only for optimizers that
@@ -592,7 +1135,7 @@ def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]
     optimizers = tuple(optim if w is None else w[1] for optim, w in
                        ((o, _live_wrapper_layout(o)) for o in optimizers))
     state: dict[str, Any] = {}
-    C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [])
+    C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [], [])  # optimizer-wide entries: not written into
     return state
 
 
@@ -720,11 +1263,11 @@ class OptimLoad:
             return None
         from .distribute import OptimLocalize
 
-        extras: dict[str, Any] = {}
-        if not all(_native_load(optim) for optim in optimizers):
-            extras = _loaded_extras(osd, bool(info.flatten_optimizer_state_dict))
-            if extras:
-                osd = {k: v for k, v in osd.items() if k not in extras}
+        extras = _loaded_extras(
+            osd, bool(info.flatten_optimizer_state_dict), own=not all(_native_load(optim) for optim in optimizers)
+        )
+        if extras:
+            osd = _without_extras(osd, extras)
         # On broadcast loads only the source holds the extra keys: they travel
         # with its metadata (every rank has the same optimizers).
         self.extras = extras

@@ -8,11 +8,11 @@ flat parameters (``fsdp1``).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..schema import PARAM, PARAM_DEVICE, fallback_pristine, schema_for
+from ..schema import OPTIMIZER_WIDE, PARAM, PARAM_DEVICE, fallback_pristine, schema_for
 from .core import C
 
 __all__ = ["pristine", "pristine_states"]
@@ -31,7 +31,10 @@ def _specs(schema, optim: _Optimizer) -> list[list[tuple] | None]:
 def pristine_states(index: Any, optim: _Optimizer) -> dict[str, dict[str, Any]] | None:
     """Pristine state for every trainable parameter of ``optim`` without
     state, keyed by FQN, in param-group order (None if there is none)."""
-    return pristine(index, optim)[0]
+    states = pristine(index, optim)[0]
+    if states and OPTIMIZER_WIDE in states:
+        states = {k: v for k, v in states.items() if k != OPTIMIZER_WIDE} or None
+    return states
 
 
 def pristine(
@@ -68,4 +71,9 @@ def pristine(
         st = states.get(id(param))
         if st is not None:
             out[fqn] = st
+    wide = cast(dict, states).get(OPTIMIZER_WIDE)
+    if wide:
+        # the optimizer-wide entries a first step creates, under a key no
+        # FQN can be (the optimizer getter moves them, D29)
+        out[OPTIMIZER_WIDE] = wide
     return out or None, (group_keys if any(group_keys) else None)

@@ -241,6 +241,27 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
             loaded = all(_same(got["state"][k], v) for k, v in expect["state"].items() if k != "head.weight")
         out[f"d5[strict={strict}{',flat' if flat else ''}]"] = {"dcp_optim": (result, changed, loaded)}
 
+    # 7. issue 23 (D28): a strict load whose dict holds an empty entry for
+    #    a parameter the optimizer keeps state for.  broadcast: only rank 0
+    #    holds the dict; sharded: only rank 1's dict is short.  Either way
+    #    the same MissingOptimizerStateError on both ranks, nothing loaded.
+    for mode in ("broadcast", "sharded"):
+        src_model, src_optim = build(mesh, seed=4)
+        full = mode == "broadcast"
+        osd = dcp_optim.get_optimizer_state_dict(
+            src_model, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=full))
+        short = (rank == 0) if full else (rank == 1)
+        if short:
+            osd = {"state": {**osd["state"], "head.weight": {}}, "param_groups": osd["param_groups"]}
+        elif full:
+            osd = {}
+        model, optim = build(mesh, seed=1)
+        before = _local_snapshot(model, optim)
+        result = _outcome(lambda: dcp_optim.set_optimizer_state_dict(
+            model, optim, osd,
+            options=dcp_optim.StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)))
+        out[f"d7[{mode}]"] = {"dcp_optim": (result, _same(before, _local_snapshot(model, optim)))}
+
     # 4. ranks disagreeing on broadcast_from_rank0 (rank 0 broadcasts, rank
     #    1 passes {} without broadcast): the same error on both.
     model, optim = build(mesh)

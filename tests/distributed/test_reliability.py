@@ -97,6 +97,17 @@ def test_5_a_check_failing_on_one_rank_is_agreed(reliability, fmt):
     assert a == b == ("ok", True, True), (a, b)
 
 
+@pytest.mark.parametrize("mode", ["broadcast", "sharded"])
+def test_7_strict_load_dropping_state_raises_on_every_rank(reliability, mode):
+    """Issue 23 (D28): an empty entry for a parameter whose optimizer keeps
+    state, on the source rank only (broadcast) or one rank's sharded dict:
+    the same error on both ranks, before anything changes."""
+    (err0, unchanged0), (err1, unchanged1) = _both(reliability, f"d7[{mode}]")
+    assert err0.startswith("MissingOptimizerStateError") and "'head.weight'" in err0, err0
+    assert err0.split(" [raised on rank")[0] == err1.split(" [raised on rank")[0], (err0, err1)
+    assert unchanged0 and unchanged1
+
+
 @pytest.mark.parametrize("fmt", ["", "[flat]"])
 def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
     a, b = _both(reliability, f"d6{fmt}")

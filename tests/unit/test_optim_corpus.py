@@ -379,7 +379,12 @@ def _torch_view(model, opt):
         sd = {**sd[key], **{k: v for k, v in sd.items() if k != key}}
     fqn = {id(p): n for n, p in model.named_parameters()}
     ids = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
-    state = {ids[k] if isinstance(k, int) else k: v for k, v in sd["state"].items()}
+    state = {ids[k]: v for k, v in sd["state"].items() if isinstance(k, int)}
+    # optimizer-wide entries (str keys: MADGRAD's "k"): under ".optimizer_0"
+    # (D29 in docs/differences.md)
+    wide = {k: v for k, v in sd["state"].items() if not isinstance(k, int)}
+    if wide:
+        state[".optimizer_0"] = wide
     groups = []
     for g in sd["param_groups"]:
         g = dict(g)
@@ -445,6 +450,11 @@ def test_corpus(name, tmp_path):
         _RAN.add(name)
 
 
+def _wide_entries(opt):
+    """The str-keyed (optimizer-wide) entries of an optimizer's state."""
+    return {k: v for k, v in getattr(opt, "state", {}).items() if isinstance(k, str)}
+
+
 def _declared_stateless(opt):
     schema = dcp_optim.schema.schema_for(opt)
     return schema is not None and not any(schema(opt, g) for g in opt.param_groups)
@@ -472,6 +482,12 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
             # is not recognisably never-stepped; the template is its held
             # state, as upstream's (which skips its dummy step then)
             theirs = _upstream_get(model, opt, "nested", factory, 0)
+            if isinstance(theirs, KeyError) and _wide_entries(opt):
+                # upstream raises on optimizer-wide state (SPAM's counters,
+                # D29): the held state is returned as it is
+                _UPSTREAM_FAILS[f"{name} (template)"] = f"KeyError: {theirs} (optimizer-wide state)"
+                assert got == sorted(state[model.get_parameter(fqn)])
+                continue
             assert sorted(theirs["state"][fqn]) == got
             continue
         assert set(keys) <= set(got), f"{fqn}: template {got}, a first step creates {keys}"
@@ -570,7 +586,16 @@ def _check_resumes(name, factory, tmp_path) -> bool:
         dst_model.load_state_dict(src_model.state_dict())
         state = {"optim": dcp_optim.get_optimizer_state_dict(dst_model, dst_opt, options=options)}
         dcp.load(state, checkpoint_id=str(path))
-        dcp_optim.set_optimizer_state_dict(dst_model, dst_opt, state["optim"], options=options)
+        try:
+            dcp_optim.set_optimizer_state_dict(dst_model, dst_opt, state["optim"], options=options)
+        except dcp_optim.errors.MissingOptimizerStateError as exc:
+            # an incomplete template (SPAM: its constructor's masks stand
+            # for the state a first step adds): the strict set refuses
+            # before training continues, and the checkpoint's entries the
+            # template left behind are reported (issue 23)
+            assert dcp_optim.unrequested_entries(state, str(path)), exc
+            _UPSTREAM_FAILS[f"{name} ({fmt} via dcp)"] = f"strict set raises: {exc}"[:160]
+            continue
         _step(dst_model, dst_opt, 2)
         for n, p in dst_model.named_parameters():
             assert torch.equal(p.detach(), expected_params[n]), f"{fmt} via dcp: {n} differs"

@@ -324,6 +324,29 @@ def _():
     C.optim_pack(INDEX, [OPT], [{"b.bias": {}}], {}, [])
 
 
+@case("optim_pack", "optimizer-wide")
+def _():
+    opt = FakeOptimizer([PARAMS[:2]])
+    opt.state[PARAMS[0]] = {"x": 1}
+    opt.state["k"] = [1]
+    wide = []
+    C.optim_pack(INDEX, [opt, OPT], [None, None], {}, [], wide)
+    assert wide == [{"k": [1]}, {}]
+    C.optim_pack(INDEX, [OPT], [None], {}, [], None)
+
+
+@case("optim_pack", "optimizer-wide-refused", KeyError, "not in any of its param groups")
+def _():
+    opt = FakeOptimizer([PARAMS[:2]])
+    opt.state["k"] = [1]
+    C.optim_pack(INDEX, [opt], [None], {}, [])
+
+
+@case("optim_pack", "out-wide-type", TypeError, "out_wide")
+def _():
+    C.optim_pack(INDEX, [OPT], [None], {}, [], {})
+
+
 @case("optim_pack", "foreign-param", KeyError, "not a parameter of the model")
 def _():
     C.optim_pack(INDEX, [FakeOptimizer([[FakeParameter()]])], [None], {}, [])
