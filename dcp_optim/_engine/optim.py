@@ -28,10 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
-from ..schema import PARAM, PARAM_DEVICE, fallback_pristine, fallback_wrapper_entries, schema_for
+from ..schema import PARAM, PARAM_DEVICE, schema_for
 from .core import C, context
 from .model import _is_patched, state_dict_fn
-from .pristine import pristine, pristine_states
+from .pristine import pristine, pristine_states, template_error
+from .shadow import fallback_pristine, fallback_wrapper_entries, upstream_wrapper_entries
 from .tree import maybe_full_or_cpu_state_dict
 
 __all__ = ["get_optim", "load_optim", "init_optim_state"]
@@ -258,15 +259,11 @@ def _unwrap_state_dict(
     if C.optim_missing(index, inner):
         try:
             first, group_keys = fallback_wrapper_entries(optim, key)
-        except Exception as exc:  # noqa: BLE001 - reported; the held entries are kept
-            warnings.warn(
-                f"dcp_optim could not build the first-step state of {type(optim).__qualname__}'s "
-                f"own state_dict() entries (its step raised {type(exc).__name__}: {exc}); "
-                "they are returned as the wrapper holds them",
-                UserWarning,
-                stacklevel=6,
-            )
-            first = {}
+        except Exception as shadow_exc:  # noqa: BLE001 - upstream's method, then raised
+            try:
+                first, group_keys = upstream_wrapper_entries(optim, key)
+            except Exception as exc:  # noqa: BLE001 - raised as the template error
+                raise template_error(optim, "own state_dict() entries", shadow_exc, exc) from exc
         own = {k: _fill(v, first.get(k)) for k, v in own.items()}
     return {**osd[key], **own}, inner, group_keys
 
