@@ -16,8 +16,8 @@ template for a large model runs no Python code per parameter.
 
 The ``torch.optim`` optimizers are registered below.  Other optimizers can
 declare theirs with :func:`register_optimizer_schema`.  A proxy that holds
-another optimizer and shares its ``param_groups`` and ``state`` (accelerate's
-``AcceleratedOptimizer``) uses the schema of the optimizer it wraps unless
+another optimizer and adds no state (accelerate's ``AcceleratedOptimizer``)
+uses the schema of the optimizer it wraps unless
 its own class has one.  An optimizer without a schema gets its pristine
 state from a shadow step (``dcp_optim._engine.shadow``): a copy of the
 optimizer object, built without its constructor, over copies of the real
@@ -166,29 +166,37 @@ def _class_schema(cls: type) -> SchemaFn | None:
     return None
 
 
+# Classes known to be pure proxies: every call goes to the optimizer they
+# hold in ``.optimizer`` (accelerate's ``AcceleratedOptimizer`` adds only
+# gradient scaling and device placement, no state).  A wrapper that shares
+# its inner optimizer's ``param_groups`` and ``state`` but adds state of
+# its own (pytorch-optimizer's TRAC adds ``group['step']``) is no proxy:
+# it keeps the shadow step.
+_PROXIES = {("accelerate.optimizer", "AcceleratedOptimizer")}
+
+
+def _is_proxy(optimizer: Any) -> bool:
+    return any((c.__module__, c.__qualname__) in _PROXIES for c in type(optimizer).__mro__)
+
+
 def proxied(optimizer: Any) -> Any:
-    """The optimizer a proxy wraps, at any depth: an attribute of
-    ``optimizer`` that is an optimizer sharing both its ``param_groups``
-    and its ``state`` (accelerate's ``AcceleratedOptimizer.optimizer``);
-    ``optimizer`` itself when it is no such proxy."""
+    """The optimizer a proxy wraps, at any depth: for a known proxy class
+    (accelerate's ``AcceleratedOptimizer``), its ``.optimizer`` when that
+    shares the proxy's ``param_groups`` and ``state``; ``optimizer``
+    itself otherwise."""
     seen = {id(optimizer)}
-    while True:
-        groups = getattr(optimizer, "param_groups", None)
-        state = getattr(optimizer, "state", None)
-        if groups is None or state is None:
+    while _is_proxy(optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if (
+            not isinstance(inner, torch.optim.Optimizer)
+            or id(inner) in seen
+            or getattr(inner, "param_groups", None) is not getattr(optimizer, "param_groups", None)
+            or getattr(inner, "state", None) is not getattr(optimizer, "state", None)
+        ):
             return optimizer
-        found = [
-            v
-            for v in getattr(optimizer, "__dict__", {}).values()
-            if isinstance(v, torch.optim.Optimizer)
-            and id(v) not in seen
-            and v.param_groups is groups
-            and v.state is state
-        ]
-        if len({id(v) for v in found}) != 1:
-            return optimizer
-        optimizer = found[0]
+        optimizer = inner
         seen.add(id(optimizer))
+    return optimizer
 
 
 def schema_for(optimizer: torch.optim.Optimizer) -> SchemaFn | None:
