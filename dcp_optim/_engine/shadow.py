@@ -47,9 +47,11 @@ def copy_tensor(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
+    if isinstance(t, DTensor) and type(t._local_tensor) is torch.Tensor:
         return t.detach().clone()
-    names, ctx = t.__tensor_flatten__()
+    # (a DTensor of a subclass, as torchao's states under FSDP2: its
+    # local tensor is copied the same way)
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = {name: copy_tensor(getattr(t, name)) for name in names}
     return cls.__tensor_unflatten__(inner, ctx, t.size(), t.stride())  # type: ignore[attr-defined]
 
@@ -197,6 +199,32 @@ def _own(value: Any, seen: dict[int, Any] | None = None) -> Any:
     return value
 
 
+class _Keep:
+    """Hands over a shadow step's tensors without copying them where they
+    can be: a tensor is copied only when its storage is a stand-in's or
+    a stand-in gradient's, or is already handed over (no two tensors of a
+    template share storage); the shadow is discarded on return, so the
+    rest become the template as they are (one copy of the state, not
+    two).  Tensor subclasses are always copied."""
+
+    def __init__(self, avoid: set[int]):
+        self.used = set(avoid)
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if type(value) is torch.Tensor and value.numel() and not value.requires_grad:
+                ptr = value.untyped_storage().data_ptr()
+                if ptr not in self.used:
+                    self.used.add(ptr)
+                    return value.detach()
+            return copy_tensor(value)
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(self(v) for v in value)
+        return value
+
+
 def fallback_pristine(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
@@ -339,16 +367,22 @@ def _shadow_step(
             shadow.step(lambda: torch.zeros(()))  # type: ignore[arg-type,return-value]
         else:
             shadow.step()
+    avoid = set()
+    for _, clone in order:
+        avoid.add(clone.untyped_storage().data_ptr())
+        if clone.grad is not None:
+            avoid.add(clone.grad.untyped_storage().data_ptr())
+    keep = _Keep(avoid)
     new_keys = []
     for keys, group in zip(live_keys, shadow.param_groups):
-        new_keys.append(_zero_steps(_own({k: v for k, v in group.items() if k not in keys})))
+        new_keys.append(_zero_steps(keep({k: v for k, v in group.items() if k not in keys})))
     if own_key is not None:
         own = shadow.state_dict()
-        return {k: _zero_steps(_own(v)) for k, v in own.items() if k != own_key}, new_keys
+        return {k: _zero_steps(keep(v)) for k, v in own.items() if k != own_key}, new_keys
     states = {}
     for p, clone in order:
         if id(p) in wanted and clone in shadow.state:
-            states[id(p)] = _zero_steps(_own(dict(shadow.state[clone])))
+            states[id(p)] = _zero_steps(keep(dict(shadow.state[clone])))
     return states, new_keys
 
 

@@ -55,7 +55,7 @@ FORMATS = {
 
 
 class Net(nn.Module):
-    def __init__(self, width: int = 4, hidden: int = 3):
+    def __init__(self, width: int = 4, hidden: int = 4):  # even shards at world 2
         super().__init__()
         self.width = width
         self.a = nn.Linear(width, hidden)
@@ -125,7 +125,7 @@ def catalogue() -> dict[str, dict[str, Any]]:
 
 def _build(case: dict[str, Any], world: int, seed: int = 0, mesh: Any = None):
     torch.manual_seed(seed)
-    model = Net(case.get("width", 4), case.get("hidden", 3))
+    model = Net(case.get("width", 4), case.get("hidden", 4))
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -219,7 +219,11 @@ def run_case(name: str, case: dict[str, Any], fmt: str, world: int, root: str) -
         from torch.distributed.device_mesh import DeviceMesh
 
         if "mesh" not in _GROUP:
-            _GROUP["mesh"] = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=CASE_TIMEOUT), "cpu")
+            # a name of its own: DTensor's caches compare meshes by
+            # ranks and names, and would hand back the broken group
+            _GROUP["n"] = _GROUP.get("n", 0) + 1
+            _GROUP["mesh"] = DeviceMesh.from_group(
+                dist.new_group(backend="gloo", timeout=CASE_TIMEOUT), "cpu", mesh_dim_names=(f"case{_GROUP['n']}",))
         mesh = _GROUP["mesh"]
     verdict, reason = _run_case(name, case, fmt, world, root, mesh)
     if verdict != "resumed":
@@ -227,7 +231,7 @@ def run_case(name: str, case: dict[str, Any], fmt: str, world: int, root: str) -
     return verdict, reason
 
 
-_GROUP: dict[str, Any] = {}
+_GROUP: dict[str, Any] = {}  # "mesh": the cases' mesh, "n": meshes made
 
 
 def _run_case(name, case, fmt, world, root, mesh) -> tuple[str, str]:
