@@ -52,7 +52,11 @@ def copy_tensor(t: torch.Tensor) -> torch.Tensor:
     # (a DTensor of a subclass, as torchao's states under FSDP2: its
     # local tensor is copied the same way)
     names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = {name: copy_tensor(getattr(t, name)) for name in names}
+    inner = {}
+    for name in names:
+        value = getattr(t, name)
+        # (only tensors are copied: a subclass may list other inner values)
+        inner[name] = copy_tensor(value) if isinstance(value, torch.Tensor) else value
     return cls.__tensor_unflatten__(inner, ctx, t.size(), t.stride())  # type: ignore[attr-defined]
 
 
@@ -199,6 +203,18 @@ def _own(value: Any, seen: dict[int, Any] | None = None) -> Any:
     return value
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """The data pointer of a plain tensor's storage (of a DTensor's plain
+    local tensor); None for other subclasses and empty tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    return t.untyped_storage().data_ptr() if t.numel() else None
+
+
 class _Keep:
     """Hands over a shadow step's tensors without copying them where they
     can be: a tensor is copied only when its storage is a stand-in's or
@@ -212,11 +228,10 @@ class _Keep:
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            if type(value) is torch.Tensor and value.numel() and not value.requires_grad:
-                ptr = value.untyped_storage().data_ptr()
-                if ptr not in self.used:
-                    self.used.add(ptr)
-                    return value.detach()
+            ptr = _storage(value)
+            if ptr is not None and not value.requires_grad and ptr not in self.used:
+                self.used.add(ptr)
+                return value.detach()
             return copy_tensor(value)
         if isinstance(value, dict):
             return {k: self(v) for k, v in value.items()}
@@ -369,9 +384,10 @@ def _shadow_step(
             shadow.step()
     avoid = set()
     for _, clone in order:
-        avoid.add(clone.untyped_storage().data_ptr())
-        if clone.grad is not None:
-            avoid.add(clone.grad.untyped_storage().data_ptr())
+        for t in (clone, clone.grad):
+            ptr = None if t is None else _storage(t)
+            if ptr is not None:
+                avoid.add(ptr)
     keep = _Keep(avoid)
     new_keys = []
     for keys, group in zip(live_keys, shadow.param_groups):

@@ -177,6 +177,16 @@ def _reason(exc: BaseException) -> str:
     return text.replace("\n", " ")[:220]
 
 
+def _trace(text: str) -> None:
+    """A debugging aid: with DCP_OPTIM_MATRIX_TRACE=<path>, each rank logs
+    the cases it runs, every agreed failure and templates' tracebacks to
+    <path>.<rank>."""
+    if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{rank}", "a") as trace:
+            print(text, flush=True, file=trace)
+
+
 def _agree(world: int, failure: str | None) -> str | None:
     """Every rank's failure of one phase (the first one), on every rank."""
     if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
@@ -274,6 +284,7 @@ def _run_case(name, case, fmt, world, root, mesh) -> tuple[str, str]:
             }
         except _ERRORS as exc:  # noqa: BLE001 - a verdict
             failure = "template: " + _reason(exc)
+            _trace(traceback.format_exc())
         failure = _agree(world, failure)
     if failure is None:
         try:
