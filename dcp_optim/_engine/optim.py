@@ -251,8 +251,9 @@ def _unwrap_state_dict(
     ``load_state_dict`` beside the inner dict on load).  While some
     parameter has no state in the inner optimizer (never stepped), the
     wrapper's own entries are completed with what a first step creates
-    (a shadow step, schema.fallback_wrapper_entries); entries it already
-    holds are kept as they are; with them, the group keys that step adds
+    (a shadow step, shadow.fallback_wrapper_entries; where it raises,
+    upstream's step undone; else IncompleteTemplateError); entries it
+    already holds are kept as they are; with them, the group keys that step adds
     (None when nothing is missing)."""
     own = {k: v for k, v in osd.items() if k != key}
     group_keys = None
@@ -483,7 +484,7 @@ def _drop_stateless(
     """``missing`` without the parameters of schema-less optimizers that a
     first step gives no state (LoRA-RITE keeps none for 1-D parameters):
     nothing of theirs can be missing from a checkpoint.  Where the shadow
-    step cannot run (see schema.fallback_pristine), none of that
+    step cannot run (see shadow.fallback_pristine), none of that
     optimizer's parameters count as missing: torch's rule, which checks
     nothing."""
     todo = set(missing)
