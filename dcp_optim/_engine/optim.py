@@ -261,6 +261,7 @@ def _unwrap_state_dict(
         try:
             first, group_keys = fallback_wrapper_entries(optim, key)
         except Exception as shadow_exc:  # noqa: BLE001 - upstream's method, then raised
+            shadow_exc.__traceback__ = None  # its frames hold the shadow's copies
             try:
                 first, group_keys = upstream_wrapper_entries(optim, key)
             except Exception as exc:  # noqa: BLE001 - raised as the template error

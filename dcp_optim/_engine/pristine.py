@@ -88,7 +88,9 @@ def pristine(
     try:
         states, group_keys = fallback_pristine(optim, params)
     except Exception as exc:  # noqa: BLE001 - the next route, then raised
-        shadow_error = exc
+        # without its traceback: its frames hold the shadow step's copies
+        # of the parameters, which upstream's step must not meet
+        shadow_error = exc.with_traceback(None)
     else:
         if any(id(p) not in states for p in params):
             # A trainable parameter without state: either the optimizer

@@ -303,7 +303,9 @@ def fallback_pristine(
                 got, keys = _shadow_step(optimizer, wanted, zero_lr, grad_value, closure, graph)
                 break
             except Exception as exc:  # noqa: BLE001 - retried, then re-raised
-                failures.append(exc)
+                # kept without its traceback: its frames hold that try's
+                # copies of the parameters, which the next try must not meet
+                failures.append(exc.with_traceback(None))
         else:
             if grad_value:  # pass 1 succeeded: keep what it gave
                 break
@@ -546,7 +548,9 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
                 else:
                     optimizer.step()
             except Exception as exc:  # noqa: BLE001 - retried, then re-raised
-                failures.append(exc)
+                # kept without its traceback: its frames hold that try's
+                # copies of the parameters, which the next try must not meet
+                failures.append(exc.with_traceback(None))
                 continue
             new_keys = [
                 _zero_steps(_own({k: v for k, v in group.items() if k not in keys and k != "lr"}))
