@@ -552,15 +552,27 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
                 # copies of the parameters, which the next try must not meet
                 failures.append(exc.with_traceback(None))
                 continue
+            # What the step created (the entries of parameters that had
+            # none, the group keys it added) is removed from the optimizer
+            # on exit: handed over without a copy unless it shares storage
+            # with a parameter, a gradient or another entry.  A wrapper's
+            # own state_dict() may hold live, restored tensors: copied.
+            avoid = set()
+            for p in params:
+                for t in (p, p.grad):
+                    ptr = None if t is None else _storage(t)
+                    if ptr is not None:
+                        avoid.add(ptr)
+            keep = _Keep(avoid)
             new_keys = [
-                _zero_steps(_own({k: v for k, v in group.items() if k not in keys and k != "lr"}))
+                _zero_steps(keep({k: v for k, v in group.items() if k not in keys and k != "lr"}))
                 for keys, group in zip(live_keys, optimizer.param_groups)
             ]
             if own_key is not None:
                 own = optimizer.state_dict()
                 return {k: _zero_steps(_own(v)) for k, v in own.items() if k != own_key}, new_keys
             state = optimizer.state
-            states = {id(p): _zero_steps(_own(dict(state[p]))) for p in params if id(p) in wanted and state.get(p)}
+            states = {id(p): _zero_steps(keep(dict(state[p]))) for p in params if id(p) in wanted and state.get(p)}
             return states, new_keys
     raise failures[-1]
 
