@@ -111,7 +111,9 @@ def catalogue() -> dict[str, dict[str, Any]]:
     out = _corpus()
     # torchao quantizes state only for tensors of >= 4096 elements: a
     # wider model, so that both quantized and plain state are resumed
-    # Fp8 first: after 8bit/4bit fail under FSDP2 (torchao 0.15), Fp8 fails too in the same process
+    # (under FSDP2, torchao 0.15's 8bit/4bit cannot step here; Fp8 steps and
+    # resumes when launched alone, and fails to step after other cases in
+    # one launch: 'OptimStateFp8' object has no attribute 'qmap')
     for cls_name in ("AdamWFp8", "AdamW8bit", "AdamW4bit"):
         out[f"torchao.{cls_name}"] = {"skip": None, "factory": _torchao(cls_name), "mode": None,
                                       "width": 64, "hidden": 128}
