@@ -48,7 +48,9 @@ def pristine_states(index: Any, optim: _Optimizer) -> dict[str, dict[str, Any]] 
     return pristine(index, optim)[0]
 
 
-def template_error(optim: Any, what: str, shadow: BaseException | None, upstream: BaseException) -> errors.IncompleteTemplateError:
+def template_error(
+    optim: Any, what: str, shadow: BaseException | None, upstream: BaseException
+) -> errors.IncompleteTemplateError:
     """The error of an optimizer whose template cannot be built."""
     cls = type(optim)
     name = f"{cls.__module__}.{cls.__qualname__}"
