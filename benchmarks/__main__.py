@@ -15,14 +15,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks",
         description="dcp_optim vs torch.distributed.checkpoint.state_dict: "
         "bookkeeping (1), distributed FSDP2 (2), scaling (3), distributed FSDP1 (4), "
-        "scale simulation on the fake process group (5).",
+        "scale simulation on the fake process group (5), never-stepped templates (6 or 'templates').",
     )
     p.add_argument("--quick", action="store_true",
                    help="1k and 10k tensors, shorter budgets, fewer distributed passes (~2 min)")
     p.add_argument("--sizes", help="comma-separated numbers of parameter tensors (default 1000,10000,50000)")
-    p.add_argument("--sections", default="1,2,3,4,5",
+    p.add_argument("--sections", default="1,2,3,4,5,6",
                    help="which sections to run: 1 bookkeeping, 2 distributed (FSDP2), 3 scaling (from 1), "
-                   "4 distributed FSDP1 (flat parameters), 5 scale simulation (fake process group)")
+                   "4 distributed FSDP1 (flat parameters), 5 scale simulation (fake process group), "
+                   "6 (or 'templates') the template of a never-stepped optimizer by route")
+    p.add_argument("--tmpl-layers", type=int, default=100,
+                   help="section 6: Linear(dim, dim) layers (default 100: 100M parameters at dim 1000)")
+    p.add_argument("--tmpl-dim", type=int, default=1000, help="section 6: layer width (default 1000)")
+    p.add_argument("--tmpl-reps", type=int, default=None, help="section 6: fresh processes per route (default 2, quick 1)")
     p.add_argument("--scale-worlds", help="section 5: simulated world sizes (default 8,64,512,4096; "
                    "quick 8,64,512)")
     p.add_argument("--scale-big", action="store_true", help="section 5: add 16384 and 65536 (memory permitting)")
@@ -69,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     from .common import environment
 
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if "templates" in sections:
+        sections.add("6")
     if args.sizes:
         sizes = [int(float(x)) for x in args.sizes.split(",") if x.strip()]
     else:
@@ -140,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         s5 = scale.run_from_args(ns, out_dir=os.path.dirname(os.path.abspath(json_path)))
         out["scale"] = s5
+    s6 = None
+    if "6" in sections:
+        from .templates import run_templates
+
+        s6 = run_templates(layers=args.tmpl_layers, dim=args.tmpl_dim,
+                           reps=args.tmpl_reps if args.tmpl_reps is not None else (1 if args.quick else 2))
+        out["templates"] = s6
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 
@@ -182,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         from . import scale
 
         print(scale.tables(s5))
+    if s6:
+        from .templates import table as templates_table
+
+        c = s6["config"]
+        print(f"\n== 6. Templates: get_optimizer_state_dict of a never-stepped optimizer, {c['n_params']} "
+              f"parameters ({c['layers']} x Linear({c['dim']}, {c['dim']}), {c['params_mb']:.0f} MB), one process; "
+              f"best time of {c['reps']} fresh processes ==")
+        print("   peak = extra RSS at the call's peak (VmHWM); beyond = peak less the returned template; "
+              "x params = beyond / the parameters' size")
+        print(templates_table(s6))
     if out["findings"]:
         print("\n== Findings (dcp_optim) ==")
         for f in out["findings"]:

@@ -23,6 +23,7 @@ __all__ = [
     "ModuleNameTypeError",
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
+    "IncompleteTemplateError",
 ]
 
 
@@ -74,6 +75,14 @@ class MissingOptimizerStateError(StateDictRuntimeError):
 
     def __reduce__(self):  # picklable (errors travel between ranks)
         return (type(self), (str(self.args[0]) if self.args else "", self.missing))
+
+
+class IncompleteTemplateError(StateDictRuntimeError):
+    """The getter cannot build the complete state template of a
+    never-stepped optimizer (no schema, and neither a shadow step nor one
+    zero-gradient step of the optimizer itself yields it): raised rather
+    than returning a template ``dcp.load`` would silently leave state
+    behind with."""
 
 
 # --- upstream texts (docs/architecture.md, "Errors and warnings") ----------

@@ -103,3 +103,6 @@ def pytest_terminal_summary(terminalreporter):
     corpus = sys.modules.get("tests.unit.test_optim_corpus")
     for line in corpus.corpus_summary() if corpus else []:
         terminalreporter.write_line(line)
+    matrix = sys.modules.get("tests.distributed.test_resume_matrix")
+    for line in matrix.matrix_summary() if matrix else []:
+        terminalreporter.write_line(line)

@@ -13,6 +13,8 @@ the order a get or a set runs:
 * ``optim``        optimizer state dicts: get (pristine state of
                    never-stepped parameters), init and the optimizers' ``LoadPart``
 * ``pristine``     that pristine state, from the schema or a shadow step
+* ``shadow``       the routes without a schema: the shadow step, upstream's
+                   zero-gradient step undone, generic tensor copies
 * ``fsdp1``        FSDP1 flat parameters: the optimizer's flat <-> original
                    mapping and its loads
 * ``distribute``   DTensor routes: full loads, broadcasts and reshards

@@ -29,18 +29,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
-from ..schema import (
-    OPTIMIZER_WIDE,
-    PARAM,
-    PARAM_DEVICE,
-    fallback_pristine,
-    fallback_wrapper_entries,
-    schema_for,
-)
+from ..schema import PARAM, PARAM_DEVICE, schema_for
 from .core import C, context
 from .model import _is_patched, state_dict_fn
 from .pipeline import Prepared, Report
-from .pristine import pristine, pristine_states
+from .pristine import pristine, pristine_states, template_error
+from .shadow import OPTIMIZER_WIDE, fallback_pristine, fallback_wrapper_entries, upstream_wrapper_entries
 from .tree import maybe_full_or_cpu_state_dict
 
 __all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]
@@ -413,23 +407,21 @@ def _unwrap_state_dict(
     ``load_state_dict`` beside the inner dict on load).  While some
     parameter has no state in the inner optimizer (never stepped), the
     wrapper's own entries are completed with what a first step creates
-    (a shadow step, schema.fallback_wrapper_entries); entries it already
-    holds are kept as they are; with them, the group keys that step adds
+    (a shadow step, shadow.fallback_wrapper_entries; where it raises,
+    upstream's step undone; else IncompleteTemplateError); entries it
+    already holds are kept as they are; with them, the group keys that step adds
     (None when nothing is missing)."""
     own = {k: v for k, v in osd.items() if k != key}
     group_keys = None
     if C.optim_missing(index, inner):
         try:
             first, group_keys = fallback_wrapper_entries(optim, key)
-        except Exception as exc:  # noqa: BLE001 - reported; the held entries are kept
-            warnings.warn(
-                f"dcp_optim could not build the first-step state of {type(optim).__qualname__}'s "
-                f"own state_dict() entries (its step raised {type(exc).__name__}: {exc}); "
-                "they are returned as the wrapper holds them",
-                UserWarning,
-                stacklevel=6,
-            )
-            first = {}
+        except Exception as shadow_exc:  # noqa: BLE001 - upstream's method, then raised
+            shadow_exc.__traceback__ = None  # its frames hold the shadow's copies
+            try:
+                first, group_keys = upstream_wrapper_entries(optim, key)
+            except Exception as exc:  # noqa: BLE001 - raised as the template error
+                raise template_error(optim, "own state_dict() entries", shadow_exc, exc) from exc
         own = {k: _fill(v, first.get(k)) for k, v in own.items()}
     return {**osd[key], **own}, inner, group_keys
 
@@ -977,7 +969,7 @@ def _drop_stateless(missing: list[str], templates: list[dict[str, list[Any] | No
     """``missing`` without the parameters of schema-less optimizers that a
     first step gives no state (LoRA-RITE keeps none for 1-D parameters):
     nothing of theirs can be missing from a checkpoint.  Where the shadow
-    step cannot run (see schema.fallback_pristine), none of that
+    step cannot run (see shadow.fallback_pristine), none of that
     optimizer's parameters count as missing: torch's rule, which checks
     nothing."""
     drop = {fqn for t in templates if t for fqn, names in t.items() if not names}

@@ -485,7 +485,7 @@ def test_fallback_state_shapes_equal_a_real_step():
 def test_fallback_cost_is_bounded():
     """The shadow steps run only for schema-less optimizers with
     stateless parameters: a stepped optimizer's get runs none."""
-    from dcp_optim import schema
+    from dcp_optim._engine import shadow as schema
 
     model, optim = _build_needs_lr()
     train(model, optim, 1)
@@ -629,13 +629,22 @@ class NeedsLoss(NeedsLr):
         return super().step(closure)
 
 
-@impls("the initialising dummy step raises", raises=pytest.fail.Exception)
 @pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
-def test_fallback_that_cannot_step_returns_parameters_without_state(impl):
+def test_fallback_that_cannot_step_raises_naming_the_way_out():
+    """No route builds the template (the shadow step and upstream's own
+    zero-gradient step both raise): the getter raises, naming the class
+    and register_optimizer_schema, and changes nothing -- never a template
+    without the state (upstream raises the step's TypeError)."""
     torch.manual_seed(0)
     model = Net()
     optim = NeedsLoss(model, 0.01, tag="l")
-    with pytest.warns(UserWarning, match="could not build the pristine state of NeedsLoss"):
-        sd = impl.get_optimizer_state_dict(model, optim)
-    assert sd["state"] == {} and len(optim.state) == 0
-    impl.set_optimizer_state_dict(model, optim, sd)  # nothing is missing: nothing can be told
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(dcp_optim.errors.IncompleteTemplateError,
+                       match=r"NeedsLoss.*register_optimizer_schema\(NeedsLoss"):
+        dcp_optim.get_optimizer_state_dict(model, optim)
+    with pytest.raises(TypeError):
+        upstream.get_optimizer_state_dict(model, copy.deepcopy(optim))
+    assert len(optim.state) == 0 and optim.param_groups[0]["lr"] == 0.01
+    assert "step" not in optim.param_groups[0]
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -1,0 +1,346 @@
+"""The DCP resume matrix (issue 23's acceptance; tests/distributed/test_resume_matrix.py).
+
+For every optimizer of the corpora (tests/unit/test_optim_corpus.py's
+catalogue: pytorch-optimizer, lion-pytorch, schedulefree, prodigyopt,
+torch.optim and the wrappers), torchao's low-bit AdamWs, LBFGS and
+accelerate's ``AcceleratedOptimizer``, in both formats, the whole flow
+users run:
+
+1. the uninterrupted run: ``STEPS + RESUMED`` steps;
+2. the interrupted run: ``STEPS`` steps, ``get_optimizer_state_dict``,
+   ``dcp.save``;
+3. a fresh model (the trained weights loaded) and a never-stepped
+   optimizer: ``get_optimizer_state_dict`` (the template), ``dcp.load``,
+   ``set_optimizer_state_dict``, ``RESUMED`` steps;
+4. the verdict: ``resumed`` (every parameter bit-identical to the
+   uninterrupted run's), ``raised`` (an exception in 2 or 3, before any
+   resumed step: the reason is kept), ``diverged`` (the failure this
+   matrix exists to catch), or ``not run`` (the optimizer cannot take the
+   uninterrupted run's steps here: the reason is kept).
+
+``run_matrix(rank, world, names, root)`` runs every case in one process
+(world 1) or on every rank of one launch (world 2, FSDP2 over a 1-D mesh);
+ranks agree on each verdict (an exception on one rank is everyone's).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import shutil
+import traceback
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+import dcp_optim
+
+# dcp.save/dcp.load raise CheckpointException, a BaseException
+_ERRORS = (Exception, dcp.api.CheckpointException)
+
+CASE_TIMEOUT = datetime.timedelta(seconds=15)
+STEPS = 2  # before the checkpoint
+RESUMED = 2  # after it: LBFGS's history shows only in the second
+
+FORMATS = {
+    "nested": dcp_optim.StateDictOptions(),
+    "flat": dcp_optim.StateDictOptions(flatten_optimizer_state_dict=True),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 4, hidden: int = 4):  # even shards at world 2
+        super().__init__()
+        self.width = width
+        self.a = nn.Linear(width, hidden)
+        self.b = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).pow(2).sum()
+
+
+def _x(step: int, width: int) -> torch.Tensor:
+    return torch.randn(8, width, generator=torch.Generator().manual_seed(step))
+
+
+# --- the catalogue -----------------------------------------------------------
+
+
+def _corpus() -> dict[str, Any]:
+    from tests.unit import test_optim_corpus as corpus
+
+    out = {}
+    for name, (skip, factory) in corpus.CATALOGUE.items():
+        short = corpus.name_of.get(factory) if factory is not None else None
+        mode = ("closure" if short in corpus.CLOSURE else "loss" if short in corpus.LOSS
+                else "hessian" if short in corpus.HESSIAN else None)
+        out[name] = {"skip": skip, "factory": factory, "mode": mode}
+    return out
+
+
+def _torchao(cls_name: str):
+    def make(model):
+        from torchao import optim as ao
+
+        return getattr(ao, cls_name)(model.parameters(), lr=1e-2)
+
+    return make
+
+
+def _accelerated(model):
+    from accelerate import Accelerator
+
+    # one Accelerator per process (its state is a singleton); CPU, no
+    # mixed precision: prepare_optimizer only wraps
+    accelerator = _ACCELERATOR.get("a")
+    if accelerator is None:
+        accelerator = _ACCELERATOR["a"] = Accelerator(cpu=True)
+    return accelerator.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), device_placement=False)
+
+
+_ACCELERATOR: dict[str, Any] = {}
+
+
+def catalogue() -> dict[str, dict[str, Any]]:
+    out = _corpus()
+    # torchao quantizes state only for tensors of >= 4096 elements: a
+    # wider model, so that both quantized and plain state are resumed
+    # (under FSDP2, torchao 0.15's 8bit/4bit cannot step here; Fp8 steps and
+    # resumes when launched alone, and fails to step after other cases in
+    # one launch: 'OptimStateFp8' object has no attribute 'qmap')
+    for cls_name in ("AdamWFp8", "AdamW8bit", "AdamW4bit"):
+        out[f"torchao.{cls_name}"] = {"skip": None, "factory": _torchao(cls_name), "mode": None,
+                                      "width": 64, "hidden": 128}
+    out["torch.LBFGS"] = {"skip": None, "mode": "closure",
+                          "factory": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=3)}
+    out["accelerate.AcceleratedOptimizer(AdamW)"] = {"skip": None, "factory": _accelerated, "mode": None}
+    return out
+
+
+# --- one case ------------------------------------------------------------------
+
+
+def _build(case: dict[str, Any], world: int, seed: int = 0, mesh: Any = None):
+    torch.manual_seed(seed)
+    model = Net(case.get("width", 4), case.get("hidden", 4))
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = case["factory"](model)
+    if hasattr(opt, "train") and callable(opt.train):
+        opt.train()  # schedule-free optimizers step in train mode
+    return model, opt
+
+
+def _step(model, opt, i: int, mode: str | None) -> None:
+    random.seed(i)
+    np.random.seed(i)
+    torch.manual_seed(1000 + i)
+    x = _x(i, model.width)
+    if mode == "closure":
+        def closure():
+            opt.zero_grad()
+            loss = model(x)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    elif mode == "loss":
+        loss = model(x)
+        loss.backward()
+        opt.step(lambda: float(loss))
+    else:
+        model(x).backward(create_graph=mode == "hessian")
+        opt.step()
+    opt.zero_grad()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, dcp.api.CheckpointException):
+        # the failing rank's traceback: its last line names the error
+        last = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        text = f"{type(exc).__name__}: {last[-1] if last else exc}"
+    return text.replace("\n", " ")[:220]
+
+
+def _trace(text: str) -> None:
+    """A debugging aid: with DCP_OPTIM_MATRIX_TRACE=<path>, each rank logs
+    the cases it runs, every agreed failure and templates' tracebacks to
+    <path>.<rank>."""
+    if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{rank}", "a") as trace:
+            print(text, flush=True, file=trace)
+
+
+def _agree(world: int, failure: str | None) -> str | None:
+    """Every rank's failure of one phase (the first one), on every rank."""
+    if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
+        with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{dist.get_rank() if world > 1 else 0}", "a") as trace:
+            print("  agree", failure, flush=True, file=trace)
+    if world == 1:
+        return failure
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, failure)
+    fails = [f"rank {r}: {f}" for r, f in enumerate(got) if f is not None]
+    return fails[0] if fails else None
+
+
+def _train(model, opt, steps: range, mode: str | None, world: int) -> str | None:
+    """``steps`` training steps; ranks agree after each (an optimizer step
+    that raises on one rank only must not leave the other in the next
+    step's collectives): the first failure, on every rank."""
+    for i in steps:
+        failure = None
+        try:
+            _step(model, opt, i, mode)
+        except _ERRORS as exc:  # noqa: BLE001 - agreed on
+            failure = _reason(exc)
+        failure = _agree(world, failure)
+        if failure is not None:
+            return failure
+    return None
+
+
+def run_case(name: str, case: dict[str, Any], fmt: str, world: int, root: str) -> tuple[str, str]:
+    """(verdict, reason) of one case in one format."""
+    mesh = None
+    if world > 1:
+        # the cases' collectives on a group of their own, with a short
+        # timeout: an optimizer step that raises on one rank between the
+        # step's own collectives (DTensor ops) breaks that group only, the
+        # verdicts are still agreed on over the default group, and the
+        # next case gets a new group (a broken one is left alone: DTensor
+        # caches keep the names of destroyed groups)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if "mesh" not in _GROUP:
+            # a name of its own: DTensor's caches compare meshes by
+            # ranks and names, and would hand back the broken group
+            _GROUP["n"] = _GROUP.get("n", 0) + 1
+            _GROUP["mesh"] = DeviceMesh.from_group(
+                dist.new_group(backend="gloo", timeout=CASE_TIMEOUT), "cpu", mesh_dim_names=(f"case{_GROUP['n']}",))
+        mesh = _GROUP["mesh"]
+    verdict, reason = _run_case(name, case, fmt, world, root, mesh)
+    if verdict != "resumed":
+        _GROUP.pop("mesh", None)
+    return verdict, reason
+
+
+_GROUP: dict[str, Any] = {}  # "mesh": the cases' mesh, "n": meshes made
+
+
+def _run_case(name, case, fmt, world, root, mesh) -> tuple[str, str]:
+    options = FORMATS[fmt]
+    mode = case["mode"]
+    # 1. the uninterrupted run
+    failure = None
+    try:
+        ref_model, ref_opt = _build(case, world, mesh=mesh)
+    except _ERRORS as exc:  # noqa: BLE001 - a verdict
+        failure = _reason(exc)
+    failure = _agree(world, failure) or _train(ref_model, ref_opt, range(STEPS + RESUMED), mode, world)
+    if failure is not None:
+        return "not run", f"the uninterrupted run fails: {failure}"
+    expected = _params(ref_model)
+    del ref_model, ref_opt
+    # 2. + 3. interrupt, save, resume into a never-stepped optimizer
+    path = os.path.join(root, f"{name}-{fmt}".replace("/", "_"))
+    model, opt = _build(case, world, mesh=mesh)
+    failure = _train(model, opt, range(STEPS), mode, world)
+    if failure is not None:
+        return "not run", f"the interrupted run fails: {failure}"
+    try:
+        saved = dcp_optim.get_optimizer_state_dict(model, opt, options=options)
+    except _ERRORS as exc:  # noqa: BLE001 - a verdict
+        failure = "get (save side): " + _reason(exc)
+    failure = _agree(world, failure)
+    if failure is None:
+        try:
+            dcp.save({"model": dcp_optim.get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+        except _ERRORS as exc:  # noqa: BLE001 - a verdict
+            failure = "dcp.save: " + _reason(exc)
+        failure = _agree(world, failure)
+    if failure is None:
+        try:
+            model2, opt2 = _build(case, world, seed=1, mesh=mesh)
+            state = {
+                "model": dcp_optim.get_model_state_dict(model2),
+                "optim": dcp_optim.get_optimizer_state_dict(model2, opt2, options=options),
+            }
+        except _ERRORS as exc:  # noqa: BLE001 - a verdict
+            failure = "template: " + _reason(exc)
+            _trace(traceback.format_exc())
+        failure = _agree(world, failure)
+    if failure is None:
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except _ERRORS as exc:  # noqa: BLE001 - a verdict
+            failure = "dcp.load: " + _reason(exc)
+        failure = _agree(world, failure)
+    if failure is None:
+        try:
+            dcp_optim.set_model_state_dict(model2, state["model"])
+            dcp_optim.set_optimizer_state_dict(model2, opt2, state["optim"], options=options)
+        except _ERRORS as exc:  # noqa: BLE001 - a verdict
+            failure = "set: " + _reason(exc)
+        failure = _agree(world, failure)
+    if failure is not None:
+        return "raised", failure
+    # 4. train on: resumed, or not?
+    failure = _train(model2, opt2, range(STEPS, STEPS + RESUMED), mode, world)
+    if failure is not None:
+        # raised while training on, after the load said it succeeded
+        failure = "the resumed step raised: " + failure
+    else:
+        got = _params(model2)
+        differ = [n for n in expected if not torch.equal(got[n], expected[n])]
+        if differ:
+            failure = f"parameters differ from the uninterrupted run: {differ}"
+    failure = _agree(world, failure)
+    return ("diverged", failure) if failure is not None else ("resumed", "")
+
+
+def run_matrix(rank: int, world: int, names: list[str], root: str) -> list[tuple[str, str, str, str]]:
+    """[(name, format, verdict, reason)] for every case; on every rank."""
+    warnings.simplefilter("ignore")
+    cases = catalogue()
+    out = []
+    for name in names:
+        case = cases[name]
+        if case["skip"]:
+            for fmt in FORMATS:
+                out.append((name, fmt, "not run", case["skip"]))
+            continue
+        for fmt in FORMATS:
+            if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
+                with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{rank}", "a") as trace:
+                    print(name, fmt, flush=True, file=trace)
+            try:
+                verdict, reason = run_case(name, case, fmt, world, root)
+            except Exception as exc:  # noqa: BLE001 - the harness itself broke: a failure
+                verdict, reason = "diverged", "matrix error: " + _reason(exc) + " " + traceback.format_exc()[-400:]
+            out.append((name, fmt, verdict, reason))
+        if rank == 0:
+            shutil.rmtree(os.path.join(root), ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+        if world > 1:
+            dist.barrier()
+    return out

@@ -1,0 +1,104 @@
+"""Issue 23's acceptance: the DCP resume flow never diverges silently.
+
+Every optimizer of the corpora, torchao's low-bit AdamWs, LBFGS, the
+Lookahead/ScheduleFree wrappers and accelerate's ``AcceleratedOptimizer``,
+in both formats, at world 1 (one child process) and at world 2 under FSDP2
+(one launch for all cases): save a trained run with ``dcp.save``, build a
+fresh model and never-stepped optimizer, get -> ``dcp.load`` -> set, train
+on.  Each case resumes bit-identically to the uninterrupted run or raises
+before training continues (tests/distributed/resume_cases.py).  The summary
+lists every verdict with its reason.
+
+``PENDING`` names the cases that diverge until another change lands (with
+why), ``KNOWN`` those that diverge for a reason still open; both are
+printed in the summary, and a case in either that no longer diverges
+fails the test too, so that the lists stay exact.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from ..support.harness import run_in_subprocess, run_ranks, under_torchrun
+from .resume_cases import catalogue, run_matrix
+
+# ~1 min at world 1 and ~3 min at world 2 on 2 idle cores; the budget
+# allows a loaded machine.  Under torchrun the ranks would run every case
+# inside the test process (accelerate's global state, torchao's compiled
+# steps): the matrix runs in make test's own launches only.
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(under_torchrun(), reason="runs in its own launches (make test)"),
+]
+
+pytest.importorskip("pytorch_optimizer")
+pytest.importorskip("torchao")
+pytest.importorskip("accelerate")
+
+NAMES = list(catalogue())
+
+# (world, name, format) -> why it diverges until another change lands
+_AGGMO = ("h23b (issue 23, requirement 6): AggMo's non-str param-group key (its betas dict, "
+          "keyed by float) does not survive the flat format; set returns, the next step raises KeyError")
+PENDING: dict[tuple[int, str, str], str] = {(w, "po.aggmo", "flat"): _AGGMO for w in (1, 2)}
+
+# (world, name, format) -> why it diverges: known and NOT fixed by issue 23's
+# template work (reported as open).  Under FSDP2 these optimizers keep
+# rank-local values outside tensors (Prodigy's group sums, GaLore's and
+# Shampoo's projector/preconditioner objects holding local tensors);
+# dcp.save stores a non-tensor value once, so every rank resumes with one
+# rank's.  The getter does not detect this yet.
+_RANK_LOCAL = ("open: rank-local non-tensor values (group sums / state objects holding local "
+               "tensors) are stored once by dcp.save; every rank loads one rank's")
+KNOWN: dict[tuple[int, str, str], str] = {
+    (2, "prodigyopt.Prodigy", "nested"): _RANK_LOCAL,
+    (2, "prodigyopt.Prodigy", "flat"): _RANK_LOCAL,
+    (2, "po.conda", "nested"): _RANK_LOCAL,
+    (2, "po.scalableshampoo", "nested"): _RANK_LOCAL,
+}
+
+_SUMMARY: list[str] = []
+
+
+def matrix_summary() -> list[str]:
+    """Printed at the end of the session (conftest.py)."""
+    return list(_SUMMARY)
+
+
+def _check(world: int, rows: list[tuple[str, str, str, str]]) -> None:
+    counts = collections.Counter(verdict for _, _, verdict, _ in rows)
+    lines = [f"resume matrix, world {world}: " + ", ".join(f"{counts[v]} {v}" for v in
+                                                         ("resumed", "raised", "not run", "diverged"))]
+    bad, stale = [], []
+    for name, fmt, verdict, reason in rows:
+        pending = PENDING.get((world, name, fmt))
+        if pending is None and (world, name, fmt) in KNOWN:
+            pending = "KNOWN, " + KNOWN[(world, name, fmt)]
+        if verdict == "diverged" and pending is None:
+            bad.append(f"{name} ({fmt}): {reason}")
+        if pending is not None and verdict != "diverged":
+            stale.append(f"{name} ({fmt}): {verdict}, listed as pending ({pending})")
+        if verdict != "resumed":
+            mark = f" [{pending if pending.startswith('KNOWN') else 'pending: ' + pending}]" if pending else ""
+            lines.append(f"  {verdict} {name} ({fmt}): {reason}{mark}")
+    _SUMMARY.extend(lines)
+    print("\n".join(lines))
+    assert not bad, "resumes that diverged silently:\n" + "\n".join(bad)
+    assert not stale, "pending cases that no longer diverge:\n" + "\n".join(stale)
+    # most of the cases that can train here resume (at world 2, many
+    # third-party optimizers cannot take a step on DTensors: "not run")
+    assert counts["resumed"] > (len(rows) - counts["not run"]) // 2, "most cases should resume"
+
+
+def test_resume_matrix_world1(tmp_path):
+    rows = run_in_subprocess(run_matrix, 0, 1, NAMES, str(tmp_path), timeout=900)
+    _check(1, rows)
+
+
+def test_resume_matrix_world2_fsdp2(tmp_path):
+    per_rank = run_ranks(2, run_matrix, NAMES, str(tmp_path), timeout=1500)
+    assert per_rank[0] == per_rank[1], "ranks disagree on a verdict"
+    _check(2, per_rank[0])
