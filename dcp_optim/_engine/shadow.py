@@ -162,11 +162,11 @@ def _no_global_step_hooks():
     moment would not see them either."""
     from torch.optim import optimizer as torch_optimizer
 
-    tables = (
+    tables: tuple[dict[int, Any], ...] = (
         torch_optimizer._global_optimizer_pre_hooks,
         torch_optimizer._global_optimizer_post_hooks,
     )
-    saved = [dict(t) for t in tables]
+    saved: list[dict[int, Any]] = [dict(t) for t in tables]
     for t in tables:
         t.clear()
     try:
