@@ -54,7 +54,7 @@ import pickle
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -143,7 +143,7 @@ def _reconstructor(new: frozenset[type]) -> Callable[..., Any]:
         if len(args) != 3 or not isinstance(args[0], type) or args[0] not in new \
                 or args[1] is not object or args[2] is not None:
             raise Malformed("copyreg._reconstructor is only accepted for DCP's metadata classes")
-        return args[0].__new__(args[0])
+        return cast(Any, args[0]).__new__(args[0])
 
     return make
 
@@ -442,15 +442,15 @@ class _Unpickler(pickle._Unpickler):
             raise _over_budget(self._budget)
 
     def load_get(self) -> None:
-        pickle._Unpickler.load_get(self)  # type: ignore[arg-type]
+        pickle._Unpickler.load_get(self)  # type: ignore[attr-defined]
         self._charge_top()
 
     def load_binget(self) -> None:
-        pickle._Unpickler.load_binget(self)  # type: ignore[arg-type]
+        pickle._Unpickler.load_binget(self)  # type: ignore[attr-defined]
         self._charge_top()
 
     def load_long_binget(self) -> None:
-        pickle._Unpickler.load_long_binget(self)  # type: ignore[arg-type]
+        pickle._Unpickler.load_long_binget(self)  # type: ignore[attr-defined]
         self._charge_top()
 
     def _keys(self, keys: Any) -> None:
@@ -499,7 +499,7 @@ class _Unpickler(pickle._Unpickler):
         cls = self.stack.pop()
         if not (isinstance(cls, type) and cls in self._policy.new) or type(args) is not tuple or args:
             raise Malformed(f"creation of {_qualname(cls)} not accepted")
-        self.append(cls.__new__(cls))
+        self.append(cast(Any, cls).__new__(cls))
 
     def load_build(self) -> None:
         state = self.stack.pop()

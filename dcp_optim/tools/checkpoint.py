@@ -1104,8 +1104,8 @@ def _cover_problem(shape: tuple[int, ...], chunks: list[Any], budget: list[int |
             owner[at] = k
     for at, k in enumerate(owner):
         if k < 0:
-            cell = [(at // strides[d]) % counts[d] for d in range(ndim)]
-            region = ", ".join(f"{bounds[d][c]}:{bounds[d][c + 1]}" for d, c in enumerate(cell))
+            where = [(at // strides[d]) % counts[d] for d in range(ndim)]
+            region = ", ".join(f"{bounds[d][c]}:{bounds[d][c + 1]}" for d, c in enumerate(where))
             covered = sum(math.prod(n) for _, n in boxes)
             return (f"elements [{region}] are in no chunk (its chunks cover {covered} of {numel} "
                     "elements; a read would return memory the checkpoint never wrote)")
