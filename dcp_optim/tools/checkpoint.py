@@ -1126,6 +1126,7 @@ def _check_paths(items: list[Item], meta_file: str) -> None:
 
     root: dict[Any, Any] = {}
     leaf: dict[int, str] = {}  # id(node) -> the key saved there
+    first: dict[int, str] = {}  # id(node) -> the key of the first path through it
     keep: list[dict] = []
     lists: list[tuple[dict, str]] = []
     for it in items:
@@ -1141,10 +1142,13 @@ def _check_paths(items: list[Item], meta_file: str) -> None:
             if id(node) in leaf:
                 raise bad(it.key, f"runs through the entry '{_brief(leaf[id(node)], 200, quote=False)}'")
             if node and type(next(iter(node))) is not type(el):
-                raise bad(it.key, f"uses {_brief(el)} where other paths use "
-                          f"{'list indices' if type(el) is str else 'keys'}")
-            if type(el) is int and not node:
-                lists.append((node, it.key))
+                other = _brief(first[id(node)], 200, quote=False)
+                raise bad(it.key, f"uses {_brief(el)} where the path of '{other}' uses a "
+                          f"{'list index' if type(el) is str else 'key'}")
+            if not node:
+                first[id(node)] = it.key
+                if type(el) is int:
+                    lists.append((node, it.key))
             child = node.get(el)
             if child is None:
                 child = node[el] = {}

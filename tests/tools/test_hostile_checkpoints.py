@@ -845,7 +845,8 @@ def test_path_integers_bounded(clean, tmp_path):
     beyond the entries saved under a list, or negative, is refused."""
     baseline = measure("convert", clean, str(tmp_path / "base_out"), "--to", "flat", "-q")
     assert baseline[0] == 0, baseline[2]
-    for path, text in [(("extra", 300_000_000), "uses 'note' where other paths use list indices"),
+    for path, text in [(("extra", 300_000_000), "the path of 'extra.note' uses 'note' where the path of "
+                                                "'extra.step' uses a list index"),
                        (("extra", -5), "the path of 'extra.step' holds the list index -5")]:
         bad = _copy(clean, tmp_path / f"bad{path[1]}")
         md = _metadata(bad)
@@ -956,12 +957,19 @@ def test_work_budget_and_messages():
     from dcp_optim.tools.checkpoint import _brief
 
     shared = _nested_refs(30, 10, "x")
-    assert _brief(shared).startswith("[[[[[[[[[..., ..., ...") and len(_brief(shared)) == 60 and len(_brief("x" * 10**6)) == 60 and _brief((1, 2)) == "(1, 2)"
-    assert _brief(1 << 100000) == "<int of 100001 bits>" and _brief(torch.Size([2, 3])) == "torch.Size([2, 3])"
+    assert _brief(shared).startswith("[[[[[[[[[..., ..., ...") and len(_brief(shared)) == 60
+    assert len(_brief("x" * 10**6)) == 60 and _brief((1, 2)) == "(1, 2)" and _brief({}) == "{}"
+    assert _brief(1 << 100000) == "<int of 100001 bits>"
+    assert _brief(torch.Size([2, 3])) == "torch.Size([2, 3])" and _brief(["a", None]) == "['a', None]"
     err = dcp_optim.CheckpointError("a\nb" + "x" * 10**6)
     assert "\n" not in str(err) and len(str(err)) <= 2000
     with pytest.raises(safe.Malformed, match="more work than the budget of 1000 units"):
         safe.load_metadata(pickle.dumps([list(range(10))] * 200, 2), budget=1000)
+    # a hash bomb built with DUP (no memo reference): counted when hashed
+    with pytest.raises(safe.Malformed, match="more work than the budget"):  # as a key
+        safe.load_metadata(b"\x80\x02}K\x01" + b"2\x86" * 60 + b"K\x00s.")
+    with pytest.raises(safe.Malformed, match="shared containers expand to more than"):  # as a value
+        safe.check_value(safe._unpickle(b"\x80\x02]K\x01" + b"2\x86" * 60 + b"a.", safe._policy("object")))
     # a key referenced many times: each hash is counted
     key = tuple(range(100))
     with pytest.raises(safe.Malformed, match="more work than the budget"):
