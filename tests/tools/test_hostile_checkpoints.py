@@ -3,7 +3,11 @@ convert) and ``dcp_optim.Checkpoint`` never run code from a checkpoint,
 and fail with a clear error -- no crash, no hang, no large allocation --
 on truncated, corrupted and not-a-pickle metadata and on enormous declared
 sizes.  Legitimate checkpoints read exactly as with torch's own
-(unrestricted) unpickling.
+(unrestricted) unpickling.  The cases of bounded work (hash bombs, memo
+references, unbounded reprs, chunk lists that leave memory unwritten,
+saved list indices, symlinks out of the folder, the metadata size cap)
+run the command line in a child process and bound its time and peak RSS
+against a baseline run (see "bounded work and memory" below).
 
 A marker file proves nothing ran: every payload creates it when unpickled
 (shown by the ``trusted=True`` / ``--trust`` runs, which do run it)."""
