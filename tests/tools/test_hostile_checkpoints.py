@@ -669,11 +669,13 @@ def test_legit_sharded_checkpoints_read_as_before(tmp_path, capsys):
 # the cause, within 5 s and 300 MB of peak RSS above the baseline (a hash
 # bomb, or a list grown to 300 million entries, took a minute and
 # gigabytes).  Time is checked twice: CPU time (user + system, of the
-# child alone) within 5 s of the baseline's, and wall time within 5 s of
-# the baseline's times the slowdown the baseline itself saw (its wall time
-# over its CPU time): on an idle machine that is the 5 s of the issue; on
-# a loaded one (other processes taking the cores) it grows with the load
-# instead of failing at random, and a hang (60 s, then killed) still fails.
+# child alone) within 5 s of the baseline's -- the bound that holds
+# whatever the load -- and wall time within 5 s of the baseline's times
+# the slowdown the runs saw for want of a core (wall time over CPU time,
+# the larger of the two runs', at most 10): on an idle machine that is the
+# 5 s of the issue; on a loaded one (several test runs sharing 2 cores,
+# the load changing between the two runs) it grows with the load instead
+# of failing at random, and a hang still fails (killed at 60 s).
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(dcp_optim.__file__)))
 WALL_MARGIN_S, RSS_MARGIN = 5.0, 300 << 20
@@ -711,7 +713,10 @@ def assert_bounded(baseline, bad_argv, *needles):
     bounded time and memory above ``baseline`` (a ``measure`` result)."""
     code, out, err, (wall, cpu), rss = measure(*bad_argv)
     _, _, _, (base_wall, base_cpu), base_rss = baseline
-    slowdown = max(1.0, base_wall / max(base_cpu, 0.1))
+    # how much slower than its CPU time a run went for want of a core (the
+    # baseline's, or this run's when the load rose in between), at most 10:
+    # a process blocked off the CPU still fails
+    slowdown = min(10.0, max(1.0, base_wall / max(base_cpu, 0.1), wall / max(cpu, 0.1)))
     what = f"{' '.join(map(str, bad_argv))}: exit {code}, {wall:.1f} s wall, {cpu:.1f} s CPU (baseline " \
            f"{base_wall:.1f} s, {base_cpu:.1f} s), {rss >> 20} MB (baseline {base_rss >> 20} MB), " \
            f"stderr {err[-2000:]!r}"
