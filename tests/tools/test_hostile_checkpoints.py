@@ -23,11 +23,11 @@ import pickle
 import re
 import resource
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import time
 import tracemalloc
 import zipfile
 
@@ -681,31 +681,46 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(dcp_optim.__file__)))
 WALL_MARGIN_S, RSS_MARGIN = 5.0, 300 << 20
 
 
+# Runs the command as its own child and reports that child's exit status,
+# wall and CPU time and peak RSS.  A small launcher: a child's ru_maxrss
+# starts from the RSS of the process it was forked from (Linux carries the
+# high-water mark across exec), so forking the command from the test
+# process (torch loaded, hundreds of MB) would hide its own peak.
+LAUNCHER = """
+import json, os, sys, time
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump([os.waitstatus_to_exitcode(status), time.monotonic() - start,
+               usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024], f)
+"""
+
+
 def measure(*argv, timeout=60.0):
     """``python -m dcp_optim *argv`` in a fresh process: (exit status,
-    stdout, stderr, (wall seconds, CPU seconds), peak RSS in bytes).  CPU
-    time and RSS are those of this child alone (os.wait4), not of every
-    child so far."""
+    stdout, stderr, (wall seconds, CPU seconds), peak RSS in bytes), of
+    that process alone.  Killed (exit status -9) after ``timeout``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "dcp_optim", *argv], stdout=out, stderr=err,
-                                cwd=REPO, env=env)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - start > timeout:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.01)
-        wall = time.monotonic() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here
-        out.seek(0)
-        err.seek(0)
-        cpu = usage.ru_utime + usage.ru_stime
-        return proc.returncode, out.read().decode(), err.read().decode(), (wall, cpu), usage.ru_maxrss * 1024
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "usage.json")
+        with open(os.path.join(tmp, "out"), "w+b") as out, open(os.path.join(tmp, "err"), "w+b") as err:
+            proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, report, sys.executable, "-m", "dcp_optim",
+                                     *map(str, argv)], stdout=out, stderr=err, cwd=REPO, env=env,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -9, "", "killed", (timeout, timeout), 0
+            out.seek(0)
+            err.seek(0)
+            with open(report) as f:
+                code, wall, cpu, rss = json.load(f)
+            return code, out.read().decode(), err.read().decode(), (wall, cpu), rss
 
 
 def assert_bounded(baseline, bad_argv, *needles):
