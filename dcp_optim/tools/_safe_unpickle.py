@@ -25,7 +25,15 @@ mutate something replaced:
 * the memo is a dict and every read is from an in-memory buffer, so a
   declared length or memo index allocates nothing it does not hold;
 * tuples nested deeper than :data:`MAX_DEPTH` are refused as they are
-  built (hashing one, as a dict key, recurses in C without a limit).
+  built (hashing one, as a dict key, recurses in C without a limit);
+* the work a pickle implies is counted against :data:`MAX_WORK` units, not
+  only its bytes: one per opcode, plus the expanded size (every shared
+  part counted once per reference) of what a memo reference pushes, of
+  every dict key, set element and callable hashed and of every
+  constructor's arguments.  Past the budget it stops with
+  :class:`Malformed` ("more work than ...").  A tuple of two references
+  to the level below, 60 levels deep, is 120 bytes but 2**60 nodes:
+  hashing it would never end, its expanded size is known after 60 steps.
 
 Anything else wrong with the stream raises :class:`Malformed`.  Of
 ``torch.save`` zip archives, only those with stored (uncompressed) records
@@ -46,14 +54,24 @@ import pickle
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
-__all__ = ["Forbidden", "Malformed", "load_metadata", "load_object", "MAX_DEPTH"]
+__all__ = ["Forbidden", "Malformed", "load_metadata", "load_object", "check_value", "MAX_DEPTH",
+           "MAX_WORK", "MAX_METADATA_BYTES"]
 
 #: Deepest nesting of containers accepted in a non-tensor entry.
 MAX_DEPTH = 100
+#: Work budget of one unpickling, in units (about one opcode, or one node
+#: of an expanded memo reference, dict key or call argument, each): about
+#: what a ``.metadata`` file of 20 MB (some 250,000 chunks) needs, and
+#: seconds of work for the pure-Python unpickler.  The same number bounds
+#: the expanded size of the unpickled value (shared parts counted once per
+#: reference).  A larger checkpoint you trust: ``trusted=True`` / ``--trust``.
+MAX_WORK = 1 << 23
+#: Largest ``.metadata`` file read (checked before reading it).
+MAX_METADATA_BYTES = 64 << 20
 _MAX_INT_BITS = 14000  # Python prints ints of up to 4300 digits (~14284 bits)
 
 
@@ -117,6 +135,17 @@ def _bytearray(*args: Any) -> bytearray:
     if len(args) == 1 and type(args[0]) is bytes:
         return bytearray(args[0])
     raise Malformed("bytearray is only accepted from a string or bytes (never from a size)")
+
+
+def _reconstructor(new: frozenset[type]) -> Callable[..., Any]:
+    # protocols 0 and 1 pickle a dataclass as copyreg._reconstructor(cls, object, None)
+    def make(*args: Any) -> Any:
+        if len(args) != 3 or not isinstance(args[0], type) or args[0] not in new \
+                or args[1] is not object or args[2] is not None:
+            raise Malformed("copyreg._reconstructor is only accepted for DCP's metadata classes")
+        return cast(Any, args[0]).__new__(args[0])
+
+    return make
 
 
 def _collection(kind: type) -> Callable[..., Any]:
@@ -232,7 +261,12 @@ def _metadata_policy() -> _Policy:
     }
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
         calls[cls] = _path(cls)
-    return _Policy(names, calls, frozenset(classes.values()))
+    new = frozenset(classes.values())
+    # protocols 0 and 1: copyreg._reconstructor(cls, object, None), then BUILD
+    names[("copyreg", "_reconstructor")] = _reconstructor_marker
+    names[("builtins", "object")] = object
+    calls[_reconstructor_marker] = _reconstructor(new)
+    return _Policy(names, calls, new)
 
 
 def _object_policy() -> _Policy:
@@ -270,6 +304,7 @@ class _Marker:
 _layout_marker = _Marker("torch.serialization._get_layout")
 _encode_marker = _Marker("_codecs.encode")
 _rebuild_marker = _Marker("torch._utils._rebuild_tensor_v2")
+_reconstructor_marker = _Marker("copyreg._reconstructor")
 
 _POLICIES: dict[str, _Policy] = {}
 
@@ -304,12 +339,15 @@ class _Unpickler(pickle._Unpickler):
     )
 
     def __init__(self, data: bytes | bytearray, policy: _Policy,
-                 persistent: Callable[[Any], Any] | None = None):
+                 persistent: Callable[[Any], Any] | None = None, budget: int = MAX_WORK):
         self._data = io.BytesIO(data)
         super().__init__(self._data)
         self._size = len(data)
         self._policy = policy
         self._persistent = persistent
+        self._work, self._budget = 0, budget
+        self._built: set[int] = set()  # instances filled by BUILD (once each)
+        self._sizes: dict[int, int] = {}  # id -> cost of a memo reference to it
         # nesting depth of the tuples built here (hashing a tuple recurses
         # in C without a depth check: a deep one would overflow the stack)
         self._depth: dict[int, int] = {}
@@ -356,15 +394,69 @@ class _Unpickler(pickle._Unpickler):
         self.stack = []
         self.append = self.stack.append
         self.proto = 0
-        read, dispatch = self.read, self.dispatch
+        read, dispatch, budget = self.read, self.dispatch, self._budget
         try:
             while True:
                 key = read(1)
                 if not key:
                     raise EOFError
                 dispatch[key[0]](self)
+                self._work += 1
+                if self._work > budget:
+                    raise _over_budget(budget)
         except pickle._Stop as stop:  # type: ignore[attr-defined]  # private, untyped
             return stop.value
+
+    # -- the work budget --------------------------------------------------------------------
+
+    def _charge(self, obj: Any) -> None:
+        """Count the expanded size of ``obj`` (about what hashing, copying
+        or walking it costs) against the budget."""
+        cost = _small(obj, self._policy.new)
+        if cost is None:
+            cost = _expanded(obj, self._budget - self._work, self._policy.new)
+        self._work += cost
+        if self._work > self._budget:
+            raise _over_budget(self._budget)
+
+    def _charge_top(self) -> None:
+        # a memo reference pushes the object again: its expanded size, less
+        # the opcode itself
+        top = self.stack[-1]
+        if type(top) in _PLAIN:
+            return
+        # the size of the first reference is charged again for the next
+        # ones (what is appended later is counted by the final check of
+        # the value's expanded size)
+        cost = self._sizes.get(id(top))
+        if cost is None:
+            if _leaf_cost(top, self._policy.new) is not None:
+                return
+            before = self._work
+            self._charge(top)
+            self._sizes[id(top)] = self._work - before
+            self._keep.append(top)  # its id stays its own
+            return
+        self._work += cost
+        if self._work > self._budget:
+            raise _over_budget(self._budget)
+
+    def load_get(self) -> None:
+        pickle._Unpickler.load_get(self)  # type: ignore[attr-defined]
+        self._charge_top()
+
+    def load_binget(self) -> None:
+        pickle._Unpickler.load_binget(self)  # type: ignore[attr-defined]
+        self._charge_top()
+
+    def load_long_binget(self) -> None:
+        pickle._Unpickler.load_long_binget(self)  # type: ignore[attr-defined]
+        self._charge_top()
+
+    def _keys(self, keys: Any) -> None:
+        for key in keys:  # hashing a tuple walks all of it, every time
+            if type(key) is not str:
+                self._charge(key)
 
     def load_frame(self) -> None:
         (size,) = struct.unpack("<Q", self.read(8))
@@ -394,17 +486,20 @@ class _Unpickler(pickle._Unpickler):
         stack = self.stack
         args = stack.pop()
         func = stack[-1]
-        make = self._policy.calls.get(func) if _hashable(func) else None
+        # only what find_class returns is callable: a class or a marker
+        # (nothing else is hashed: a tuple's hash walks all of it)
+        make = self._policy.calls.get(func) if isinstance(func, type | _Marker) else None
         if make is None or type(args) is not tuple:
             raise Malformed(f"call of {_qualname(func)} not accepted")
+        self._charge(args)
         stack[-1] = make(*args)
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        if not (_hashable(cls) and cls in self._policy.new) or args != ():
+        if not (isinstance(cls, type) and cls in self._policy.new) or type(args) is not tuple or args:
             raise Malformed(f"creation of {_qualname(cls)} not accepted")
-        self.append(cls.__new__(cls))
+        self.append(cast(Any, cls).__new__(cls))
 
     def load_build(self) -> None:
         state = self.stack.pop()
@@ -412,6 +507,12 @@ class _Unpickler(pickle._Unpickler):
         cls = type(inst)
         if cls not in self._policy.new:
             raise Malformed(f"state of {_qualname(cls)} not accepted")
+        if id(inst) in self._built:  # (its hash, as a key, must not change)
+            raise Malformed(f"state of a {_qualname(cls)} set twice")
+        self._built.add(id(inst))
+        self._keep.append(inst)
+        if isinstance(state, dict | tuple):  # (its values are not walked: counted when built)
+            self._work += len(state)
         if "__setstate__" in vars(cls):  # TensorProperties
             if type(state) is not tuple:
                 raise Malformed(f"state of {_qualname(cls)} must be a tuple")
@@ -420,7 +521,7 @@ class _Unpickler(pickle._Unpickler):
         fields = _FIELDS.get(cls)
         if fields is None:
             fields = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
-        if type(state) is not dict or not fields.issuperset(state):
+        if type(state) is not dict or not all(type(k) is str for k in state) or not fields.issuperset(state):
             raise Malformed(f"state of {_qualname(cls)} must be a dict of its fields")
         inst.__dict__.update(state)
 
@@ -441,6 +542,7 @@ class _Unpickler(pickle._Unpickler):
         key = self.stack.pop()
         if type(self.stack[-1]) not in (dict, collections.OrderedDict):
             raise Malformed("SETITEM on a non-dict")
+        self._keys((key,))
         self.stack[-1][key] = value
 
     def load_setitems(self) -> None:
@@ -448,14 +550,28 @@ class _Unpickler(pickle._Unpickler):
         target = self.stack[-1]
         if type(target) not in (dict, collections.OrderedDict) or len(items) % 2:
             raise Malformed("SETITEMS on a non-dict")
+        self._keys(items[::2])
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
+
+    def load_dict(self) -> None:  # DICT (protocols 0 and 1)
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise Malformed("DICT of an odd number of items")
+        self._keys(items[::2])
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
 
     def load_additems(self) -> None:
         items = self.pop_mark()
         if type(self.stack[-1]) is not set:
             raise Malformed("ADDITEMS on a non-set")
+        self._keys(items)
         self.stack[-1].update(items)
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        self._keys(items)
+        self.append(frozenset(items))
 
 
 for _op in ("INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID", "BYTEARRAY8",
@@ -466,7 +582,10 @@ for _op, _fn in (("FRAME", _Unpickler.load_frame), ("REDUCE", _Unpickler.load_re
                  ("TUPLE2", _Unpickler.load_tuple2), ("TUPLE3", _Unpickler.load_tuple3), ("NEWOBJ", _Unpickler.load_newobj),
                  ("BUILD", _Unpickler.load_build), ("APPEND", _Unpickler.load_append),
                  ("APPENDS", _Unpickler.load_appends), ("SETITEM", _Unpickler.load_setitem),
-                 ("SETITEMS", _Unpickler.load_setitems), ("ADDITEMS", _Unpickler.load_additems)):
+                 ("SETITEMS", _Unpickler.load_setitems), ("ADDITEMS", _Unpickler.load_additems),
+                 ("DICT", _Unpickler.load_dict), ("FROZENSET", _Unpickler.load_frozenset),
+                 ("GET", _Unpickler.load_get), ("BINGET", _Unpickler.load_binget),
+                 ("LONG_BINGET", _Unpickler.load_long_binget)):
     _Unpickler.dispatch[getattr(pickle, _op)[0]] = _fn
 del _op, _fn
 
@@ -474,17 +593,105 @@ del _op, _fn
 _FIELDS: dict[type, frozenset[str]] = {}
 
 
-def _hashable(obj: Any) -> bool:
-    try:
-        hash(obj)
-    except TypeError:
-        return False
-    return True
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
-def _unpickle(data: bytes | bytearray, policy: _Policy, persistent: Callable[[Any], Any] | None = None) -> Any:
+def _over_budget(budget: int) -> Malformed:
+    return Malformed(
+        f"more work than the budget of {budget} units (memo references, dict keys and call "
+        "arguments count expanded: see MAX_WORK in docs/adoption.md, 'Untrusted checkpoints'; "
+        "trusted=True / --trust reads a checkpoint you trust without it)")
+
+
+#: what a memo reference may push at the cost of its opcode alone (a
+#: string's hash is cached; calls count their arguments' lengths)
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None), type, torch.dtype, _Marker})
+
+
+def _leaf_cost(obj: Any, instances: frozenset[type]) -> int | None:
+    """The cost of an object that holds no other (None for a container or
+    a metadata instance): 1, more for long strings and integers."""
+    if type(obj) is str:
+        return 1 + len(obj) // 256
+    if isinstance(obj, _CONTAINERS) or type(obj) in instances:
+        return None
+    if isinstance(obj, str | bytes | bytearray):
+        return 1 + len(obj) // 256
+    if type(obj) is int:
+        return 1 + obj.bit_length() // 4096
+    return 1
+
+
+def _small(obj: Any, instances: frozenset[type], most: int = 64) -> int | None:
+    """The tree size of a small value (at most ``most`` nodes), else None:
+    the common case, walked without bookkeeping."""
+    n = 0
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        n += 1
+        if n > most:
+            return None
+        t = type(o)
+        if t is str or t is bytes:
+            n += len(o) >> 8
+        elif t is int:
+            n += o.bit_length() >> 12
+        elif t is dict:
+            stack.extend(o)
+            stack.extend(o.values())
+        elif t is tuple or t is list or t is torch.Size or t in instances or isinstance(o, _CONTAINERS):
+            stack.extend(_children(o) if t in instances or isinstance(o, dict) else o)
+        else:
+            n += (_leaf_cost(o, instances) or 1) - 1
+    return n
+
+
+def _children(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [x for kv in obj.items() for x in kv]
+    if isinstance(obj, _CONTAINERS):
+        return list(obj)
+    return list(getattr(obj, "__dict__", {}).values())  # a metadata dataclass
+
+
+def _expanded(root: Any, limit: int, instances: frozenset[type]) -> int:
+    """The size of ``root`` as a tree (a part shared by several references
+    counted once per reference): what hashing, printing or walking it
+    costs, computed in time linear in its distinct parts.  Stops with a
+    number above ``limit`` as soon as it exceeds it."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    keep: list[Any] = []  # the ids in sizes stay valid
+    stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
+    while stack:
+        obj, kids = stack.pop()
+        if kids is None:
+            if id(obj) in sizes:
+                continue
+            if id(obj) in open_:
+                raise Malformed("a container holds itself")
+            kids = _children(obj)
+            open_.add(id(obj))
+            keep.append(obj)
+            stack.append((obj, kids))
+            stack.extend((k, None) for k in kids if _leaf_cost(k, instances) is None and id(k) not in sizes)
+            continue
+        total = 1
+        for k in kids:
+            cost = _leaf_cost(k, instances)
+            total += sizes[id(k)] if cost is None else cost
+        if total > limit:
+            return total
+        sizes[id(obj)] = total
+        open_.discard(id(obj))
+    return sizes[id(root)]
+
+
+def _unpickle(data: bytes | bytearray, policy: _Policy, persistent: Callable[[Any], Any] | None = None,
+              budget: int = MAX_WORK) -> Any:
     try:
-        return _Unpickler(data, policy, persistent).load()
+        return _Unpickler(data, policy, persistent, budget).load()
     except (Forbidden, Malformed):
         raise
     except RecursionError:
@@ -498,17 +705,20 @@ def _unpickle(data: bytes | bytearray, policy: _Policy, persistent: Callable[[An
 # --- public entry points ------------------------------------------------------------------------
 
 
-def load_metadata(data: bytes | bytearray) -> Any:
-    """The ``Metadata`` pickled in ``data`` (a ``.metadata`` file)."""
+def load_metadata(data: bytes | bytearray, budget: int = MAX_WORK) -> Any:
+    """The ``Metadata`` pickled in ``data`` (a ``.metadata`` file, any
+    pickle protocol), unpickled within ``budget`` units of work; its
+    expanded size (shared parts counted once per reference) is at most
+    ``budget`` nodes too."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not data:
         raise Malformed("empty file")
-    if data[:1] != pickle.PROTO:
-        raise Malformed("not a pickle (no protocol header)")
-    value = _unpickle(data, _policy("metadata"))
+    policy = _policy("metadata")
+    value = _unpickle(data, policy, budget=budget)
     if type(value) is not Metadata:
         raise Malformed(f"holds a {_qualname(type(value))}, not a Metadata")
+    check_value(value, max_nodes=budget, instances=policy.new)
     return value
 
 
@@ -615,10 +825,12 @@ def load_object(blob: bytes | bytearray) -> Any:
     return value
 
 
-def check_value(value: Any, max_nodes: int = 1 << 22) -> None:
+def check_value(value: Any, max_nodes: int = 1 << 22, instances: frozenset[type] = frozenset()) -> None:
     """Reject what printing or comparing the value would choke on: cycles,
     containers nested deeper than MAX_DEPTH, shared sub-containers that
-    expand to more than ``max_nodes`` nodes, integers too long to print."""
+    expand to more than ``max_nodes`` nodes, integers too long to print.
+    Instances of ``instances`` (the metadata dataclasses) count as
+    containers of their fields."""
     done: dict[int, tuple[int, int]] = {}  # id -> (expanded nodes, depth)
     keep: list[Any] = []  # the ids in done stay valid
     open_: set[int] = set()
@@ -627,9 +839,9 @@ def check_value(value: Any, max_nodes: int = 1 << 22) -> None:
         obj, leaving = stack.pop()
         if type(obj) is int and obj.bit_length() > _MAX_INT_BITS:
             raise Malformed("an integer too long to print")
-        if not isinstance(obj, list | tuple | dict | set | frozenset) or id(obj) in done:
+        if not (isinstance(obj, _CONTAINERS) or type(obj) in instances) or id(obj) in done:
             continue
-        children = [x for kv in obj.items() for x in kv] if isinstance(obj, dict) else list(obj)
+        children = _children(obj)
         if leaving:
             open_.discard(id(obj))
             sizes = [done.get(id(c), (1, 0)) for c in children]

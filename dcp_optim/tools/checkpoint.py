@@ -36,12 +36,20 @@ as before, through torch's own unpickling (``pickle.load`` of the
 metadata, ``dcp.load``, whose ``torch.load(weights_only=False)`` runs
 whatever a non-tensor entry names): a hostile checkpoint then runs code.
 In both modes the metadata's structure and declared sizes are checked
-before anything is allocated from them (:class:`MalformedCheckpointError`).
+before anything is allocated from them (:class:`MalformedCheckpointError`):
+each tensor's chunks cover it exactly (no element twice, none left out,
+so a tensor read holds only what the checkpoint wrote), saved paths are
+consistent, their list indices in range.  Safe mode also bounds the work
+of unpickling (``_safe_unpickle.MAX_WORK``), the size of the ``.metadata``
+file (``MAX_METADATA_BYTES``) and refuses files that resolve (through
+symlinks) outside the checkpoint directory.  Error messages are one line
+of bounded length.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import pickle
@@ -67,16 +75,40 @@ __all__ = [
 NESTED, FLAT = "nested", "flat"
 
 
+#: Longest error message (longer ones are cut, naming how much was left out).
+MAX_MESSAGE = 2000
+#: Most chunk-grid cells checked for exact cover per checkpoint (safe mode).
+MAX_CHUNK_CELLS = 1 << 20
+#: Largest list index a saved path may hold beyond the number of entries
+#: saved under that list (DCP leaves out elements that hold nothing).
+MAX_LIST_GAP = 64
+#: Most optimizer sections (each is matched against every model section).
+MAX_SECTIONS = 64
+
+
+def _one_line(text: str) -> str:
+    if len(text) > MAX_MESSAGE:
+        text = text[: MAX_MESSAGE - 40] + f"... ({len(text) - MAX_MESSAGE + 40} more characters)"
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class CheckpointError(errors.DcpOptimError, ValueError):
     """A checkpoint cannot be read or does not have the expected structure;
-    the message names the file and, where there is one, the key."""
+    the message (one line, at most :data:`MAX_MESSAGE` characters) names
+    the file and, where there is one, the key."""
+
+    def __init__(self, *args: Any):
+        if args and isinstance(args[0], str):
+            args = (_one_line(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """The checkpoint's metadata, a tensor's data or (where its value is
     required) a non-tensor entry pickles a class or function outside the
-    safe reader's allowlist: it was not unpickled.  The message names it
-    and the file (and key)."""
+    safe reader's allowlist: it was not unpickled; or a file it names
+    resolves (through a symlink) outside the checkpoint directory: it was
+    not read.  The message names it and the file (and key)."""
 
 
 class MalformedCheckpointError(CheckpointError):
@@ -417,6 +449,7 @@ class Checkpoint:
         if not os.path.exists(meta_file):
             raise CheckpointError(f"{self.path}: not a DCP checkpoint (no .metadata file)")
         self._file_sizes: dict[str, int] = {}
+        self._root = os.path.realpath(self.path)
         if self.trusted:
             from torch.distributed.checkpoint import FileSystemReader
 
@@ -426,13 +459,14 @@ class Checkpoint:
                 raise CheckpointError(f"{meta_file}: cannot read the checkpoint metadata: {exc}") from exc
         else:
             self.metadata = self._read_metadata_safely(meta_file)
-        self._storage = _check_metadata(self.metadata, meta_file)
+        self._storage = _check_metadata(self.metadata, meta_file, None if self.trusted else MAX_CHUNK_CELLS)
         planner = self.metadata.planner_data or {}
         self.items: list[Item] = []
         for key, meta in self.metadata.state_dict_metadata.items():
             saved = planner.get(key)
             item_path = tuple(saved) if isinstance(saved, tuple | list) and saved else (key,)
             self.items.append(Item(key, item_path, meta))
+        _check_paths(self.items, meta_file)
         self.by_key = {it.key: it for it in self.items}
         self.models: list[ModelSection] = []
         self.optimizers: list[OptimizerSection] = []
@@ -444,7 +478,7 @@ class Checkpoint:
         from torch.distributed.checkpoint.filesystem import _generate_uuid
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        data = self._read_file(meta_file, 0, None, "the checkpoint metadata")
+        data = self._read_file(meta_file, 0, None, "the checkpoint metadata", limit=_safe.MAX_METADATA_BYTES)
         try:
             metadata = _safe.load_metadata(data)
         except _safe.Forbidden as exc:
@@ -465,9 +499,21 @@ class Checkpoint:
         metadata.storage_meta.load_id = _generate_uuid()
         return metadata
 
-    def _read_file(self, name: str, offset: int, length: int | None, what: str) -> bytearray:
+    def _inside(self, name: str, what: str) -> None:
+        """Safe mode: ``name`` resolves inside the checkpoint directory."""
+        if self.trusted:
+            return
+        real = os.path.realpath(name)
+        if not real.startswith(self._root.rstrip(os.sep) + os.sep):
+            raise UnsafeCheckpointError(
+                f"{name}: cannot read {what}: the file resolves to {real}, outside the checkpoint "
+                f"directory {self._root} (a symlink); not read (trusted=True / --trust follows it)")
+
+    def _read_file(self, name: str, offset: int, length: int | None, what: str,
+                   limit: int | None = None) -> bytearray:
         """``length`` bytes at ``offset`` of a regular file (all of it for
-        None), after checking that the file holds them."""
+        None, at most ``limit`` bytes), after checking that the file holds
+        them and lies inside the checkpoint directory (safe mode)."""
         try:
             # O_NONBLOCK: a FIFO in place of a file must not block the open
             fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -475,9 +521,19 @@ class Checkpoint:
             if not stat.S_ISREG(st.st_mode):
                 os.close(fd)
                 raise MalformedCheckpointError(f"{name}: cannot read {what}: not a regular file")
+            try:
+                self._inside(name, what)
+            except CheckpointError:
+                os.close(fd)
+                raise
             with os.fdopen(fd, "rb") as f:
                 if length is None:
                     length = st.st_size
+                    if limit is not None and length > limit:
+                        raise MalformedCheckpointError(
+                            f"{name}: cannot read {what}: the file holds {length} bytes, more than the "
+                            f"{limit} read from an untrusted checkpoint (MAX_METADATA_BYTES; "
+                            "trusted=True / --trust reads it)")
                 if offset + length > st.st_size:
                     raise MalformedCheckpointError(
                         f"{name}: cannot read {what}: it declares {length} bytes at offset "
@@ -491,13 +547,14 @@ class Checkpoint:
             raise MalformedCheckpointError(f"{name}: cannot read {what}: the file changed while read")
         return data
 
-    def _file_size(self, relative: str) -> int:
+    def _file_size(self, relative: str, what: str = "it") -> int:
         if relative not in self._file_sizes:
             name = os.path.join(self.path, relative)
             try:
                 st = os.stat(name)
             except OSError as exc:
                 raise CheckpointError(f"{name}: {exc.strerror or exc}") from exc
+            self._inside(name, what)
             self._file_sizes[relative] = st.st_size if stat.S_ISREG(st.st_mode) else -1
         return self._file_sizes[relative]
 
@@ -517,14 +574,19 @@ class Checkpoint:
         ordered = sorted(roots, key=len)
         optim_of: dict[str, OptimizerSection] = {}
         sections: dict[tuple, OptimizerSection] = {}
-        for root in ordered:
-            if any(root[: len(r)] == r for r in sections):
+        for root in ordered:  # (a dict lookup per prefix: any number of sections)
+            if any(root[:j] in sections for j in range(len(root) + 1)):
                 continue
             sections[root] = OptimizerSection(root=root, layout=roots[root], source=self.path)
+        if len(sections) > MAX_SECTIONS:  # each is matched against every model section
+            raise MalformedCheckpointError(
+                f"{os.path.join(self.path, '.metadata')}: malformed checkpoint metadata: "
+                f"{len(sections)} optimizer sections (at most {MAX_SECTIONS})")
         for it in self.items:
-            for root, sec in sections.items():
-                if it.path[: len(root)] == root and len(it.path) > len(root):
-                    rel = it.path[len(root):]
+            for j in range(len(it.path)):  # (sections do not nest: one root at most)
+                sec = sections.get(it.path[:j])
+                if sec is not None:
+                    rel = it.path[j:]
                     if rel[0] in ("state", "param_groups") or (
                         isinstance(rel[0], str) and rel[0].startswith(("state.", "param_groups."))
                     ):
@@ -603,7 +665,22 @@ class Checkpoint:
             known = set(candidates[root])
             return sum(1 for el, _ in flat_keys if names_fqn(C.parse_flat_key(el, known)))
 
-        best = max(candidates, key=lambda r: (score(r), -len(r)), default=None)
+        # only sections holding an FQN that begins some key can score (the
+        # first 64 dot-separated prefixes of each key; at most 64 sections,
+        # those holding most of them): scoring every section against every
+        # key would take time quadratic in the number of entries
+        prefixes: set[str] = set()
+        for el, _ in flat_keys:
+            tail = el.split(".", 1)[1]
+            pos = -1
+            for _ in range(64):
+                pos = tail.find(".", pos + 1)
+                prefixes.add(tail if pos < 0 else tail[:pos])
+                if pos < 0:
+                    break
+        hits = {r: sum(1 for f in fqns if f in prefixes) for r, fqns in candidates.items()}
+        scored = sorted((r for r in candidates if hits[r]), key=lambda r: -hits[r])[:64]
+        best = max(scored, key=lambda r: (score(r), -len(r)), default=None)
         model_fqns: set[str] = set()
         if best is not None and score(best) > 0:
             sec.model = model_for(best)
@@ -712,7 +789,7 @@ class Checkpoint:
         if not infos:
             raise MalformedCheckpointError(f"{files}: cannot read '{key}': no storage item in the metadata")
         for _, info in infos:
-            size = self._file_size(info.relative_path)
+            size = self._file_size(info.relative_path, f"'{key}'")
             if info.offset + info.length > size:
                 where = os.path.join(self.path, info.relative_path)
                 raise MalformedCheckpointError(
@@ -727,10 +804,10 @@ class Checkpoint:
             if len(infos) != 1:
                 raise MalformedCheckpointError(f"{files}: cannot read '{key}': {len(infos)} storage items")
             return
-        shape, dtype = it.tensor_layout()
+        # (the chunks cover the tensor exactly: checked with the metadata)
+        _, dtype = it.tensor_layout()
         itemsize = dtype.itemsize
         by_offset = {tuple(index.offset or ()): info for index, info in infos}
-        covered = 0
         for chunk in it.meta.chunks:
             info = by_offset.get(tuple(chunk.offsets))
             n = math.prod(chunk.sizes)
@@ -738,10 +815,6 @@ class Checkpoint:
                 raise MalformedCheckpointError(
                     f"{files}: cannot read '{key}': chunk at {tuple(chunk.offsets)} declares "
                     f"{n * itemsize} bytes, its storage holds {info.length if info else 0}")
-            covered += n
-        if covered < math.prod(shape):
-            raise MalformedCheckpointError(
-                f"{files}: cannot read '{key}': its chunks cover {covered} of {math.prod(shape)} elements")
 
     def iter_values(self, keys: list[str], *, batch_bytes: int = 256 << 20):
         """Yield (key, value) for ``keys``, reading about ``batch_bytes`` at
@@ -842,10 +915,11 @@ class Checkpoint:
         self._values.update(target)
 
 
-def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]:
+def _check_metadata(md: Any, meta_file: str, cells: int | None = MAX_CHUNK_CELLS) -> dict[str, list[tuple[Any, Any]]]:
     """Check the structure and the declared sizes of the metadata (before
-    anything is allocated from them); returns key -> [(index, storage
-    info)]."""
+    anything is allocated from them), and that each tensor's chunks cover
+    it exactly (at most ``cells`` chunk-grid cells checked in all; None:
+    no limit); returns key -> [(index, storage info)]."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -876,11 +950,13 @@ def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]
         # DCP's paths: tuples of dict keys (str) and list indices (int)
         if isinstance(path, tuple | list) and not all(type(p) in (str, int) for p in path):
             raise bad(f"the path of '{_brief(key)}' holds {_brief(path)}, not keys and indices")
+    budget: list[int | None] = [cells]
     for key, meta in sdm.items():
         if type(key) is not str:
             raise bad(f"key {_brief(key)} is not a string")
         if isinstance(meta, BytesStorageMetadata):
             continue
+        key = _brief(key, 200, quote=False)
         if not isinstance(meta, TensorStorageMetadata):
             raise bad(f"entry '{key}' is a {type(meta).__name__}")
         if not isinstance(meta.properties, TensorProperties) or not isinstance(
@@ -903,6 +979,9 @@ def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]
             ):
                 raise bad(f"entry '{key}': chunk at {_brief(offsets)} of size {_brief(sizes)} "
                           f"lies outside {_brief(shape)}")
+        problem = _cover_problem(shape, meta.chunks, budget)
+        if problem:
+            raise bad(f"entry '{key}': {problem}")
     storage: dict[str, list[tuple[Any, Any]]] = {}
     sd = md.storage_data if md.storage_data is not None else {}
     if not isinstance(sd, dict):
@@ -910,11 +989,12 @@ def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]
     for index, info in sd.items():
         if not isinstance(index, MetadataIndex) or type(index.fqn) is not str:
             raise bad(f"storage_data key {_brief(index)} is not a MetadataIndex")
-        where = f"storage of '{index.fqn}'"
+        where = f"storage of '{_brief(index.fqn, 200, quote=False)}'"
         if index.offset is not None:
             dims(index.offset, f"{where}: offset")
         rel = getattr(info, "relative_path", None)
-        if type(rel) is not str or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+        if type(rel) is not str or not rel or "\0" in rel or os.path.isabs(rel) \
+                or ".." in rel.replace("\\", "/").split("/"):
             raise bad(f"{where}: file {_brief(rel)} is not a file name inside the checkpoint")
         for name in ("offset", "length"):
             value = getattr(info, name, None)
@@ -929,12 +1009,158 @@ def _check_metadata(md: Any, meta_file: str) -> dict[str, list[tuple[Any, Any]]]
     return storage
 
 
-def _brief(value: Any, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001
-        text = f"<{type(value).__name__}>"
+def _brief(value: Any, limit: int = 60, *, quote: bool = True) -> str:
+    """``repr(value)`` cut to ``limit`` characters, computed in time and
+    memory bounded by ``limit`` whatever ``value`` holds (shared or deep
+    containers, long strings, huge integers, any object)."""
+    parts: list[str] = []
+    room = [limit + 1]
+
+    def emit(text: str) -> bool:
+        parts.append(text[: room[0]])
+        room[0] -= len(text)
+        return room[0] > 0
+
+    def walk(v: Any, depth: int) -> bool:
+        t = type(v)
+        if t is str or t is bytes or t is bytearray:
+            part = v[: room[0] + 1]
+            return emit(part if t is str and not quote else repr(part))
+        if t is int:
+            return emit(repr(v) if v.bit_length() <= 256 else f"<int of {v.bit_length()} bits>")
+        if t in (float, bool, complex) or v is None or isinstance(v, torch.dtype):
+            return emit(repr(v))
+        if isinstance(v, list | tuple | set | frozenset | dict):
+            if depth > 8:
+                return emit("...")
+            if t is torch.Size:
+                opening, closing = "torch.Size([", "])"
+            elif isinstance(v, list):
+                opening, closing = "[", "]"
+            elif isinstance(v, tuple):
+                opening, closing = "(", ",)" if len(v) == 1 else ")"
+            elif isinstance(v, dict):
+                opening, closing = "{", "}"
+            else:
+                opening, closing = ("{", "}") if v else (f"{t.__name__}(", ")")
+            if not emit(opening):
+                return False
+            for i, item in enumerate(v.items() if isinstance(v, dict) else v):
+                if i and not emit(", "):
+                    return False
+                if isinstance(v, dict):
+                    if not (walk(item[0], depth + 1) and emit(": ") and walk(item[1], depth + 1)):
+                        return False
+                elif not walk(item, depth + 1):
+                    return False
+            return emit(closing)
+        return emit(f"<{t.__name__}>")
+
+    walk(value, 0)
+    text = "".join(parts)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _cover_problem(shape: tuple[int, ...], chunks: list[Any], budget: list[int | None]) -> str | None:
+    """What is wrong with how ``chunks`` cover a tensor of ``shape`` (None:
+    every element in exactly one chunk).  Chunk boundaries cut the tensor
+    into a grid of cells (for the usual layouts, one cell per chunk);
+    each cell must lie in exactly one chunk.  ``budget[0]``: cells left to
+    check (None: no limit)."""
+    numel = math.prod(shape)
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+    boxes = [b for b in boxes if all(b[1])]  # chunks of no element hold nothing
+    if numel == 0:
+        return None
+    seen: set[tuple] = set()
+    for box in boxes:
+        if box in seen:
+            return f"chunk at {_brief(box[0])} of size {_brief(box[1])} is listed twice"
+        seen.add(box)
+    ndim = len(shape)
+    bounds = [sorted({0, shape[d]} | {o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes})
+              for d in range(ndim)]
+    counts = [len(b) - 1 for b in bounds]
+    ncells = math.prod(counts)
+    if budget[0] is None:  # trusted: the usual layouts, and then some
+        if ncells > MAX_CHUNK_CELLS + 4 * len(boxes):
+            return f"its {len(boxes)} chunks cut it into {ncells} cells, too many to check"
+    else:
+        if ncells > budget[0]:
+            return (f"its {len(boxes)} chunks cut it into {ncells} cells, more than the "
+                    f"{budget[0]} left to check (MAX_CHUNK_CELLS; trusted=True / --trust checks all)")
+        budget[0] -= ncells
+    index = [{v: i for i, v in enumerate(b)} for b in bounds]
+    strides = [math.prod(counts[d + 1:]) for d in range(ndim)]
+    owner = [-1] * ncells
+    for k, (offsets, sizes) in enumerate(boxes):
+        ranges = [range(index[d][offsets[d]], index[d][offsets[d] + sizes[d]]) for d in range(ndim)]
+        for cell in itertools.product(*ranges):
+            at = sum(c * st for c, st in zip(cell, strides))
+            if owner[at] >= 0:
+                other = boxes[owner[at]]
+                return (f"chunk at {_brief(offsets)} of size {_brief(sizes)} overlaps the chunk at "
+                        f"{_brief(other[0])} of size {_brief(other[1])}")
+            owner[at] = k
+    for at, k in enumerate(owner):
+        if k < 0:
+            where = [(at // strides[d]) % counts[d] for d in range(ndim)]
+            region = ", ".join(f"{bounds[d][c]}:{bounds[d][c + 1]}" for d, c in enumerate(where))
+            covered = sum(math.prod(n) for _, n in boxes)
+            return (f"elements [{region}] are in no chunk (its chunks cover {covered} of {numel} "
+                    "elements; a read would return memory the checkpoint never wrote)")
+    return None
+
+
+def _check_paths(items: list[Item], meta_file: str) -> None:
+    """The saved paths (planner_data) build one nested state dict: each
+    path starts with a key, holds keys (str) and list indices (int >= 0),
+    no path is another's prefix or twin, a container holds either keys or
+    indices, and a list's indices stay below the number of entries saved
+    under it plus MAX_LIST_GAP (``convert`` rebuilds the lists)."""
+
+    def bad(key: str, what: str) -> MalformedCheckpointError:
+        return MalformedCheckpointError(
+            f"{meta_file}: malformed checkpoint metadata: the path of '{_brief(key, 200, quote=False)}' "
+            f"{what}")
+
+    root: dict[Any, Any] = {}
+    leaf: dict[int, str] = {}  # id(node) -> the key saved there
+    first: dict[int, str] = {}  # id(node) -> the key of the first path through it
+    keep: list[dict] = []
+    lists: list[tuple[dict, str]] = []
+    for it in items:
+        path = it.path
+        if len(path) > _safe.MAX_DEPTH:
+            raise bad(it.key, f"is {len(path)} levels deep (at most {_safe.MAX_DEPTH})")
+        if type(path[0]) is not str:
+            raise bad(it.key, f"starts with {_brief(path[0])}, not a key")
+        node = root
+        for j, el in enumerate(path):
+            if type(el) is int and el < 0:
+                raise bad(it.key, f"holds the list index {el}")
+            if id(node) in leaf:
+                raise bad(it.key, f"runs through the entry '{_brief(leaf[id(node)], 200, quote=False)}'")
+            if node and type(next(iter(node))) is not type(el):
+                other = _brief(first[id(node)], 200, quote=False)
+                raise bad(it.key, f"uses {_brief(el)} where the path of '{other}' uses a "
+                          f"{'list index' if type(el) is str else 'key'}")
+            if not node:
+                first[id(node)] = it.key
+                if type(el) is int:
+                    lists.append((node, it.key))
+            child = node.get(el)
+            if child is None:
+                child = node[el] = {}
+                keep.append(child)
+            elif j == len(path) - 1:
+                raise bad(it.key, "is also the path of another entry, or of entries below it")
+            node = child
+        leaf[id(node)] = it.key
+    for node, key in lists:
+        if max(node) >= len(node) + MAX_LIST_GAP:
+            raise bad(key, f"holds the list index {max(node)}, for {len(node)} saved entries of that "
+                      f"list (at most {MAX_LIST_GAP} left out)")
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from .checkpoint import (
     NotLoaded,
     OptimizerSection,
     Progress,
+    _one_line,
 )
 
 __all__ = ["main"]
@@ -911,7 +912,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CheckpointError, _UsageError, errors.DcpOptimError) as exc:
-        print(f"dcp-optim {args.command}: error: {exc}", file=sys.stderr)
+        print(f"dcp-optim {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
+        return EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001 (MemoryError, RecursionError too)
+        # no traceback on any input: one line naming the checkpoint(s) and the cause
+        where = ", ".join(str(getattr(args, a)) for a in ("ckpt", "a", "b") if getattr(args, a, None))
+        print(f"dcp-optim {args.command}: error: {_one_line(where)}: unexpected "
+              f"{type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR

@@ -3,7 +3,11 @@ convert) and ``dcp_optim.Checkpoint`` never run code from a checkpoint,
 and fail with a clear error -- no crash, no hang, no large allocation --
 on truncated, corrupted and not-a-pickle metadata and on enormous declared
 sizes.  Legitimate checkpoints read exactly as with torch's own
-(unrestricted) unpickling.
+(unrestricted) unpickling.  The cases of bounded work (hash bombs, memo
+references, unbounded reprs, chunk lists that leave memory unwritten,
+saved list indices, symlinks out of the folder, the metadata size cap)
+run the command line in a child process and bound its time and peak RSS
+against a baseline run (see "bounded work and memory" below).
 
 A marker file proves nothing ran: every payload creates it when unpickled
 (shown by the ``trusted=True`` / ``--trust`` runs, which do run it)."""
@@ -16,9 +20,14 @@ import io
 import json
 import os
 import pickle
+import re
 import resource
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import tempfile
 import tracemalloc
 import zipfile
 
@@ -650,3 +659,344 @@ def test_legit_sharded_checkpoints_read_as_before(tmp_path, capsys):
     kinds = ["fsdp1", "fsdp1_orig", "fsdp2", "tp", "fsdp2_flat", "pipeline"]
     for kind in kinds:
         assert assert_reads_as_trusted(str(tmp_path / kind), capsys) > 10, kind
+
+
+# --- bounded work and memory, measured out of process ------------------------------------------------
+#
+# Each hostile case runs the command line in a fresh process, next to a
+# baseline run of the same command on the clean checkpoint in the same
+# test: it must end with exit status 2 and one line naming the file and
+# the cause, within 5 s and 300 MB of peak RSS above the baseline (a hash
+# bomb, or a list grown to 300 million entries, took a minute and
+# gigabytes).  Time is checked twice: CPU time (user + system, of the
+# child alone) within 5 s of the baseline's -- the bound that holds
+# whatever the load -- and wall time within 5 s of the baseline's times
+# the slowdown the runs saw for want of a core (wall time over CPU time,
+# the larger of the two runs', at most 10): on an idle machine that is the
+# 5 s of the issue; on a loaded one (several test runs sharing 2 cores,
+# the load changing between the two runs) it grows with the load instead
+# of failing at random, and a hang still fails (killed at 60 s).
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(dcp_optim.__file__)))
+WALL_MARGIN_S, RSS_MARGIN = 5.0, 300 << 20
+
+
+# Runs the command as its own child and reports that child's exit status,
+# wall and CPU time and peak RSS.  A small launcher: a child's ru_maxrss
+# starts from the RSS of the process it was forked from (Linux carries the
+# high-water mark across exec), so forking the command from the test
+# process (torch loaded, hundreds of MB) would hide its own peak.
+LAUNCHER = """
+import json, os, sys, time
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump([os.waitstatus_to_exitcode(status), time.monotonic() - start,
+               usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024], f)
+"""
+
+
+def measure(*argv, timeout=60.0):
+    """``python -m dcp_optim *argv`` in a fresh process: (exit status,
+    stdout, stderr, (wall seconds, CPU seconds), peak RSS in bytes), of
+    that process alone.  Killed (exit status -9) after ``timeout``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "usage.json")
+        with open(os.path.join(tmp, "out"), "w+b") as out, open(os.path.join(tmp, "err"), "w+b") as err:
+            proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, report, sys.executable, "-m", "dcp_optim",
+                                     *map(str, argv)], stdout=out, stderr=err, cwd=REPO, env=env,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -9, "", "killed", (timeout, timeout), 0
+            out.seek(0)
+            err.seek(0)
+            with open(report) as f:
+                code, wall, cpu, rss = json.load(f)
+            return code, out.read().decode(), err.read().decode(), (wall, cpu), rss
+
+
+def assert_bounded(baseline, bad_argv, *needles):
+    """Run ``bad_argv``; exit 2, one line of stderr holding ``needles``, in
+    bounded time and memory above ``baseline`` (a ``measure`` result)."""
+    code, out, err, (wall, cpu), rss = measure(*bad_argv)
+    _, _, _, (base_wall, base_cpu), base_rss = baseline
+    # how much slower than its CPU time a run went for want of a core (the
+    # baseline's, or this run's when the load rose in between), at most 10:
+    # a process blocked off the CPU still fails
+    slowdown = min(10.0, max(1.0, base_wall / max(base_cpu, 0.1), wall / max(cpu, 0.1)))
+    what = f"{' '.join(map(str, bad_argv))}: exit {code}, {wall:.1f} s wall, {cpu:.1f} s CPU (baseline " \
+           f"{base_wall:.1f} s, {base_cpu:.1f} s), {rss >> 20} MB (baseline {base_rss >> 20} MB), " \
+           f"stderr {err[-2000:]!r}"
+    assert code == 2 and out == "", what
+    assert err.endswith("\n") and err.count("\n") == 1 and len(err) < 2200, what
+    assert err.startswith(f"dcp-optim {bad_argv[0]}: error: "), what
+    assert "Traceback" not in err, what
+    for needle in needles:
+        assert needle in err, (needle, what)
+    assert cpu <= base_cpu + WALL_MARGIN_S, what
+    assert wall <= base_wall + WALL_MARGIN_S * slowdown, what
+    assert rss <= base_rss + RSS_MARGIN, what
+    return err
+
+
+def _hash_bomb(use, levels=60):
+    """A tuple of two references to the level below, ``levels`` deep (2**60
+    nodes in 1 KB), used as a dict key or as the callable of a call."""
+    bomb = b"K\x01" + b"q\x00h\x00h\x00\x86" * levels  # PUT 0, GET 0, GET 0, TUPLE2
+    return {
+        "SETITEM": b"\x80\x02}" + bomb + b"K\x00s.",
+        "SETITEMS": b"\x80\x02}(" + bomb + b"K\x00u.",
+        "REDUCE": b"\x80\x02" + bomb + b")R.",
+        "NEWOBJ": b"\x80\x02" + bomb + b")\x81.",
+    }[use]
+
+
+def test_hash_bombs_bounded(clean, tmp_path):
+    baseline = measure("inspect", clean, "-q")
+    assert baseline[0] == 0, baseline[2]
+    for use in ("SETITEM", "SETITEMS", "REDUCE", "NEWOBJ"):
+        bad = _copy(clean, tmp_path / use)
+        _write_metadata(bad, raw=_hash_bomb(use))
+        assert len(_hash_bomb(use)) < 1024
+        assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint "
+                       "metadata: more work than the budget of")
+
+
+def _nested_refs(levels, refs, leaf):
+    value = leaf
+    for _ in range(levels):
+        value = [value] * refs
+    return value
+
+
+def test_unbounded_repr_and_memo_multiplication_bounded(clean, tmp_path):
+    """A path nested as a list referenced 10 times per level, 30 levels
+    deep (its repr in an error message would be 10**30 elements), and a
+    20 MB metadata whose chunk list is one chunk repeated 10 million times."""
+    baseline = measure("inspect", clean, "-q")
+    assert baseline[0] == 0, baseline[2]
+    bad = _copy(clean, tmp_path / "repr")
+    md = _metadata(bad)
+    md.planner_data["model.head.weight"] = ("model", _nested_refs(30, 10, "x"))
+    _write_metadata(bad, md)
+    assert os.path.getsize(os.path.join(bad, ".metadata")) < 64 << 10
+    assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: ")
+    bad = _copy(clean, tmp_path / "memo")
+    md = _metadata(bad)
+    meta = md.state_dict_metadata["model.head.weight"]
+    meta.chunks = meta.chunks * 10_000_000
+    _write_metadata(bad, md)
+    assert os.path.getsize(os.path.join(bad, ".metadata")) > 20_000_000
+    assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: "
+                   "more work than the budget of")
+
+
+def _declare(bad, key, size, chunks):
+    """``key`` declared as ``size`` with chunks (offsets, sizes) all
+    backed by the real chunk's storage."""
+    md = _metadata(bad)
+    meta = md.state_dict_metadata[key]
+    real = meta.chunks[0]
+    meta.size = torch.Size(size)
+    meta.chunks = [real if (tuple(o), tuple(s)) == (tuple(real.offsets), tuple(real.sizes))
+                   else ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks]
+    info = next(v for i, v in md.storage_data.items() if i.fqn == key)
+    for o, _ in chunks:
+        md.storage_data.setdefault(MetadataIndex(key, torch.Size(o)), info)
+    _write_metadata(bad, md)
+
+
+UNCOVERED = {
+    # the real (3, 8) chunk listed 100 times for a (300, 8) tensor: rows 3
+    # to 299 were torch.empty's memory
+    "duplicates": ((300, 8), [((0, 0), (3, 8))] * 100, "chunk at (0, 0) of size (3, 8) is listed twice"),
+    # a small data file declaring a large tensor the same way
+    "duplicates, large": ((3 * 10**5, 8), [((0, 0), (3, 8))] * 10**5, "is listed twice"),
+    "gap": ((300, 8), [((0, 0), (3, 8))], "elements [3:300, 0:8] are in no chunk"),
+    "overlap": ((4, 8), [((0, 0), (3, 8)), ((1, 0), (3, 8))],
+                "chunk at (1, 0) of size (3, 8) overlaps the chunk at (0, 0) of size (3, 8)"),
+}
+
+
+def test_uncovered_tensors_bounded(clean, tmp_path):
+    """A tensor is returned only when every element was written from the
+    checkpoint: duplicate, overlapping and missing chunks are refused (both
+    modes), naming the region."""
+    baseline = measure("inspect", clean, "--values", "-q")
+    assert baseline[0] == 0, baseline[2]
+    for case, (size, chunks, text) in UNCOVERED.items():
+        bad = _copy(clean, tmp_path / case.replace(", ", "_"))
+        _declare(bad, "model.head.weight", size, chunks)
+        for trusted in (False, True):
+            with pytest.raises(MalformedCheckpointError, match=re.escape(text)):
+                Checkpoint(bad, trusted=trusted)
+        assert_bounded(baseline, ("inspect", bad, "--values", "-q"),
+                       f"{bad}/.metadata: malformed checkpoint metadata: entry 'model.head.weight': ", text)
+
+
+def test_chunk_cover_of_grids():
+    """The cover check accepts exact grids (row, column, 2-D, uneven, empty
+    chunks) and names what is wrong otherwise."""
+    from dcp_optim.tools.checkpoint import _cover_problem
+
+    def problem(shape, boxes, budget=None):
+        chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+        return _cover_problem(shape, chunks, [budget])
+
+    assert problem((6, 4), [((r, c), (2, 2)) for r in (0, 2, 4) for c in (0, 2)]) is None
+    assert problem((5, 4), [((0, 0), (3, 4)), ((3, 0), (2, 4)), ((5, 0), (0, 4))]) is None
+    assert problem((4, 5), [((0, 0), (4, 3)), ((0, 3), (4, 2))]) is None
+    assert problem((), [((), ())]) is None and problem((0, 3), []) is None
+    assert problem((), []) == "elements [] are in no chunk (its chunks cover 0 of 1 elements; a read " \
+                              "would return memory the checkpoint never wrote)"
+    assert "elements [0:2, 2:4] are in no chunk" in problem((2, 4), [((0, 0), (2, 2))])
+    assert "overlaps" in problem((4, 4), [((0, 0), (3, 3)), ((2, 2), (2, 2))])
+    # an irregular layout cut into more cells than the budget is refused
+    assert "more than the 3 left to check" in problem((6, 4), [((r, c), (2, 2)) for r in (0, 2, 4)
+                                                                for c in (0, 2)], budget=3)
+
+
+def test_path_integers_bounded(clean, tmp_path):
+    """convert rebuilds lists from the saved paths' integers: an index far
+    beyond the entries saved under a list, or negative, is refused."""
+    baseline = measure("convert", clean, str(tmp_path / "base_out"), "--to", "flat", "-q")
+    assert baseline[0] == 0, baseline[2]
+    for path, text in [(("extra", 300_000_000), "the path of 'extra.note' uses 'note' where the path of "
+                                                "'extra.step' uses a list index"),
+                       (("extra", -5), "the path of 'extra.step' holds the list index -5")]:
+        bad = _copy(clean, tmp_path / f"bad{path[1]}")
+        md = _metadata(bad)
+        md.planner_data["extra.step"] = path
+        _write_metadata(bad, md)
+        assert_bounded(baseline, ("convert", bad, str(tmp_path / "out"), "--to", "flat", "-q"),
+                       f"{bad}/.metadata: malformed checkpoint metadata: the path of 'extra.", text)
+        assert not (tmp_path / "out").exists()
+    # every path of the list an index: the range is checked
+    md.planner_data["extra.step"], md.planner_data["extra.note"] = ("extra", 300_000_000), ("extra", 0)
+    _write_metadata(bad, md)
+    with pytest.raises(MalformedCheckpointError, match="holds the list index 300000000, for 2 saved entries"):
+        Checkpoint(bad)
+    md.planner_data["extra.step"], md.planner_data["extra.note"] = ("extra", 1), ("extra", 0)
+    _write_metadata(bad, md)
+    assert Checkpoint(bad).by_key["extra.step"].path == ("extra", 1)
+
+
+@pytest.mark.parametrize("paths,text", [
+    ({"extra.step": ("extra", "note")}, "is also the path of another entry"),
+    ({"extra.step": ("model", "head.weight", "x")}, "runs through the entry 'model.head.weight'"),
+    ({"extra.step": (0, "x")}, "starts with 0, not a key"),
+])
+def test_inconsistent_paths(clean, tmp_path, paths, text):
+    bad = _copy(clean, tmp_path / "bad")
+    md = _metadata(bad)
+    md.planner_data.update(paths)
+    _write_metadata(bad, md)
+    with pytest.raises(MalformedCheckpointError, match=re.escape(text)):
+        Checkpoint(bad)
+
+
+def _symlinked(clean, tmp_path, how):
+    bad = _copy(clean, tmp_path / "bad")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(os.path.join(bad, "__0_0.distcp"), outside / "__0_0.distcp")
+    if how == "file":
+        os.symlink(outside / "__0_0.distcp", os.path.join(bad, "__0_0.distcp"))
+    else:  # every relative_path through a symlinked subfolder
+        os.symlink(outside, os.path.join(bad, "sub"))
+        md = _metadata(bad)
+        for index, info in list(md.storage_data.items()):
+            md.storage_data[index] = _StorageInfo("sub/" + info.relative_path, info.offset, info.length)
+        _write_metadata(bad, md)
+    return bad
+
+
+def test_symlinks_out_of_the_folder(clean, tmp_path):
+    """A .distcp symlinked to a file elsewhere, or read through a symlinked
+    subfolder, is refused unless trusted."""
+    baseline = measure("inspect", clean, "--values", "-q")
+    assert baseline[0] == 0, baseline[2]
+    for how in ("file", "subfolder"):
+        base = tmp_path / how
+        base.mkdir()
+        bad = _symlinked(clean, base, how)
+        name = os.path.join(bad, "__0_0.distcp" if how == "file" else "sub/__0_0.distcp")
+        real = os.path.realpath(base / "outside" / "__0_0.distcp")
+        text = f"the file resolves to {real}, outside the checkpoint directory"
+        for argv in (("inspect", bad, "--values", "-q"), ("convert", bad, str(base / "out"), "--to", "flat", "-q")):
+            assert_bounded(baseline, argv, f"{name}: cannot read '", text, "--trust")
+        with pytest.raises(UnsafeCheckpointError, match=re.escape(text)):
+            Checkpoint(bad).read(["model.head.weight"])
+        # trusted: followed, and the values are those of the clean checkpoint
+        keys = [it.key for it in Checkpoint(clean).items]
+        got, want = Checkpoint(bad, trusted=True).read(keys), Checkpoint(clean, trusted=True).read(keys)
+        assert all(_same(got[k], want[k]) for k in keys)
+    # a symlink inside the folder is fine
+    ok = _copy(clean, tmp_path / "ok")
+    os.rename(os.path.join(ok, "__0_0.distcp"), os.path.join(ok, "real.bin"))
+    os.symlink("real.bin", os.path.join(ok, "__0_0.distcp"))
+    assert _same(Checkpoint(ok).value("model.head.weight"), Checkpoint(clean).value("model.head.weight"))
+
+
+def test_metadata_size_cap(clean, tmp_path, monkeypatch):
+    """The .metadata file is read with a size cap, checked before reading."""
+    from dcp_optim.tools import _safe_unpickle
+
+    baseline = measure("inspect", clean, "-q")
+    bad = _copy(clean, tmp_path / "bad")
+    cap = _safe_unpickle.MAX_METADATA_BYTES
+    with open(os.path.join(bad, ".metadata"), "r+b") as f:
+        f.truncate(cap + 1)  # sparse: nothing is written
+    assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: "
+                   f"the file holds {cap + 1} bytes, more than the {cap} read")
+    # the cap itself
+    monkeypatch.setattr(_safe_unpickle, "MAX_METADATA_BYTES", 100)
+    with pytest.raises(MalformedCheckpointError, match="more than the 100 read from an untrusted checkpoint"):
+        Checkpoint(clean)
+    assert Checkpoint(clean, trusted=True).items
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_legit_protocol_0_and_1_metadata(clean, tmp_path, capsys, protocol):
+    """Valid pickles of any protocol read (they were refused as "not a
+    pickle (no protocol header)"), exactly as with torch's unpickling."""
+    ok = _copy(clean, tmp_path / "ok")
+    md = _metadata(ok)
+    with open(os.path.join(ok, ".metadata"), "wb") as f:
+        pickle.dump(md, f, protocol=protocol)
+    assert assert_reads_as_trusted(ok, capsys) > 10
+
+
+def test_work_budget_and_messages():
+    """The budget counts expanded work, and error messages stay short."""
+    from dcp_optim.tools import _safe_unpickle as safe
+    from dcp_optim.tools.checkpoint import _brief
+
+    shared = _nested_refs(30, 10, "x")
+    assert _brief(shared).startswith("[[[[[[[[[..., ..., ...") and len(_brief(shared)) == 60
+    assert len(_brief("x" * 10**6)) == 60 and _brief((1, 2)) == "(1, 2)" and _brief({}) == "{}"
+    assert _brief(1 << 100000) == "<int of 100001 bits>"
+    assert _brief(torch.Size([2, 3])) == "torch.Size([2, 3])" and _brief(["a", None]) == "['a', None]"
+    err = dcp_optim.CheckpointError("a\nb" + "x" * 10**6)
+    assert "\n" not in str(err) and len(str(err)) <= 2000
+    with pytest.raises(safe.Malformed, match="more work than the budget of 1000 units"):
+        safe.load_metadata(pickle.dumps([list(range(10))] * 200, 2), budget=1000)
+    # a hash bomb built with DUP (no memo reference): counted when hashed
+    with pytest.raises(safe.Malformed, match="more work than the budget"):  # as a key
+        safe.load_metadata(b"\x80\x02}K\x01" + b"2\x86" * 60 + b"K\x00s.")
+    with pytest.raises(safe.Malformed, match="shared containers expand to more than"):  # as a value
+        safe.check_value(safe._unpickle(b"\x80\x02]K\x01" + b"2\x86" * 60 + b"a.", safe._policy("object")))
+    # a key referenced many times: each hash is counted
+    key = tuple(range(100))
+    with pytest.raises(safe.Malformed, match="more work than the budget"):
+        safe._unpickle(pickle.dumps({(i, key): 0 for i in range(100)}, 2), safe._policy("object"), budget=5000)
+    assert safe._unpickle(pickle.dumps({(i, key): 0 for i in range(10)}, 2), safe._policy("object"),
+                          budget=5000)[(0, key)] == 0
