@@ -201,14 +201,20 @@ def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any):
             # tensors: one global dtype and shape on the source side
             s0 = holders[0][1]
             for r, d in holders[1:]:
-                if d[:3] != s0[:3] or (sk == "dt" and d[3:6] != s0[3:6]):
-                    fail(f"'{name}': ranks {holders[0][0]} and {r} describe the source differently ({s0[:6]} vs {d[:6]})")
+                if d[:3] != s0[:3]:
+                    fail(
+                        f"'{name}': ranks {holders[0][0]} and {r} hold different source tensors "
+                        f"({s0[1]} {list(s0[2])} vs {d[1]} {list(d[2])})"
+                    )
                     break
             else:
                 d0 = descs[0][1]
                 for r, d in descs[1:]:
-                    if d[:3] != d0[:3] or (dk == "dt" and d[3:6] != d0[3:6]):
-                        fail(f"'{name}': ranks {descs[0][0]} and {r} describe the template differently")
+                    if d[:3] != d0[:3]:
+                        fail(
+                            f"'{name}': ranks {descs[0][0]} and {r} hold different template tensors "
+                            f"({d0[1]} {list(d0[2])} vs {d[1]} {list(d[2])})"
+                        )
                         break
                 else:
                     if d0[2] != s0[2]:
@@ -220,9 +226,6 @@ def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any):
                     spec = _layouts(path, sk, dk, holders, descs, s0, d0, fail)
                     if spec is not None:
                         specs.append(spec)
-    for r, _, dd in gathered:
-        if dd is None:
-            continue
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise errors.StateDictRuntimeError(
@@ -235,8 +238,10 @@ def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any):
 def _layouts(path, sk, dk, holders, descs, s0, d0, fail) -> _Spec | None:
     name = _name(path)
     if sk == "dt":
-        src = (s0[3], s0[4], s0[5])
-        members = set(s0[5])
+        src = _merge_meshes(name, "source", holders, fail)
+        if src is None:
+            return None
+        members = set(src[2])
         have = {r for r, _ in holders}
         if not members <= have:
             fail(f"'{name}': ranks {sorted(members - have)} of its source mesh do not pass it")
@@ -245,10 +250,12 @@ def _layouts(path, sk, dk, holders, descs, s0, d0, fail) -> _Spec | None:
         ranks = tuple(r for r, _ in holders)
         src = ((len(ranks),), ((0, 0, 1),), ranks)
     if dk == "dt":
-        dst = (d0[3], d0[4], d0[5])
+        dst = _merge_meshes(name, "template", descs, fail)
+        if dst is None:
+            return None
         have = {r for r, _ in descs}
-        if not set(d0[5]) <= have:
-            fail(f"'{name}': ranks {sorted(set(d0[5]) - have)} of its destination mesh pass no template")
+        if not set(dst[2]) <= have:
+            fail(f"'{name}': ranks {sorted(set(dst[2]) - have)} of its destination mesh pass no template")
             return None
     else:
         ranks = tuple(r for r, _ in descs)
@@ -276,6 +283,37 @@ def _layouts(path, sk, dk, holders, descs, s0, d0, fail) -> _Spec | None:
                 )
                 return None
     return _Spec(path, s0[1], s0[2], src, dst)
+
+
+def _merge_meshes(name: str, side: str, entries: list, fail) -> tuple | None:
+    """The layout of a DTensor over every rank that holds it.  Ranks on
+    one mesh give it as is; ranks on several disjoint meshes of one shape
+    and placements (FSDP's data-parallel submeshes of a 2-D mesh: one per
+    tensor-parallel rank) hold independent copies -- a Replicate mesh
+    dimension in front of them."""
+    meshes: dict[tuple, tuple] = {}
+    for r, d in entries:
+        if r in d[5]:
+            meshes.setdefault(d[5], (d[3], d[4]))
+    if not meshes:
+        fail(f"'{name}': no rank is on the {side}'s mesh")
+        return None
+    if len(meshes) == 1:
+        ((ranks, (shape, placements)),) = meshes.items()
+        return (shape, placements, ranks)
+    shapes = set(meshes.values())
+    seen: set[int] = set()
+    for ranks in meshes:
+        if seen & set(ranks):
+            shapes.add(None)  # type: ignore[arg-type]
+        seen |= set(ranks)
+    if len(shapes) != 1:
+        described = "; ".join(f"ranks {list(r)}: mesh {list(m[0])} placements {m[1]}" for r, m in meshes.items())
+        fail(f"'{name}': the {side}'s ranks hold it on overlapping or different meshes ({described})")
+        return None
+    shape, placements = shapes.pop()
+    order = sorted(meshes, key=min)
+    return ((len(order),) + tuple(shape), ((0, 0, 1),) + tuple(placements), tuple(r for rs in order for r in rs))
 
 
 def _coord(index: int, shape: tuple) -> list[int]:

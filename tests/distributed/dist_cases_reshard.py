@@ -30,7 +30,7 @@ from dcp_optim._engine import reshard as engine
 
 from ..support.oracle import assert_same_tree
 
-WIDTH, HIDDEN = 8, 6
+WIDTH, HIDDEN = 8, 8
 
 
 class Block(nn.Module):
@@ -46,7 +46,7 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """head (5 rows) and gate (1 row) shard unevenly and leave ranks with
-    zero-size shards under FSDP2; hidden 6 leaves rank 3 of 4 empty."""
+    zero-size shards under FSDP2 (hidden 8: TP trains at 4 ranks)."""
 
     def __init__(self):
         super().__init__()
@@ -115,7 +115,7 @@ def train(model, optim, steps: int, seed: int) -> list[float]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
