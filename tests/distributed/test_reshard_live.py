@@ -47,3 +47,17 @@ def test_subworld(tmp_path, flatten):
     results = run_ranks(4, cases.subworld_case, str(tmp_path), flatten, timeout=300)
     assert results[0] == results[1] == ["fsdp2", "tp"]
     assert results[2] == results[3] == ["left"]
+
+
+def test_demo():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_optim.demo", "reshard", "--steps", "4", "--save-at", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "losses are bit-identical on every rank" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("3 ", "4 "))]
+    assert len(rows) == 2 and all(r[1] == r[2] for r in rows)
