@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -111,6 +112,8 @@ def _describe(value: Any, rank: int, with_values: bool) -> tuple:
             _mesh_ranks(mesh),
             None if coord is None else tuple(local.shape),
         )
+    if with_values and isinstance(value, ShardedTensor):
+        return _describe_sharded(value)
     if isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
             return ("bad", f"tensor subclass {type(value).__name__} is not supported")
@@ -118,8 +121,42 @@ def _describe(value: Any, rank: int, with_values: bool) -> tuple:
     return ("o", value if with_values else None)
 
 
+def _describe_sharded(value: Any) -> tuple:
+    """An FSDP1 ShardedTensor (a sharded getter's value for a flat
+    parameter's original parameter): its shards cut dim 0 the way
+    ``torch.chunk`` does, one rank each, in rank order -- the layout of
+    Shard(0) on a 1-D mesh over those ranks.  Any other geometry is
+    reported, not guessed."""
+    md = value.metadata()
+    gshape = tuple(md.size)
+    shards = sorted(
+        ((int(m.placement.rank()), tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in md.shards_metadata),
+        key=lambda s: (s[1], s[0]),
+    )
+    ranks = tuple(r for r, _, _ in shards)
+    local = value.local_shards()
+    lshape = tuple(local[0].tensor.shape) if local else None
+    bad = ("bad", f"ShardedTensor with shards {[(r, list(o), list(z)) for r, o, z in shards]} of a "
+           f"{list(gshape)} tensor: only dim-0 chunks, one per rank, can be resharded")
+    if not gshape or len(set(ranks)) != len(ranks) or len(local) > 1:
+        return bad
+    layouts = C.shard_layouts(list(gshape), [len(ranks)], [(1, 0, 1)], [[i] for i in range(len(ranks))])
+    for (_, off, size), (expect, blocks) in zip(shards, layouts):
+        start = blocks[0][1] if blocks else (off[0],) + (0,) * (len(gshape) - 1)
+        if tuple(size) != tuple(expect) or (blocks and tuple(off) != tuple(start)):
+            return bad
+    return ("dt", str(value.dtype), gshape, (len(ranks),), ((1, 0, 1),), ranks, lshape)
+
+
 def _local(value: Any) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, ShardedTensor):
+        local = value.local_shards()
+        if local:
+            return local[0].tensor
+        return torch.empty((0,) + tuple(value.metadata().size)[1:], dtype=value.dtype)
+    return value
 
 
 # --- agreement -------------------------------------------------------------------

@@ -177,6 +177,42 @@ def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KI
     return done
 
 
+def fsdp1_source(rank: int, ws: int, path: str, flatten: bool, dests=KINDS) -> list[str]:
+    """FSDP1 flat parameters (sharded getters: ShardedTensors, dim-0
+    chunks, empty on some ranks) as the source of every destination."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = FSDP(Net(), device_id=torch.device("cpu"), use_orig_params=False, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optim = optimizer(model)
+    train(model, optim, steps=2, seed=3)
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=Opts(flatten_optimizer_state_dict=flatten))
+    src = {"model": msd, "optim": osd}
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    assert all(isinstance(v, ShardedTensor) for v in msd.values())
+    empty = [any(not v.local_shards() or v.local_shards()[0].tensor.numel() == 0 for v in msd.values())]
+    flags: list[Any] = [None] * ws
+    dist.all_gather_object(flags, empty)
+    assert any(f[0] for f in flags)  # some rank holds an empty shard (gate's single row)
+    ckpt = os.path.join(path, f"fsdp1-{int(flatten)}")
+    dcp.save(src, checkpoint_id=ckpt)
+    done = []
+    for dst_kind in dests:
+        _, _, expected = template(dst_kind, ws, flatten)
+        dcp.load(expected, checkpoint_id=ckpt)
+        _, _, tmpl = template(dst_kind, ws, flatten)
+        got = dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=512)
+        try:
+            assert_same_tree(_local_tree(expected), _local_tree(got))
+        except AssertionError as exc:
+            raise AssertionError(f"rank {rank}: fsdp1 -> {dst_kind} (flatten={flatten}): {exc}") from None
+        done.append(f"fsdp1->{dst_kind}")
+    dist.barrier()
+    return done
+
+
 def convenience_and_training(rank: int, ws: int, path: str) -> dict[str, Any]:
     """reshard_model_and_optimizer FSDP2 -> TP, then 3 more steps: the
     losses equal those of a TP run resumed through dcp.save + dcp.load."""

@@ -23,6 +23,13 @@ def test_matrix(tmp_path, ws, flatten):
     assert all(r == PAIRS for r in results)
 
 
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
+def test_fsdp1_source(tmp_path, ws, flatten):
+    results = run_ranks(ws, cases.fsdp1_source, str(tmp_path), flatten, timeout=600)
+    assert all(r == [f"fsdp1->{d}" for d in cases.KINDS] for r in results)
+
+
 def test_convenience_form_keeps_training(tmp_path):
     results = run_ranks(2, cases.convenience_and_training, str(tmp_path))
     assert results[0] == results[1]
