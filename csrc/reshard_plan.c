@@ -123,8 +123,8 @@ parse_rmesh(PyObject *shape,
                      m->size);
         return -1;
     }
-    m->ranks = PyMem_Calloc((size_t)(m->size ? m->size : 1),
-                            sizeof(Py_ssize_t));
+    m->ranks =
+        PyMem_Calloc((size_t)(m->size ? m->size : 1), sizeof(Py_ssize_t));
     if (m->ranks == NULL) {
         Py_DECREF(seq);
         PyErr_NoMemory();
@@ -382,9 +382,11 @@ dcp_reshard_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (layout_at(gshape, ndim, &src, rep, &other) < 0) {
                 goto error;
             }
-            int rc = intersect_into(
-                h == rank ? local : recv, h == rank ? -1 : h, &other, &mine,
-                ndim);
+            int rc = intersect_into(h == rank ? local : recv,
+                                    h == rank ? -1 : h,
+                                    &other,
+                                    &mine,
+                                    ndim);
             PyMem_Free(other.blocks);
             other.blocks = NULL;
             if (rc < 0) {

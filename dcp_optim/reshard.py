@@ -73,7 +73,12 @@ def reshard_model_and_optimizer(
     resharded with :func:`reshard_state_dict` and set with
     :func:`dcp_optim.set_state_dict`.  ``dst_model`` is ``None`` on ranks
     that leave; ``dst_optimizer`` may be a fresh, never-stepped optimizer."""
-    from .state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+    from .state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     opts = options if options is not None else StateDictOptions()
     source: dict[str, Any] = {}

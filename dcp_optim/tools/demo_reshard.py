@@ -20,18 +20,23 @@ import datetime
 import os
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .demo import _context, _log, _train, batch, build
+from .demo import _context, _log, _train, build
 
 WORLD = 2
 
 
 def _tp(world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     model, optim, sched = build(1)  # plain, seed 0: overwritten below
     mesh = init_device_mesh("cpu", (world_size,))
@@ -64,16 +69,16 @@ def _run(rank: int, world_size: int, ckpt: str, steps: int, save_at: int) -> dic
     msd, osd = dcp_optim.get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
     msd_b, osd_b = dcp_optim.get_state_dict(tp_b[0], tp_b[1])
-    state = {"model": msd_b, "optim": osd_b}
+    state: dict[str, Any] = {"model": msd_b, "optim": osd_b}
     dcp.load(state, checkpoint_id=ckpt)
-    dcp_optim.set_state_dict(tp_b[0], tp_b[1], model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp_optim.set_state_dict(tp_b[0], tp_b[1], model_state_dict=msd_b, optim_state_dict=osd_b)
     tp_b[2].load_state_dict(sched.state_dict())
     t_dcp = time.perf_counter() - t0
     if rank == 0:
         _log(f"    resharded FSDP2 -> TP in memory in {t_mem * 1e3:.1f} ms "
              f"(dcp.save + dcp.load: {t_dcp * 1e3:.1f} ms); training on")
-    a = _train(*tp_a, range(save_at, steps), quiet, rank)
-    b = _train(*tp_b, range(save_at, steps), quiet, rank)
+    a = _train(tp_a[0], tp_a[1], tp_a[2], range(save_at, steps), quiet, rank)
+    b = _train(tp_b[0], tp_b[1], tp_b[2], range(save_at, steps), quiet, rank)
     return {"memory": a, "dcp": b}
 
 
