@@ -51,6 +51,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dist-mem-isolation", choices=("op", "impl", "shared"), default=None,
                    help="section 2 memory pass: fresh process pair per (op, impl), per impl (default), "
                    "or one shared pair (quick)")
+    p.add_argument("--reshard-mb", type=float, default=100.0, help="section 6 (opt-in): MB of weights resharded")
     p.add_argument("--json", dest="json_path", help="where to write the JSON (default bench-out/bench-<time>.json)")
     p.add_argument("--plot", dest="plot_path", help="where to write the PNG (default: next to the JSON)")
     p.add_argument("--no-plot", action="store_true")
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         s5 = scale.run_from_args(ns, out_dir=os.path.dirname(os.path.abspath(json_path)))
         out["scale"] = s5
+    if "6" in sections:  # in-memory resharding (benchmarks/reshard.py); prints its own tables
+        from .reshard import run_section
+
+        out["reshard"] = run_section(mb=args.reshard_mb, worlds=(2, 4), reps=2 if args.quick else 3)
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 
