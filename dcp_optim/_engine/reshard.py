@@ -90,8 +90,18 @@ def _encode_placements(placements: Any, ndim: int) -> tuple | str:
     return tuple(out)
 
 
+_MESH_RANKS: dict[Any, tuple[int, ...]] = {}
+
+
 def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
-    return tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    """The global rank at each coordinate (row-major), cached per mesh:
+    ``DeviceMesh.mesh`` builds a new tensor on every access."""
+    ranks = _MESH_RANKS.get(mesh)
+    if ranks is None:
+        if len(_MESH_RANKS) >= 1024:
+            _MESH_RANKS.clear()
+        ranks = _MESH_RANKS[mesh] = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    return ranks
 
 
 def _describe(value: Any, rank: int, with_values: bool) -> tuple:
