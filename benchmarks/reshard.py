@@ -19,7 +19,7 @@ after a warm-up, and the three results are checked to be bit-identical.
 
 Part B, planning cost at scale (one process, no process group): the
 native plan of one rank of W for the same FSDP2 -> TP move of a
-(4096, 4096) tensor, W up to 16384: CPU time of ``reshard_plan`` and the
+(16384, 16384) tensor, W up to 16384: CPU time of ``reshard_plan`` and the
 bytes the rank sends and receives, against the bytes its destination
 shard needs.  The transfers themselves are not simulated (torch's fake
 process group has no point-to-point operations to time).
@@ -72,7 +72,8 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
-    src, templates = {}, {name: {} for name in ("reshard", "gather", "dcp_shm")}
+    src: dict[str, Any] = {}
+    templates: dict[str, dict[str, Any]] = {name: {} for name in ("reshard", "gather", "dcp_shm")}
     for i, shape in enumerate(_tensors(cfg["mb"])):
         full = torch.randn(shape, generator=g)
         src[f"layer{i}.weight"] = distribute_tensor(full, mesh, [Shard(0)])
@@ -145,7 +146,7 @@ def run_gloo(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def plan_scaling(worlds: list[int]) -> list[dict[str, Any]]:
     from dcp_optim._engine.core import C
 
-    shape = [4096, 4096]
+    shape = [16384, 16384]
     out = []
     for world in worlds:
         ranks = list(range(world))
@@ -189,7 +190,7 @@ def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int =
         m = g["median_s"]
         print(f"{g['world']:>5}  {m['reshard']:>8.3f}s  {m['gather']:>11.3f}s  {m['dcp_shm']:>8.3f}s  "
               f"{m['gather'] / m['reshard']:>8.1f}x  {m['dcp_shm'] / m['reshard']:>6.1f}x  {g['identical']}")
-    print("\n-- planning one rank of W (reshard_plan, (4096, 4096) float32, FSDP2 -> TP) --")
+    print("\n-- planning one rank of W (reshard_plan, (16384, 16384) float32, FSDP2 -> TP) --")
     print(f"{'W':>6}  {'plan CPU':>9}  {'recv MB':>8}  {'send MB':>8}  {'local MB':>8}  {'shard MB':>8}")
     for s in scaling:
         print(f"{s['world']:>6}  {s['plan_cpu_ms']:>7.2f}ms  {s['recv_bytes'] / 2**20:>8.3f}  "

@@ -185,17 +185,30 @@ class _Spec:
         self.dst = dst
 
 
-def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any):
+def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any, local_problem: str | None,
+           limit: int, group_ranks: list[int]):
     """Gathers every rank's descriptions and checks them; returns (specs,
     objects) or raises the same error on every rank."""
     world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (rank, src_desc, dst_desc), group=group)
-    gathered.sort(key=lambda g: g[0])
+    record = (rank, src_desc, dst_desc, local_problem, limit)
+    gathered_all: list[Any] = [None] * world
+    dist.all_gather_object(gathered_all, record, group=group)
+    gathered_all.sort(key=lambda g: g[0])
     problems: list[str] = []
 
     def fail(msg: str) -> None:
         problems.append(msg)
+
+    for r, _, _, lp, _ in gathered_all:
+        if lp is not None:
+            fail(f"rank {r}: {lp}")
+    limits = sorted({g[4] for g in gathered_all})
+    if len(limits) > 1:
+        fail(f"the ranks pass different bucket_bytes ({limits}): the buckets of sender and receiver must agree")
+    if problems:
+        _raise(problems)
+    gathered = [(r, sd, dd) for r, sd, dd, _, _ in gathered_all]
+    members = set(group_ranks)
 
     # source: per key, who has what
     src_by_key: dict[tuple, list[tuple[int, tuple]]] = {}
@@ -273,13 +286,21 @@ def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any):
                     spec = _layouts(path, sk, dk, holders, descs, s0, d0, fail)
                     if spec is not None:
                         specs.append(spec)
+    for spec in specs:
+        outside = sorted((set(spec.src[2]) | set(spec.dst[2])) - members)
+        if outside:
+            fail(f"'{_name(spec.path)}': its meshes include ranks {outside} outside the process group")
+            break
     if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise errors.StateDictRuntimeError(
-            "reshard_state_dict: the layouts do not agree, nothing was changed: "
-            + "; ".join(problems[:3]) + more
-        )
+        _raise(problems)
     return specs, objects
+
+
+def _raise(problems: list[str]) -> None:
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    raise errors.StateDictRuntimeError(
+        "reshard_state_dict: the layouts do not agree, nothing was changed: " + "; ".join(problems[:3]) + more
+    )
 
 
 def _layouts(path, sk, dk, holders, descs, s0, d0, fail) -> _Spec | None:
@@ -447,15 +468,31 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     if limit < _ALIGN:
         raise errors.StateDictValueError(f"bucket_bytes must be at least {_ALIGN}, got {limit}")
     rank = dist.get_rank()
+    group_ranks = sorted(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     if source is None:
         source = {}
-    if not isinstance(source, Mapping) or (template is not None and not isinstance(template, Mapping)):
-        raise errors.StateDictTypeError("reshard_state_dict: source and template must be dicts (or template None)")
-    src_leaves = dict(_leaves(source))
-    dst_leaves = dict(_leaves(template)) if template is not None else None
-    src_desc = {p: _describe(v, rank, True) for p, v in src_leaves.items()}
-    dst_desc = None if dst_leaves is None else {p: _describe(v, rank, False) for p, v in dst_leaves.items()}
-    specs, objects = _agree(src_desc, dst_desc, rank, group)
+    # Anything wrong on this rank alone is reported through the agreement
+    # exchange, so that every rank raises (none is left waiting in it).
+    local_problem: str | None = None
+    src_leaves: dict = {}
+    dst_leaves: dict | None = None
+    src_desc: dict = {}
+    dst_desc: dict | None = None
+    try:
+        if not isinstance(source, Mapping) or (template is not None and not isinstance(template, Mapping)):
+            raise TypeError(
+                f"source and template must be dicts (template may be None), got "
+                f"{type(source).__name__} and {type(template).__name__}"
+            )
+        src_leaves = dict(_leaves(source))
+        dst_leaves = dict(_leaves(template)) if template is not None else None
+        src_desc = {p: _describe(v, rank, True) for p, v in src_leaves.items()}
+        dst_desc = None if dst_leaves is None else {p: _describe(v, rank, False) for p, v in dst_leaves.items()}
+        local_problem = _shared_memory(src_leaves, dst_leaves)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        local_problem = f"{type(exc).__name__}: {exc}"
+        src_desc, dst_desc = {}, None
+    specs, objects = _agree(src_desc, dst_desc, rank, group, local_problem, limit, group_ranks)
 
     # this rank's boxes: locals, and per peer the ordered send / recv items
     locals_: list[tuple] = []
@@ -478,7 +515,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
             for s, _d, ln in _split(sstart, dstart, lens, itemsize, limit):
                 sends.setdefault(peer, []).append((src_t, s, ln, dtype, _nbytes(ln, itemsize)))
 
-    ranks = sorted(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    ranks = group_ranks
     me = ranks.index(rank)
     world = len(ranks)
     send_buf: torch.Tensor | None = None
@@ -512,6 +549,28 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     if template is None:
         return None
     return _rebuild(template, (), objects)
+
+
+def _storages(leaves: dict) -> dict[int, tuple]:
+    out = {}
+    for path, value in leaves.items():
+        if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
+            t = _local(value)
+            if t.numel():
+                out[t.untyped_storage().data_ptr()] = path
+    return out
+
+
+def _shared_memory(src_leaves: dict, dst_leaves: dict | None) -> str | None:
+    """The template is written while the source is read: they must not
+    share memory."""
+    if dst_leaves is None:
+        return None
+    src = _storages(src_leaves)
+    for ptr, path in _storages(dst_leaves).items():
+        if ptr in src:
+            return f"the template's '{_name(path)}' shares memory with the source's '{_name(src[ptr])}'"
+    return None
 
 
 def _nbytes(lens: tuple, itemsize: int) -> int:

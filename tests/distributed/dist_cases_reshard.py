@@ -239,10 +239,10 @@ def errors_case(rank: int, ws: int) -> list[str]:
     full = torch.arange(24.0).reshape(6, 4)
     src = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3)}
 
-    def attempt(tmpl, label):
+    def attempt(tmpl, label, source=src, **kwargs):
         snapshot = _local_tree(tmpl)
         try:
-            dcp_optim.reshard_state_dict(src, tmpl)
+            dcp_optim.reshard_state_dict(source, tmpl, **kwargs)
         except errors.StateDictRuntimeError as exc:
             msg = str(exc)
             gathered: list[Any] = [None] * ws
@@ -265,6 +265,13 @@ def errors_case(rank: int, ws: int) -> list[str]:
     attempt({"w": partial, "b": torch.zeros(3)}, "partial")
     # a tensor in the source, a non-tensor value in the template
     attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": 3}, "kind")
+    # one rank passes something that is not a dict: every rank raises
+    fresh = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(3)}
+    attempt(fresh, "type", source=[1] if rank == 0 else src)
+    # different bucket sizes would pack different buckets
+    attempt(fresh, "buckets", bucket_bytes=1024 + 16 * rank)
+    # the template shares memory with the source
+    attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": src["b"]}, "alias")
     # and one that works: Shard(0) -> Shard(1), Replicate, dtype cast
     out = dcp_optim.reshard_state_dict(
         src, {"w": distribute_tensor(torch.zeros(6, 4, dtype=torch.float64), mesh, [Shard(1)]), "b": torch.zeros(3)}
