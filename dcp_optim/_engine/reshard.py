@@ -444,16 +444,17 @@ def _buckets(items: list, limit: int) -> list[tuple[int, list]]:
     buckets: [(size, [(offset, item)])]; both sides compute the same."""
     out: list[tuple[int, list]] = []
     cur: list = []
-    off = 0
+    off = end = 0  # the next aligned offset; the end of the last item
     for item in items:
         n = item[4]
         if cur and off + n > limit:
-            out.append((off, cur))
+            out.append((end, cur))
             cur, off = [], 0
         cur.append((off, item))
-        off = (off + n + _ALIGN - 1) // _ALIGN * _ALIGN
+        end = off + n
+        off = (end + _ALIGN - 1) // _ALIGN * _ALIGN
     if cur:
-        out.append((off, cur))
+        out.append((end, cur))
     return out
 
 
@@ -517,6 +518,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
 
     ranks = group_ranks
     me = ranks.index(rank)
+    device = _buffer_device(group)
     world = len(ranks)
     send_buf: torch.Tensor | None = None
     recv_buf: torch.Tensor | None = None
@@ -529,14 +531,14 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
             if t < len(sb):
                 size, entries = sb[t]
                 if send_buf is None or send_buf.numel() < size:
-                    send_buf = torch.empty(max(size, min(limit, _ALIGN)), dtype=torch.uint8)
+                    send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
                 for off, (tensor, start, lens, dtype, n) in entries:
                     _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
                 ops.append(dist.P2POp(dist.isend, send_buf[:size], to, group))
             if t < len(rb):
                 size, _ = rb[t]
                 if recv_buf is None or recv_buf.numel() < size:
-                    recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8)
+                    recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
                 ops.append(dist.P2POp(dist.irecv, recv_buf[:size], frm, group))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -549,6 +551,14 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     if template is None:
         return None
     return _rebuild(template, (), objects)
+
+
+def _buffer_device(group: Any) -> torch.device:
+    """Where the buckets live: NCCL moves CUDA tensors only; gloo (and
+    the others) take CPU buffers, whatever device the shards are on."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _storages(leaves: dict) -> dict[int, tuple]:

@@ -129,3 +129,19 @@ def pairs(draw):
 def test_random_layout_pairs(pair):
     shape, (sm, sp, sr), (dm, dp, dr) = pair
     check(shape, sm, sp, sr, dm, dp, dr)
+
+
+def test_boxes_split_and_buckets_stay_within_the_limit():
+    from dcp_optim._engine import reshard as engine
+
+    pieces = engine._split((1, 0), (0, 2), (10, 6), 4, 50)
+    # every piece at most 50 bytes (2 rows of 6 float32 = 48), covering the box once, in order
+    assert all(engine._nbytes(ln, 4) <= 50 for _, _, ln in pieces)
+    assert sum(engine._nbytes(ln, 4) for _, _, ln in pieces) == 10 * 6 * 4
+    assert [s for s, _, _ in pieces][:2] == [(1, 0), (3, 0)] and pieces[0][1] == (0, 2)
+    # a single row larger than the limit splits along the next dimension
+    assert all(engine._nbytes(ln, 8) <= 16 for _, _, ln in engine._split((0, 0), (0, 0), (1, 5), 8, 16))
+    items = [(None, None, None, None, n) for n in (48, 48, 8, 40, 50)]
+    buckets = engine._buckets(items, 64)
+    assert [[off for off, _ in entries] for _, entries in buckets] == [[0], [0, 48], [0], [0]]
+    assert [size for size, _ in buckets] == [48, 56, 40, 50]  # never above the limit
