@@ -328,3 +328,30 @@ def subworld_case(rank: int, ws: int, path: str, flatten: bool) -> list[str]:
     return done
 
 
+
+
+def memory_case(rank: int, ws: int, bucket_mb: int) -> dict[str, Any]:
+    """Peak extra resident memory of a reshard (FSDP2 Shard(0) -> TP
+    Shard(1), 128 MB of float32 in 4 MB tensors, 64 MB of shards per
+    rank): at most the two buckets plus allocator slack."""
+    from .dist_cases import PeakRSS
+
+    mesh = init_device_mesh("cpu", (ws,))
+    shapes = [(1024, 1024)] * 32
+    src = {f"t{i}": distribute_tensor(torch.full(s, float(i)), mesh, [Shard(0)]) for i, s in enumerate(shapes)}
+    tmpl = {f"t{i}": distribute_tensor(torch.zeros(s), mesh, [Shard(1)]) for i, s in enumerate(shapes)}
+    bucket = bucket_mb * 2**20
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)  # warm-up: plans, gloo's pairs
+    for t in tmpl.values():
+        t.to_local().zero_()
+    dist.barrier()
+    with PeakRSS() as mem:
+        dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)
+    for i, t in enumerate(tmpl.values()):
+        assert bool((t.to_local() == float(i)).all())
+    dist.barrier()
+    return {
+        "peak_delta": mem.peak - mem.base,
+        "bucket_bytes": bucket,
+        "shard_bytes": sum(t.to_local().numel() * 4 for t in tmpl.values()),
+    }

@@ -70,3 +70,12 @@ def test_demo():
     assert "losses are bit-identical on every rank" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("3 ", "4 "))]
     assert len(rows) == 2 and all(r[1] == r[2] for r in rows)
+
+
+def test_peak_memory_is_two_buckets():
+    for r in run_ranks(2, cases.memory_case, 16):
+        # two 16 MB buckets (measured: 32 MB) and 12 MB of allocator and
+        # sampling slack, as the broadcast-load memory tests allow; the
+        # destination shards (64 MB) exist before the call
+        assert r["peak_delta"] <= 2 * r["bucket_bytes"] + 12 * 2**20, r
+        assert r["shard_bytes"] == 64 * 2**20
