@@ -18,10 +18,10 @@ Each is timed as the slowest rank's wall time, median of ``--reshard-reps``
 after a warm-up, and the three results are checked to be bit-identical.
 
 Part B, planning cost at scale (one process, no process group): the
-native plan of one rank of W for the same FSDP2 -> TP move of a
-(16384, 16384) tensor, W up to 16384: CPU time of ``reshard_plan`` and the
-bytes the rank sends and receives, against the bytes its destination
-shard needs.  The transfers themselves are not simulated (torch's fake
+native plan of one rank of W, W up to 16384, for a (16384, 16384) tensor
+moved FSDP2 -> TP and FSDP2 -> FSDP2 on half the ranks: CPU time of
+``reshard_plan``, peers, and the bytes the rank receives and copies
+locally against the bytes its destination shard needs.  The transfers themselves are not simulated (torch's fake
 process group has no point-to-point operations to time).
 """
 
@@ -144,6 +144,9 @@ def run_gloo(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_scaling(worlds: list[int]) -> list[dict[str, Any]]:
+    """One rank's plan (rank W // 3) of a (16384, 16384) float32 tensor,
+    two pairs: FSDP2 -> TP (every rank exchanges with every other) and
+    FSDP2 at W -> FSDP2 on the first W / 2 ranks (a few peers each)."""
     from dcp_optim._engine.core import C
 
     shape = [16384, 16384]
@@ -151,30 +154,37 @@ def plan_scaling(worlds: list[int]) -> list[dict[str, Any]]:
     for world in worlds:
         ranks = list(range(world))
         rank = world // 3
-        args = (shape, [world], [(1, 0, 1)], ranks, [world], [(1, 1, 1)], ranks, rank)
-        C.reshard_plan(*args)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.process_time()
-            local, recv, send = C.reshard_plan(*args)
-            best = min(best, time.process_time() - t0)
+        pairs = {
+            "fsdp->tp": ([world], [(1, 1, 1)], ranks),
+            "fsdp->fsdp(W/2)": ([world // 2], [(1, 0, 1)], ranks[: world // 2]),
+        }
+        for pair, (dmesh, dpl, dranks) in pairs.items():
+            args = (shape, [world], [(1, 0, 1)], ranks, dmesh, dpl, dranks, rank)
+            C.reshard_plan(*args)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.process_time()
+                local, recv, send = C.reshard_plan(*args)
+                best = min(best, time.process_time() - t0)
 
-        def nbytes(items, lens_at):
-            total = 0
-            for it in items:
-                n = 4
-                for x in it[lens_at]:
-                    n *= x
-                total += n
-            return total
+            def nbytes(items, lens_at):
+                total = 0
+                for it in items:
+                    n = 4
+                    for x in it[lens_at]:
+                        n *= x
+                    total += n
+                return total
 
-        (lshape, _), = C.shard_layouts(shape, [world], [(1, 1, 1)], [[rank]])
-        need = 4 * lshape[0] * lshape[1]
-        out.append({
-            "world": world, "plan_cpu_ms": best * 1e3,
-            "recv_bytes": nbytes(recv, 3), "send_bytes": nbytes(send, 3), "local_bytes": nbytes(local, 2),
-            "dst_shard_bytes": need,
-        })
+            need = 0
+            if rank in dranks:
+                (lshape, _), = C.shard_layouts(shape, dmesh, dpl, [[dranks.index(rank)]])
+                need = 4 * lshape[0] * lshape[1]
+            out.append({
+                "world": world, "pair": pair, "plan_cpu_ms": best * 1e3, "peers": len({p for p, *_ in recv + send}),
+                "recv_bytes": nbytes(recv, 3), "send_bytes": nbytes(send, 3), "local_bytes": nbytes(local, 2),
+                "dst_shard_bytes": need,
+            })
     return out
 
 
@@ -190,11 +200,11 @@ def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int =
         m = g["median_s"]
         print(f"{g['world']:>5}  {m['reshard']:>8.3f}s  {m['gather']:>11.3f}s  {m['dcp_shm']:>8.3f}s  "
               f"{m['gather'] / m['reshard']:>8.1f}x  {m['dcp_shm'] / m['reshard']:>6.1f}x  {g['identical']}")
-    print("\n-- planning one rank of W (reshard_plan, (16384, 16384) float32, FSDP2 -> TP) --")
-    print(f"{'W':>6}  {'plan CPU':>9}  {'recv MB':>8}  {'send MB':>8}  {'local MB':>8}  {'shard MB':>8}")
+    print("\n-- planning rank W // 3 of W (reshard_plan, one (16384, 16384) float32 tensor) --")
+    print(f"{'W':>6}  {'pair':>16}  {'plan CPU':>9}  {'peers':>6}  {'recv MB':>8}  {'local MB':>8}  {'shard MB':>8}")
     for s in scaling:
-        print(f"{s['world']:>6}  {s['plan_cpu_ms']:>7.2f}ms  {s['recv_bytes'] / 2**20:>8.3f}  "
-              f"{s['send_bytes'] / 2**20:>8.3f}  {s['local_bytes'] / 2**20:>8.3f}  {s['dst_shard_bytes'] / 2**20:>8.3f}")
+        print(f"{s['world']:>6}  {s['pair']:>16}  {s['plan_cpu_ms']:>7.3f}ms  {s['peers']:>6}  "
+              f"{s['recv_bytes'] / 2**20:>8.3f}  {s['local_bytes'] / 2**20:>8.3f}  {s['dst_shard_bytes'] / 2**20:>8.3f}")
     return {"gloo": gloo, "plan_scaling": scaling}
 
 

@@ -233,21 +233,121 @@ group_of(const rmesh_t *m, Py_ssize_t index)
     return index_of(m, coord);
 }
 
-/* The rank of group `rep` that serves destination rank `dst`. */
+/* The rank of group `rep` that serves destination rank `dst`: `dst`
+ * itself when it holds the group's data (pos maps a rank to its source
+ * coordinate, or -1), else holders[dst % n]. */
 static Py_ssize_t
 choose_holder(const rmesh_t *m,
               const Py_ssize_t *offsets,
               const Py_ssize_t *holders,
+              const Py_ssize_t *pos,
+              Py_ssize_t maxr,
               Py_ssize_t rep,
               Py_ssize_t dst)
 {
+    if (dst <= maxr && pos[dst] >= 0 && group_of(m, pos[dst]) == rep) {
+        return dst;
+    }
     Py_ssize_t lo = offsets[rep], hi = offsets[rep + 1];
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        if (m->ranks[holders[i]] == dst) {
-            return dst;
+    return m->ranks[holders[lo + dst % (hi - lo)]];
+}
+
+/* Whether the layout is "simple": no _StridedShard and every tensor
+ * dimension split by at most one mesh dimension.  Then the shard at a
+ * coordinate is one box, chunk coord[m] of dim tdim[m] along each
+ * sharded mesh dimension m, and the coordinates whose box meets a given
+ * box form a product of ranges (chunk_span): planning visits only
+ * those. */
+static int
+simple_layout(const rmesh_t *m, Py_ssize_t ndim, Py_ssize_t *tdim)
+{
+    int used[DCP_MAX_DIMS] = {0};
+    for (Py_ssize_t d = 0; d < m->mdim; d++) {
+        tdim[d] = -1;
+        if (m->shape[d] <= 0 || m->pl[d].kind == PL_STRIDED) {
+            return 0;
+        }
+        if (m->pl[d].kind == PL_SHARD) {
+            Py_ssize_t t = m->pl[d].dim;
+            if (t >= ndim || used[t]) {
+                return 0; /* the general path reports or handles it */
+            }
+            used[t] = 1;
+            tdim[d] = t;
         }
     }
-    return m->ranks[holders[lo + dst % (hi - lo)]];
+    return 1;
+}
+
+/* [k0, k1): the torch.chunk chunks of a dimension of `size` split `n`
+ * ways that meet [lo, lo + len). */
+static void
+chunk_span(Py_ssize_t size,
+           Py_ssize_t n,
+           Py_ssize_t lo,
+           Py_ssize_t len,
+           Py_ssize_t *k0,
+           Py_ssize_t *k1)
+{
+    Py_ssize_t full = size / n + (size % n != 0);
+    *k0 = *k1 = 0;
+    if (full == 0 || len <= 0) {
+        return;
+    }
+    *k0 = lo / full;
+    *k1 = (lo + len - 1) / full + 1;
+    if (*k1 > n) {
+        *k1 = n;
+    }
+    if (*k0 > *k1) {
+        *k0 = *k1;
+    }
+}
+
+/* The coordinate ranges of mesh `m` (simple, tdim) whose shard meets the
+ * box `b`; `all_replicas`: Replicate dimensions span the whole mesh
+ * dimension (destinations) or only coordinate 0 (source groups).
+ * Returns 0 when some range is empty. */
+static int
+meeting_ranges(const rmesh_t *m,
+               const Py_ssize_t *tdim,
+               const Py_ssize_t *gshape,
+               const rblock_t *b,
+               int all_replicas,
+               Py_ssize_t *k0,
+               Py_ssize_t *k1)
+{
+    for (Py_ssize_t d = 0; d < m->mdim; d++) {
+        if (tdim[d] < 0) {
+            k0[d] = 0;
+            k1[d] = all_replicas ? m->shape[d] : 1;
+        }
+        else {
+            Py_ssize_t t = tdim[d];
+            chunk_span(
+                gshape[t], m->shape[d], b->gs[t], b->ln[t], &k0[d], &k1[d]);
+        }
+        if (k0[d] >= k1[d]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Advances the odometer `c` over the ranges [k0, k1); 0 when done. */
+static int
+odometer_next(Py_ssize_t *c,
+              const Py_ssize_t *k0,
+              const Py_ssize_t *k1,
+              Py_ssize_t mdim)
+{
+    for (Py_ssize_t d = mdim - 1; d >= 0; d--) {
+        if (++c[d] < k1[d]) {
+            return 1;
+        }
+        c[d] = k0[d];
+    }
+    return 0;
 }
 
 /* Appends the intersections of destination layout `dl` with source
@@ -318,7 +418,7 @@ dcp_reshard_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t gshape[DCP_MAX_DIMS], ndim;
     rmesh_t src = {.ranks = NULL}, dst = {.ranks = NULL};
     rlayout_t mine = {NULL, 0}, other = {NULL, 0};
-    Py_ssize_t *offsets = NULL, *holders = NULL, *fill = NULL;
+    Py_ssize_t *offsets = NULL, *holders = NULL, *fill = NULL, *pos = NULL;
     PyObject *local = NULL, *recv = NULL, *send = NULL, *result = NULL;
     if (dcp_check_nargs("reshard_plan", nargs, 8) < 0 ||
         dcp_parse_shape(args[0], gshape, &ndim, "global_shape") < 0 ||
@@ -356,29 +456,65 @@ dcp_reshard_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t rep = group_of(&src, i);
         holders[offsets[rep] + fill[rep]++] = i;
     }
-    /* receiving side: this rank's destination shard, from every group */
-    Py_ssize_t my_dst = -1, my_src = -1;
+    /* pos: rank -> source coordinate (or -1) */
+    Py_ssize_t maxr = rank;
+    for (Py_ssize_t i = 0; i < src.size; i++) {
+        maxr = src.ranks[i] > maxr ? src.ranks[i] : maxr;
+    }
+    if (maxr >= ((Py_ssize_t)1 << 26)) {
+        PyErr_SetString(PyExc_ValueError, "rank too large");
+        goto error;
+    }
+    pos = PyMem_Malloc((size_t)(maxr + 1) * sizeof(Py_ssize_t));
+    if (pos == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t r = 0; r <= maxr; r++) {
+        pos[r] = -1;
+    }
+    for (Py_ssize_t i = 0; i < src.size; i++) {
+        pos[src.ranks[i]] = i;
+    }
+    Py_ssize_t my_dst = -1, my_src = rank <= maxr ? pos[rank] : -1;
     for (Py_ssize_t j = 0; j < dst.size; j++) {
         if (dst.ranks[j] == rank) {
             my_dst = j;
             break;
         }
     }
-    for (Py_ssize_t i = 0; i < src.size; i++) {
-        if (src.ranks[i] == rank) {
-            my_src = i;
-            break;
-        }
-    }
+    Py_ssize_t stdim[DCP_MAX_DIMS], dtdim[DCP_MAX_DIMS];
+    int simple =
+        simple_layout(&src, ndim, stdim) && simple_layout(&dst, ndim, dtdim);
+    Py_ssize_t k0[DCP_MAX_DIMS], k1[DCP_MAX_DIMS], c[DCP_MAX_DIMS];
+    /* receiving side: this rank's destination shard, from every group
+     * that holds part of it */
     if (my_dst >= 0) {
         if (layout_at(gshape, ndim, &dst, my_dst, &mine) < 0) {
             goto error;
         }
-        for (Py_ssize_t rep = 0; rep < src.size; rep++) {
-            if (offsets[rep + 1] == offsets[rep]) {
-                continue; /* not a representative */
+        int more = src.size > 0;
+        Py_ssize_t rep = -1;
+        if (simple) {
+            more = mine.n == 1 &&
+                   meeting_ranges(
+                       &src, stdim, gshape, &mine.blocks[0], 0, k0, k1);
+            memcpy(c, k0, sizeof(Py_ssize_t) * (size_t)src.mdim);
+        }
+        while (more) {
+            if (simple) {
+                rep = index_of(&src, c);
+                more = odometer_next(c, k0, k1, src.mdim);
             }
-            Py_ssize_t h = choose_holder(&src, offsets, holders, rep, rank);
+            else {
+                rep++;
+                more = rep + 1 < src.size;
+                if (offsets[rep + 1] == offsets[rep]) {
+                    continue; /* not a representative */
+                }
+            }
+            Py_ssize_t h =
+                choose_holder(&src, offsets, holders, pos, maxr, rep, rank);
             if (layout_at(gshape, ndim, &src, rep, &other) < 0) {
                 goto error;
             }
@@ -402,10 +538,27 @@ dcp_reshard_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (layout_at(gshape, ndim, &src, rep, &mine) < 0) {
             goto error;
         }
-        for (Py_ssize_t j = 0; j < dst.size; j++) {
+        int more = dst.size > 0;
+        Py_ssize_t j = -1;
+        if (simple) {
+            more = mine.n == 1 &&
+                   meeting_ranges(
+                       &dst, dtdim, gshape, &mine.blocks[0], 1, k0, k1);
+            memcpy(c, k0, sizeof(Py_ssize_t) * (size_t)dst.mdim);
+        }
+        while (more) {
+            if (simple) {
+                j = index_of(&dst, c);
+                more = odometer_next(c, k0, k1, dst.mdim);
+            }
+            else {
+                j++;
+                more = j + 1 < dst.size;
+            }
             Py_ssize_t peer = dst.ranks[j];
             if (peer == rank ||
-                choose_holder(&src, offsets, holders, rep, peer) != rank) {
+                choose_holder(&src, offsets, holders, pos, maxr, rep, peer) !=
+                    rank) {
                 continue;
             }
             if (layout_at(gshape, ndim, &dst, j, &other) < 0) {
@@ -426,6 +579,7 @@ error:
     PyMem_Free(offsets);
     PyMem_Free(holders);
     PyMem_Free(fill);
+    PyMem_Free(pos);
     rmesh_free(&src);
     rmesh_free(&dst);
     Py_XDECREF(local);
