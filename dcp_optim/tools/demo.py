@@ -287,15 +287,7 @@ def main(argv=None) -> int:
     train.add_argument("--dir", required=True, help="checkpoint directory (shared by the ranks)")
     resume = sub.add_parser("resume", help="resume --dir at this launch's world size, compare")
     resume.add_argument("--dir", required=True, help="checkpoint directory written by `train`")
-    reshard = sub.add_parser("reshard", help="FSDP2 -> TP in memory vs through DCP (docs/resharding.md)")
-    reshard.add_argument("--steps", type=int, default=6)
-    reshard.add_argument("--save-at", type=int, default=3)
-    reshard.add_argument("--dir", default=None, help="checkpoint directory of the DCP path (default: a temp dir)")
     args = parser.parse_args(argv)
-    if args.command == "reshard":
-        from .demo_reshard import run
-
-        return run(args.steps, args.save_at, args.dir)
     if args.command is not None:
         return _torchrun(args)
     if not 0 < args.save_at < args.steps:

@@ -94,6 +94,21 @@ def _worker(rank, store, ckpt, steps, save_at, queue):
         dist.destroy_process_group()
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dcp_optim.demo reshard",
+        description="FSDP2 -> TP in memory (dcp_optim.reshard_model_and_optimizer) vs through DCP; "
+        "the losses must be identical (docs/resharding.md).",
+    )
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="checkpoint directory of the DCP path (default: a temp dir)")
+    args = parser.parse_args(argv)
+    return run(args.steps, args.save_at, args.dir)
+
+
 def run(steps: int, save_at: int, ckpt: str | None) -> int:
     if not 0 < save_at < steps:
         raise SystemExit("dcp_optim.demo reshard: need 0 < --save-at < --steps")
