@@ -23,7 +23,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default="1,2,3,4,5,6",
                    help="which sections to run: 1 bookkeeping, 2 distributed (FSDP2), 3 scaling (from 1), "
                    "4 distributed FSDP1 (flat parameters), 5 scale simulation (fake process group), "
-                   "6 (or 'templates') the template of a never-stepped optimizer by route")
+                   "6 (or 'templates') the template of a never-stepped optimizer by route, "
+                   "7 (opt-in, or 'reshard') in-memory resharding against gather+slice and DCP save+load")
     p.add_argument("--tmpl-layers", type=int, default=100,
                    help="section 6: Linear(dim, dim) layers (default 100: 100M parameters at dim 1000)")
     p.add_argument("--tmpl-dim", type=int, default=1000, help="section 6: layer width (default 1000)")
@@ -56,6 +57,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dist-mem-isolation", choices=("op", "impl", "shared"), default=None,
                    help="section 2 memory pass: fresh process pair per (op, impl), per impl (default), "
                    "or one shared pair (quick)")
+    p.add_argument("--reshard-mb", type=float, default=100.0, help="section 7 (opt-in): MB of weights resharded")
     p.add_argument("--json", dest="json_path", help="where to write the JSON (default bench-out/bench-<time>.json)")
     p.add_argument("--plot", dest="plot_path", help="where to write the PNG (default: next to the JSON)")
     p.add_argument("--no-plot", action="store_true")
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if "templates" in sections:
         sections.add("6")
+    if "reshard" in sections:
+        sections.add("7")
     if args.sizes:
         sizes = [int(float(x)) for x in args.sizes.split(",") if x.strip()]
     else:
@@ -154,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         s6 = run_templates(layers=args.tmpl_layers, dim=args.tmpl_dim,
                            reps=args.tmpl_reps if args.tmpl_reps is not None else (1 if args.quick else 2))
         out["templates"] = s6
+    if "7" in sections:  # in-memory resharding (benchmarks/reshard.py); prints its own tables
+        from .reshard import run_section
+
+        out["reshard"] = run_section(mb=args.reshard_mb, worlds=(2, 4), reps=2 if args.quick else 3)
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 

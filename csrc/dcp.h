@@ -468,6 +468,7 @@ extern PyMethodDef dcp_pack_methods[];           /* pack.c */
 extern PyMethodDef dcp_full_load_methods[];      /* full_load.c */
 extern PyMethodDef dcp_load_jobs_methods[];      /* load_jobs.c */
 extern PyMethodDef dcp_gather_methods[];         /* gather.c */
+extern PyMethodDef dcp_reshard_plan_methods[];   /* reshard_plan.c */
 
 /* ----------------------------------------------------------------------
  * Full gathers (gather.c): the GatherPlan type and its executors.

@@ -132,6 +132,7 @@ dcp_module_exec(PyObject *module)
         dcp_full_load_methods,
         dcp_load_jobs_methods,
         dcp_gather_methods,
+        dcp_reshard_plan_methods,
     };
     for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++) {
         if (PyModule_AddFunctions(module, tables[i]) < 0) {

@@ -179,6 +179,9 @@ def prepare_install(ctx: Any, optimizer: Any, split_dict: Any, expected: Any, al
 def rename_for_load(index: Any, state_dict: Any, strict: Any, rename: Any, want_local: Any, /) -> Any:
     """Key a canonical model state dict the way model.load_state_dict expects, without mutating it."""
 
+def reshard_plan(global_shape: Any, src_mesh_shape: Any, src_placements: Any, src_ranks: Any, dst_mesh_shape: Any, dst_placements: Any, dst_ranks: Any, rank: Any, /) -> Any:
+    """This rank's (local, recv, send) boxes for moving a tensor from one shard layout to another."""
+
 def shape_mismatches(jobs: Any, tensor_cls: Any, /) -> Any:
     """Jobs whose template tensor has another shape than the value."""
 

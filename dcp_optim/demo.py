@@ -3,6 +3,7 @@ through dcp_optim, resume at other world sizes, and show the loss continues
 exactly as if training had never stopped.
 
     python -m dcp_optim.demo [--steps 6] [--save-at 3] [--dir PATH]
+    python -m dcp_optim.demo reshard   # FSDP2 -> TP in memory (docs/resharding.md)
 
 Phases (each a fresh set of gloo processes on this machine):
 
@@ -33,9 +34,18 @@ from __future__ import annotations
 import sys
 
 # The code lives in dcp_optim.tools.demo (why: see there).
-from .tools.demo import main
+from .tools.demo import main as _main
 
 __all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["reshard"]:  # FSDP2 -> TP in memory (docs/resharding.md)
+        from .tools.demo_reshard import main as reshard
+
+        return reshard(args[1:])
+    return _main(argv)
 
 if __name__ == "__main__":
     sys.exit(main())

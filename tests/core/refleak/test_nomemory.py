@@ -44,6 +44,7 @@ SWEPT = [
     "finish_full_load",
     "LoadPlan",
     "indices_of",
+    "reshard_plan",
 ]
 
 _CHILD = textwrap.dedent(

@@ -894,6 +894,34 @@ def _():
     C.shard_layouts((8,), (2,), [(1, 0, 1)], [(2,)])
 
 
+@case("reshard_plan", "ok")
+def _():
+    # Shard(0) -> Shard(1) over 2 ranks, a 2-D strided source, a sub-world
+    C.reshard_plan((8, 4), (2,), [(1, 0, 1)], [0, 1], (2,), [(1, 1, 1)], [0, 1], 0)
+    C.reshard_plan((8, 4), (2, 2), [(2, 0, 2), (1, 0, 1)], [0, 1, 2, 3], (2,), [(0, 0, 1)], [2, 3], 3)
+    C.reshard_plan((), (2,), [(0, 0, 1)], [0, 1], (1,), [(0, 0, 1)], [1], 1)
+
+
+@case("reshard_plan", "partial", ValueError, "Partial placement")
+def _():
+    C.reshard_plan((8,), (2,), [(3, 0, 1)], [0, 1], (2,), [(1, 0, 1)], [0, 1], 0)
+
+
+@case("reshard_plan", "rank-count", ValueError, "3 ranks for a mesh of 2")
+def _():
+    C.reshard_plan((8,), (2,), [(1, 0, 1)], [0, 1, 2], (2,), [(1, 0, 1)], [0, 1], 0)
+
+
+@case("reshard_plan", "dim", ValueError, "greater than tensor ndim")
+def _():
+    C.reshard_plan((8,), (2,), [(1, 0, 1)], [0, 1], (2,), [(1, 3, 1)], [0, 1], 0)
+
+
+@case("reshard_plan", "arity", TypeError, "takes exactly 8 arguments")
+def _():
+    C.reshard_plan((8,), (2,), [(1, 0, 1)], [0, 1])
+
+
 @case("copy_blocks", "ok")
 def _():
     C.copy_blocks(FakeTensor((4, 2)), FakeTensor((2, 2)), BLOCKS, 0, None)

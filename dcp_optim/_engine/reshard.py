@@ -1,0 +1,604 @@
+"""In-memory resharding: the engine behind :func:`dcp_optim.reshard_state_dict`.
+
+Three phases, every rank of the process group taking part:
+
+1. **Agreement.**  Each rank describes its leaves (DTensor: dtype, global
+   shape, mesh shape, placements and mesh ranks; plain tensor: dtype and
+   shape; anything else: its value) for the source and the template, and
+   one ``all_gather_object`` brings every rank's description to every rank.
+   The checks then run on the same gathered data everywhere, so a mismatch
+   raises the same error on every rank -- before anything is written.
+2. **Plan.**  For each tensor, the native ``reshard_plan`` (csrc/reshard_plan.c)
+   intersects source and destination shard boxes and picks one holder per
+   byte (the rank itself when it holds it: a local copy).  Plans are cached
+   per (global shape, source layout, destination layout, rank).
+3. **Transfer.**  Boxes to and from each peer are packed into byte buckets
+   of at most ``bucket_bytes`` (larger boxes are split along their outer
+   dimensions).  Peers are visited as ring shifts (shift k: send to
+   rank+k, receive from rank-k), one ``batch_isend_irecv`` per bucket, so a
+   rank holds at most one send and one receive bucket at a time; boxes a
+   rank holds itself are copied directly.  Received bytes are written into
+   the template's local tensors (``copy_``: a dtype that differs from the
+   source's is cast as ``dcp.load`` casts it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .. import errors
+from .core import C
+
+__all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache"]
+
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+_ALIGN = 16  # widest scalar (complex128): every segment offset is a multiple
+
+_PLAN_CACHE: dict[tuple, tuple] = {}
+_PLAN_CACHE_MAX = 65536
+_cache_stats = {"hits": 0, "misses": 0}
+
+
+def plan_cache_info() -> dict[str, int]:
+    """Hits, misses and size of the per-layout-pair plan cache."""
+    return {**_cache_stats, "size": len(_PLAN_CACHE)}
+
+
+def clear_plan_cache() -> None:
+    _PLAN_CACHE.clear()
+    _cache_stats["hits"] = _cache_stats["misses"] = 0
+
+
+# --- leaves ----------------------------------------------------------------------
+
+
+def _leaves(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, value) of every leaf; dicts are containers, anything else
+    (lists such as ``param_groups`` included) is a leaf."""
+    if isinstance(tree, Mapping):
+        out: list[tuple[tuple, Any]] = []
+        for k, v in tree.items():
+            out.extend(_leaves(v, prefix + (k,)))
+        return out
+    return [(prefix, tree)]
+
+
+def _name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _encode_placements(placements: Any, ndim: int) -> tuple | str:
+    """(kind, dim, split_factor) triples, or the reason they cannot be moved."""
+    out = []
+    for p in placements:
+        if isinstance(p, _StridedShard):
+            out.append((2, p.dim % max(ndim, 1), int(p.split_factor)))
+        elif isinstance(p, Shard):
+            out.append((1, p.dim % max(ndim, 1), 1))
+        elif isinstance(p, Replicate):
+            out.append((0, 0, 1))
+        else:
+            return f"placement {p} (a pending reduction) has no well-defined value; redistribute it first"
+    return tuple(out)
+
+
+_MESH_RANKS: dict[Any, tuple[int, ...]] = {}
+
+
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    """The global rank at each coordinate (row-major), cached per mesh:
+    ``DeviceMesh.mesh`` builds a new tensor on every access."""
+    ranks = _MESH_RANKS.get(mesh)
+    if ranks is None:
+        if len(_MESH_RANKS) >= 1024:
+            _MESH_RANKS.clear()
+        ranks = _MESH_RANKS[mesh] = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    return ranks
+
+
+def _describe(value: Any, rank: int, with_values: bool) -> tuple:
+    """A picklable description of one leaf (see the module docstring)."""
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        placements = _encode_placements(value.placements, value.dim())
+        if isinstance(placements, str):
+            return ("bad", placements)
+        local = value.to_local()
+        coord = mesh.get_coordinate()
+        return (
+            "dt",
+            str(value.dtype),
+            tuple(value.shape),
+            tuple(mesh.shape),
+            placements,
+            _mesh_ranks(mesh),
+            None if coord is None else tuple(local.shape),
+        )
+    if with_values and isinstance(value, ShardedTensor):
+        return _describe_sharded(value)
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            return ("bad", f"tensor subclass {type(value).__name__} is not supported")
+        return ("t", str(value.dtype), tuple(value.shape))
+    return ("o", value if with_values else None)
+
+
+def _describe_sharded(value: Any) -> tuple:
+    """An FSDP1 ShardedTensor (a sharded getter's value for a flat
+    parameter's original parameter): its shards cut dim 0 the way
+    ``torch.chunk`` does, one rank each, in rank order -- the layout of
+    Shard(0) on a 1-D mesh over those ranks.  Any other geometry is
+    reported, not guessed."""
+    md = value.metadata()
+    gshape = tuple(md.size)
+    shards = sorted(
+        ((int(m.placement.rank()), tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in md.shards_metadata),
+        key=lambda s: (s[1], s[0]),
+    )
+    ranks = tuple(r for r, _, _ in shards)
+    local = value.local_shards()
+    lshape = tuple(local[0].tensor.shape) if local else None
+    bad = ("bad", f"ShardedTensor with shards {[(r, list(o), list(z)) for r, o, z in shards]} of a "
+           f"{list(gshape)} tensor: only dim-0 chunks, one per rank, can be resharded")
+    if not gshape or len(set(ranks)) != len(ranks) or len(local) > 1:
+        return bad
+    layouts = C.shard_layouts(list(gshape), [len(ranks)], [(1, 0, 1)], [[i] for i in range(len(ranks))])
+    for (_, off, size), (expect, blocks) in zip(shards, layouts):
+        start = blocks[0][1] if blocks else (off[0],) + (0,) * (len(gshape) - 1)
+        if tuple(size) != tuple(expect) or (blocks and tuple(off) != tuple(start)):
+            return bad
+    return ("dt", str(value.dtype), gshape, (len(ranks),), ((1, 0, 1),), ranks, lshape)
+
+
+def _local(value: Any) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, ShardedTensor):
+        local = value.local_shards()
+        if local:
+            return local[0].tensor
+        return torch.empty((0,) + tuple(value.metadata().size)[1:], dtype=value.dtype)
+    return value
+
+
+# --- agreement -------------------------------------------------------------------
+
+
+class _Spec:
+    """The agreed layouts of one tensor leaf."""
+
+    __slots__ = ("path", "dtype", "shape", "src", "dst")
+
+    def __init__(self, path, dtype, shape, src, dst):
+        self.path = path
+        self.dtype = dtype  # the source dtype: the bytes on the wire
+        self.shape = shape
+        self.src = src  # (mesh_shape, placements, ranks)
+        self.dst = dst
+
+
+def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any, local_problem: str | None,
+           limit: int, group_ranks: list[int]):
+    """Gathers every rank's descriptions and checks them; returns (specs,
+    objects) or raises the same error on every rank."""
+    world = dist.get_world_size(group)
+    record = (rank, src_desc, dst_desc, local_problem, limit)
+    gathered_all: list[Any] = [None] * world
+    dist.all_gather_object(gathered_all, record, group=group)
+    gathered_all.sort(key=lambda g: g[0])
+    problems: list[str] = []
+
+    def fail(msg: str) -> None:
+        problems.append(msg)
+
+    for r, _, _, lp, _ in gathered_all:
+        if lp is not None:
+            fail(f"rank {r}: {lp}")
+    limits = sorted({g[4] for g in gathered_all})
+    if len(limits) > 1:
+        fail(f"the ranks pass different bucket_bytes ({limits}): the buckets of sender and receiver must agree")
+    if problems:
+        _raise(problems)
+    gathered = [(r, sd, dd) for r, sd, dd, _, _ in gathered_all]
+    members = set(group_ranks)
+
+    # source: per key, who has what
+    src_by_key: dict[tuple, list[tuple[int, tuple]]] = {}
+    for r, sd, _ in gathered:
+        for path, d in sd.items():
+            src_by_key.setdefault(path, []).append((r, d))
+    dst_ranks = [r for r, _, dd in gathered if dd is not None]
+    if not dst_ranks:
+        raise errors.StateDictValueError("reshard_state_dict: no rank passed a destination template")
+    dst_keys = {r: set(dd) for r, _, dd in gathered if dd is not None}
+    first = dst_ranks[0]
+    for r in dst_ranks[1:]:
+        if dst_keys[r] != dst_keys[first]:
+            diff = sorted(dst_keys[r] ^ dst_keys[first], key=repr)[:3]
+            fail(
+                f"the templates of ranks {first} and {r} have different keys "
+                f"(for example {', '.join(repr(_name(p)) for p in diff)})"
+            )
+    specs: list[_Spec] = []
+    objects: dict[tuple, Any] = {}
+    if not problems:
+        template = {r: dd for r, _, dd in gathered if dd is not None}
+        for path in sorted(dst_keys[first], key=repr):
+            name = _name(path)
+            holders = src_by_key.get(path)
+            if not holders:
+                fail(f"'{name}': in the template but in no rank's source state dict")
+                continue
+            descs = [(r, template[r][path]) for r in dst_ranks]
+            for r, d in holders + descs:
+                if d[0] == "bad":
+                    fail(f"'{name}' on rank {r}: {d[1]}")
+            if any(d[0] == "bad" for _, d in holders + descs):
+                continue
+            src_kinds = {d[0] for _, d in holders}
+            dst_kinds = {d[0] for _, d in descs}
+            if len(src_kinds) > 1 or len(dst_kinds) > 1:
+                fail(f"'{name}': a DTensor on some ranks and not on others")
+                continue
+            sk, dk = src_kinds.pop(), dst_kinds.pop()
+            if sk == "o" or dk == "o":
+                if sk != dk:
+                    fail(
+                        f"'{name}': the source holds a {'tensor' if sk != 'o' else 'non-tensor value'} "
+                        f"and the template a {'tensor' if dk != 'o' else 'non-tensor value'}"
+                    )
+                    continue
+                objects[path] = holders[0][1][1]  # the lowest rank's value
+                continue
+            # tensors: one global dtype and shape on the source side
+            s0 = holders[0][1]
+            for r, d in holders[1:]:
+                if d[:3] != s0[:3]:
+                    fail(
+                        f"'{name}': ranks {holders[0][0]} and {r} hold different source tensors "
+                        f"({s0[1]} {list(s0[2])} vs {d[1]} {list(d[2])})"
+                    )
+                    break
+            else:
+                d0 = descs[0][1]
+                for r, d in descs[1:]:
+                    if d[:3] != d0[:3]:
+                        fail(
+                            f"'{name}': ranks {descs[0][0]} and {r} hold different template tensors "
+                            f"({d0[1]} {list(d0[2])} vs {d[1]} {list(d[2])})"
+                        )
+                        break
+                else:
+                    if d0[2] != s0[2]:
+                        fail(
+                            f"'{name}': the source's global shape {list(s0[2])} differs from "
+                            f"the template's {list(d0[2])}"
+                        )
+                        continue
+                    spec = _layouts(path, sk, dk, holders, descs, s0, d0, fail)
+                    if spec is not None:
+                        specs.append(spec)
+    for spec in specs:
+        outside = sorted((set(spec.src[2]) | set(spec.dst[2])) - members)
+        if outside:
+            fail(f"'{_name(spec.path)}': its meshes include ranks {outside} outside the process group")
+            break
+    if problems:
+        _raise(problems)
+    return specs, objects
+
+
+def _raise(problems: list[str]) -> None:
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    raise errors.StateDictRuntimeError(
+        "reshard_state_dict: the layouts do not agree, nothing was changed: " + "; ".join(problems[:3]) + more
+    )
+
+
+def _layouts(path, sk, dk, holders, descs, s0, d0, fail) -> _Spec | None:
+    name = _name(path)
+    if sk == "dt":
+        src = _merge_meshes(name, "source", holders, fail)
+        if src is None:
+            return None
+        members = set(src[2])
+        have = {r for r, _ in holders}
+        if not members <= have:
+            fail(f"'{name}': ranks {sorted(members - have)} of its source mesh do not pass it")
+            return None
+    else:
+        ranks = tuple(r for r, _ in holders)
+        src = ((len(ranks),), ((0, 0, 1),), ranks)
+    if dk == "dt":
+        dst = _merge_meshes(name, "template", descs, fail)
+        if dst is None:
+            return None
+        have = {r for r, _ in descs}
+        if not set(dst[2]) <= have:
+            fail(f"'{name}': ranks {sorted(set(dst[2]) - have)} of its destination mesh pass no template")
+            return None
+    else:
+        ranks = tuple(r for r, _ in descs)
+        dst = ((len(ranks),), ((0, 0, 1),), ranks)
+    # the local shapes must be the ones the placements imply
+    for side, lay, entries, kind in (("source", src, holders, sk), ("template", dst, descs, dk)):
+        if kind != "dt":
+            continue
+        mesh_shape, placements, ranks = lay
+        index = {r: i for i, r in enumerate(ranks)}
+        coords = []
+        for r, d in entries:
+            if r in index and d[6] is not None:
+                coords.append((r, _coord(index[r], mesh_shape), d[6]))
+        try:
+            layouts = C.shard_layouts(list(s0[2]), list(mesh_shape), list(placements), [c for _, c, _ in coords])
+        except ValueError as exc:
+            fail(f"'{name}': {side} placements {placements}: {exc}")
+            return None
+        for (r, _, lshape), (expect, _) in zip(coords, layouts):
+            if tuple(expect) != tuple(lshape):
+                fail(
+                    f"'{name}' on rank {r}: the {side}'s local shard has shape {list(lshape)}, "
+                    f"its placements imply {list(expect)} (unsupported layout)"
+                )
+                return None
+    return _Spec(path, s0[1], s0[2], src, dst)
+
+
+def _merge_meshes(name: str, side: str, entries: list, fail) -> tuple | None:
+    """The layout of a DTensor over every rank that holds it.  Ranks on
+    one mesh give it as is; ranks on several disjoint meshes of one shape
+    and placements (FSDP's data-parallel submeshes of a 2-D mesh: one per
+    tensor-parallel rank) hold independent copies -- a Replicate mesh
+    dimension in front of them."""
+    meshes: dict[tuple, tuple] = {}
+    for r, d in entries:
+        if r in d[5]:
+            meshes.setdefault(d[5], (d[3], d[4]))
+    if not meshes:
+        fail(f"'{name}': no rank is on the {side}'s mesh")
+        return None
+    if len(meshes) == 1:
+        ((ranks, (shape, placements)),) = meshes.items()
+        return (shape, placements, ranks)
+    shapes = set(meshes.values())
+    seen: set[int] = set()
+    for ranks in meshes:
+        if seen & set(ranks):
+            shapes.add(None)  # type: ignore[arg-type]
+        seen |= set(ranks)
+    if len(shapes) != 1:
+        described = "; ".join(f"ranks {list(r)}: mesh {list(m[0])} placements {m[1]}" for r, m in meshes.items())
+        fail(f"'{name}': the {side}'s ranks hold it on overlapping or different meshes ({described})")
+        return None
+    shape, placements = shapes.pop()
+    order = sorted(meshes, key=min)
+    return ((len(order),) + tuple(shape), ((0, 0, 1),) + tuple(placements), tuple(r for rs in order for r in rs))
+
+
+def _coord(index: int, shape: tuple) -> list[int]:
+    coord = []
+    for n in reversed(shape):
+        coord.append(index % n)
+        index //= n
+    return coord[::-1]
+
+
+# --- plan ------------------------------------------------------------------------
+
+
+def _plan(spec: _Spec, rank: int) -> tuple:
+    key = (spec.shape, spec.src, spec.dst, rank)
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        _cache_stats["hits"] += 1
+        return plan
+    _cache_stats["misses"] += 1
+    plan = C.reshard_plan(
+        list(spec.shape), list(spec.src[0]), list(spec.src[1]), list(spec.src[2]),
+        list(spec.dst[0]), list(spec.dst[1]), list(spec.dst[2]), rank,
+    )
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
+        _PLAN_CACHE.clear()
+    _PLAN_CACHE[key] = plan
+    return plan
+
+
+def _box(start: tuple, lens: tuple) -> tuple:
+    return tuple(slice(s, s + n) for s, n in zip(start, lens))
+
+
+def _split(sstart, dstart, lens, itemsize: int, limit: int):
+    """Splits a box along its outer dimensions until each piece is at most
+    ``limit`` bytes (or a single row of the innermost dimension)."""
+    nbytes = itemsize
+    for n in lens:
+        nbytes *= n
+    if nbytes <= limit or not lens:
+        return [(sstart, dstart, lens)]
+    d = next((i for i, n in enumerate(lens) if n > 1), None)
+    if d is None:
+        return [(sstart, dstart, lens)]
+    row = nbytes // lens[d]
+    step = max(1, limit // max(row, 1))
+    out = []
+    for a in range(0, lens[d], step):
+        n = min(step, lens[d] - a)
+        s = sstart[:d] + (sstart[d] + a,) + sstart[d + 1:]
+        t = dstart[:d] + (dstart[d] + a,) + dstart[d + 1:]
+        ln = lens[:d] + (n,) + lens[d + 1:]
+        out.extend(_split(s, t, ln, itemsize, limit))
+    return out
+
+
+def _buckets(items: list, limit: int) -> list[tuple[int, list]]:
+    """Greedy packing of (tensor, start, lens, dtype, nbytes) items into
+    buckets: [(size, [(offset, item)])]; both sides compute the same."""
+    out: list[tuple[int, list]] = []
+    cur: list = []
+    off = end = 0  # the next aligned offset; the end of the last item
+    for item in items:
+        n = item[4]
+        if cur and off + n > limit:
+            out.append((end, cur))
+            cur, off = [], 0
+        cur.append((off, item))
+        end = off + n
+        off = (end + _ALIGN - 1) // _ALIGN * _ALIGN
+    if cur:
+        out.append((end, cur))
+    return out
+
+
+# --- transfer --------------------------------------------------------------------
+
+
+def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int | None = None) -> Any:
+    """See :func:`dcp_optim.reshard_state_dict`."""
+    if not dist.is_initialized():
+        raise errors.StateDictRuntimeError("reshard_state_dict needs an initialized process group")
+    limit = int(bucket_bytes) if bucket_bytes is not None else DEFAULT_BUCKET_BYTES
+    if limit < _ALIGN:
+        raise errors.StateDictValueError(f"bucket_bytes must be at least {_ALIGN}, got {limit}")
+    rank = dist.get_rank()
+    group_ranks = sorted(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    if source is None:
+        source = {}
+    # Anything wrong on this rank alone is reported through the agreement
+    # exchange, so that every rank raises (none is left waiting in it).
+    local_problem: str | None = None
+    src_leaves: dict = {}
+    dst_leaves: dict | None = None
+    src_desc: dict = {}
+    dst_desc: dict | None = None
+    try:
+        if not isinstance(source, Mapping) or (template is not None and not isinstance(template, Mapping)):
+            raise TypeError(
+                f"source and template must be dicts (template may be None), got "
+                f"{type(source).__name__} and {type(template).__name__}"
+            )
+        src_leaves = dict(_leaves(source))
+        dst_leaves = dict(_leaves(template)) if template is not None else None
+        src_desc = {p: _describe(v, rank, True) for p, v in src_leaves.items()}
+        dst_desc = None if dst_leaves is None else {p: _describe(v, rank, False) for p, v in dst_leaves.items()}
+        local_problem = _shared_memory(src_leaves, dst_leaves)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        local_problem = f"{type(exc).__name__}: {exc}"
+        src_desc, dst_desc = {}, None
+    specs, objects = _agree(src_desc, dst_desc, rank, group, local_problem, limit, group_ranks)
+
+    # this rank's boxes: locals, and per peer the ordered send / recv items
+    locals_: list[tuple] = []
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    for spec in specs:
+        local, recv, send = _plan(spec, rank)
+        dtype = getattr(torch, spec.dtype.split(".")[-1])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if local or recv:
+            dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
+        if local or send:
+            src_t = _local(src_leaves[spec.path])
+        for sstart, dstart, lens in local:
+            locals_.append((src_t, sstart, dst_t, dstart, lens))
+        for peer, sstart, dstart, lens in recv:
+            for _s, d, ln in _split(sstart, dstart, lens, itemsize, limit):
+                recvs.setdefault(peer, []).append((dst_t, d, ln, dtype, _nbytes(ln, itemsize)))
+        for peer, sstart, dstart, lens in send:
+            for s, _d, ln in _split(sstart, dstart, lens, itemsize, limit):
+                sends.setdefault(peer, []).append((src_t, s, ln, dtype, _nbytes(ln, itemsize)))
+
+    ranks = group_ranks
+    me = ranks.index(rank)
+    device = _buffer_device(group)
+    world = len(ranks)
+    send_buf: torch.Tensor | None = None
+    recv_buf: torch.Tensor | None = None
+    for k in range(1, world):
+        to, frm = ranks[(me + k) % world], ranks[(me - k) % world]
+        sb = _buckets(sends.get(to, []), limit)
+        rb = _buckets(recvs.get(frm, []), limit)
+        for t in range(max(len(sb), len(rb))):
+            ops = []
+            if t < len(sb):
+                size, entries = sb[t]
+                if send_buf is None or send_buf.numel() < size:
+                    send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                for off, (tensor, start, lens, dtype, n) in entries:
+                    _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
+                ops.append(dist.P2POp(dist.isend, send_buf[:size], to, group))
+            if t < len(rb):
+                size, _ = rb[t]
+                if recv_buf is None or recv_buf.numel() < size:
+                    recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                ops.append(dist.P2POp(dist.irecv, recv_buf[:size], frm, group))
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            if t < len(rb):
+                for off, (tensor, start, lens, dtype, n) in rb[t][1]:
+                    tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+    for src_t, sstart, dst_t, dstart, lens in locals_:
+        dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
+
+    if template is None:
+        return None
+    return _rebuild(template, (), objects)
+
+
+def _buffer_device(group: Any) -> torch.device:
+    """Where the buckets live: NCCL moves CUDA tensors only; gloo (and
+    the others) take CPU buffers, whatever device the shards are on."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _storages(leaves: dict) -> dict[int, tuple]:
+    out = {}
+    for path, value in leaves.items():
+        if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
+            t = _local(value)
+            if t.numel():
+                out[t.untyped_storage().data_ptr()] = path
+    return out
+
+
+def _shared_memory(src_leaves: dict, dst_leaves: dict | None) -> str | None:
+    """The template is written while the source is read: they must not
+    share memory."""
+    if dst_leaves is None:
+        return None
+    src = _storages(src_leaves)
+    for ptr, path in _storages(dst_leaves).items():
+        if ptr in src:
+            return f"the template's '{_name(path)}' shares memory with the source's '{_name(src[ptr])}'"
+    return None
+
+
+def _nbytes(lens: tuple, itemsize: int) -> int:
+    n = itemsize
+    for x in lens:
+        n *= x
+    return n
+
+
+def _window(buf: torch.Tensor, off: int, n: int, dtype: torch.dtype, lens: tuple) -> torch.Tensor:
+    return buf[off:off + n].view(dtype).view(lens)
+
+
+def _rebuild(tree: Any, prefix: tuple, objects: dict) -> Any:
+    """The template's structure: its own tensors (now filled), the
+    source's non-tensor values (copied, never shared with the source)."""
+    if isinstance(tree, Mapping):
+        return {k: _rebuild(v, prefix + (k,), objects) for k, v in tree.items()}
+    if prefix in objects:
+        return copy.deepcopy(objects[prefix])
+    return tree

@@ -1,0 +1,357 @@
+"""Rank functions for tests/distributed/test_reshard_live.py: in-memory
+resharding (dcp_optim.reshard_state_dict) against dcp.save + dcp.load into
+the same template.
+
+One launch runs every (source layout, destination layout) pair of a world
+size and a format: each source layout is trained and saved once, then
+every destination layout is built twice (one template filled by
+``dcp.load``, one by ``reshard_state_dict``) and the two are compared bit
+for bit, shard by shard.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import dcp_optim
+from dcp_optim import StateDictOptions as Opts
+from dcp_optim import errors
+from dcp_optim._engine import reshard as engine
+
+from ..support.oracle import assert_same_tree
+
+WIDTH, HIDDEN = 8, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class Net(nn.Module):
+    """head (5 rows) and gate (1 row) shard unevenly and leave ranks with
+    zero-size shards under FSDP2 (hidden 8: TP trains at 4 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, 5, bias=False)
+        self.gate = nn.Parameter(torch.randn(1, WIDTH))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return (self.head(x * self.gate)).pow(2).mean()
+
+
+def _tp(block, mesh):
+    parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def build(kind: str, ws: int, seed: int) -> nn.Module:
+    """Layouts: plain (every rank holds everything), fsdp2 (1-D), tp (1-D,
+    Shard(0) / Shard(1) / Replicate + plain tensors), hsdp (2-D, Replicate
+    then Shard(0)), fsdp_tp (2-D, FSDP over TP: _StridedShard)."""
+    torch.manual_seed(seed)
+    model = Net()
+    if kind == "plain":
+        return model
+    if kind == "fsdp2":
+        mesh = init_device_mesh("cpu", (ws,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "tp":
+        mesh = init_device_mesh("cpu", (ws,))
+        for block in model.layers:
+            _tp(block, mesh)
+    elif kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+        for block in model.layers:
+            _tp(block, mesh["tp"])
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        raise ValueError(kind)
+    return model
+
+
+KINDS = ("plain", "fsdp2", "tp", "hsdp", "fsdp_tp")
+
+
+def optimizer(model):
+    params = list(model.parameters())
+    return torch.optim.Adam(
+        [{"params": params[0::2], "lr": 0.01}, {"params": params[1::2], "lr": 0.02}], lr=0.01
+    )
+
+
+def train(model, optim, steps: int, seed: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed * 100 + step)
+        loss = model(torch.randn(4, WIDTH, generator=g))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def trained_state(kind: str, ws: int, flatten: bool):
+    model = build(kind, ws, seed=0)
+    optim = optimizer(model)
+    train(model, optim, steps=2, seed=3)
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=Opts(flatten_optimizer_state_dict=flatten))
+    return model, optim, {"model": msd, "optim": osd}
+
+
+def template(kind: str, ws: int, flatten: bool):
+    model = build(kind, ws, seed=11)
+    optim = optimizer(model)
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=Opts(flatten_optimizer_state_dict=flatten))
+    return model, optim, {"model": msd, "optim": osd}
+
+
+def _local_tree(tree: Any) -> Any:
+    """DTensors as (placements, mesh ranks, local shard): what each rank
+    holds, compared exactly."""
+    if isinstance(tree, dict):
+        return {k: _local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, DTensor):
+        return (
+            tuple(str(p) for p in tree.placements),
+            tuple(tree.device_mesh.mesh.reshape(-1).tolist()),
+            tuple(tree.shape),
+            tree.to_local().detach().clone(),
+        )
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    return tree
+
+
+def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KINDS) -> list[str]:
+    """Every (source, destination) pair: reshard_state_dict's result equals
+    dcp.save + dcp.load into the same template, bit for bit."""
+    done = []
+    for src_kind in sources:
+        _, _, src = trained_state(src_kind, ws, flatten)
+        ckpt = os.path.join(path, f"{src_kind}-{int(flatten)}")
+        dcp.save(src, checkpoint_id=ckpt)
+        before = _local_tree(src)
+        for dst_kind in dests:
+            _, _, expected = template(dst_kind, ws, flatten)
+            dcp.load(expected, checkpoint_id=ckpt)
+            _, _, tmpl = template(dst_kind, ws, flatten)
+            got = dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+            try:
+                assert_same_tree(_local_tree(expected), _local_tree(got))
+            except AssertionError as exc:
+                raise AssertionError(f"rank {rank}: {src_kind} -> {dst_kind} (flatten={flatten}): {exc}") from None
+            # the template's tensors were filled in place, its dict untouched
+            assert_same_tree(_local_tree(got["model"]), _local_tree(tmpl["model"]))
+            done.append(f"{src_kind}->{dst_kind}")
+        assert_same_tree(before, _local_tree(src))  # the source is untouched
+    dist.barrier()
+    return done
+
+
+def fsdp1_source(rank: int, ws: int, path: str, flatten: bool, dests=KINDS) -> list[str]:
+    """FSDP1 flat parameters (sharded getters: ShardedTensors, dim-0
+    chunks, empty on some ranks) as the source of every destination."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = FSDP(Net(), device_id=torch.device("cpu"), use_orig_params=False, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optim = optimizer(model)
+    train(model, optim, steps=2, seed=3)
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=Opts(flatten_optimizer_state_dict=flatten))
+    src = {"model": msd, "optim": osd}
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    assert all(isinstance(v, ShardedTensor) for v in msd.values())
+    empty = [any(not v.local_shards() or v.local_shards()[0].tensor.numel() == 0 for v in msd.values())]
+    flags: list[Any] = [None] * ws
+    dist.all_gather_object(flags, empty)
+    assert any(f[0] for f in flags)  # some rank holds an empty shard (gate's single row)
+    ckpt = os.path.join(path, f"fsdp1-{int(flatten)}")
+    dcp.save(src, checkpoint_id=ckpt)
+    done = []
+    for dst_kind in dests:
+        _, _, expected = template(dst_kind, ws, flatten)
+        dcp.load(expected, checkpoint_id=ckpt)
+        _, _, tmpl = template(dst_kind, ws, flatten)
+        got = dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=512)
+        try:
+            assert_same_tree(_local_tree(expected), _local_tree(got))
+        except AssertionError as exc:
+            raise AssertionError(f"rank {rank}: fsdp1 -> {dst_kind} (flatten={flatten}): {exc}") from None
+        done.append(f"fsdp1->{dst_kind}")
+    dist.barrier()
+    return done
+
+
+def convenience_and_training(rank: int, ws: int, path: str) -> dict[str, Any]:
+    """reshard_model_and_optimizer FSDP2 -> TP, then 3 more steps: the
+    losses equal those of a TP run resumed through dcp.save + dcp.load."""
+    model, optim, src = trained_state("fsdp2", ws, False)
+    dcp.save(src, checkpoint_id=path)
+    # resumed through DCP
+    m1, o1, t1 = template("tp", ws, False)
+    dcp.load(t1, checkpoint_id=path)
+    dcp_optim.set_state_dict(m1, o1, model_state_dict=t1["model"], optim_state_dict=t1["optim"])
+    ref = train(m1, o1, steps=3, seed=5)
+    # resharded in memory
+    m2 = build("tp", ws, seed=11)
+    o2 = optimizer(m2)
+    dcp_optim.reshard_model_and_optimizer(model, optim, m2, o2, bucket_bytes=1024)
+    got = train(m2, o2, steps=3, seed=5)
+    assert got == ref, (got, ref)
+    return {"losses": got}
+
+
+def errors_case(rank: int, ws: int) -> list[str]:
+    """Mismatches raise the same error on every rank, nothing changed."""
+    seen = []
+    mesh = init_device_mesh("cpu", (ws,))
+    full = torch.arange(24.0).reshape(6, 4)
+    src = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3)}
+
+    def attempt(tmpl, label, source=src, **kwargs):
+        snapshot = _local_tree(tmpl)
+        try:
+            dcp_optim.reshard_state_dict(source, tmpl, **kwargs)
+        except errors.StateDictRuntimeError as exc:
+            msg = str(exc)
+            gathered: list[Any] = [None] * ws
+            dist.all_gather_object(gathered, msg)
+            assert all(m == msg for m in gathered), gathered
+            assert_same_tree(snapshot, _local_tree(tmpl))
+            seen.append(f"{label}: {msg}")
+            return
+        raise AssertionError(f"{label}: no error")
+
+    # a different global shape on every rank
+    attempt({"w": distribute_tensor(torch.zeros(6, 5), mesh, [Shard(1)]), "b": torch.zeros(3)}, "shape")
+    # a key missing from the source
+    attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "c": torch.zeros(3)}, "missing")
+    # one rank's template differs from the others'
+    extra = {"x": torch.zeros(1)} if rank == ws - 1 else {}
+    attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(3), **extra}, "keys")
+    # a pending reduction cannot be moved
+    partial = DTensor.from_local(torch.zeros(6, 4), mesh, [Partial()])
+    attempt({"w": partial, "b": torch.zeros(3)}, "partial")
+    # a tensor in the source, a non-tensor value in the template
+    attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": 3}, "kind")
+    # one rank passes something that is not a dict: every rank raises
+    fresh = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(3)}
+    attempt(fresh, "type", source=[1] if rank == 0 else src)
+    # different bucket sizes would pack different buckets
+    attempt(fresh, "buckets", bucket_bytes=1024 + 16 * rank)
+    # the template shares memory with the source
+    attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": src["b"]}, "alias")
+    # and one that works: Shard(0) -> Shard(1), Replicate, dtype cast
+    out = dcp_optim.reshard_state_dict(
+        src, {"w": distribute_tensor(torch.zeros(6, 4, dtype=torch.float64), mesh, [Shard(1)]), "b": torch.zeros(3)}
+    )
+    assert torch.equal(out["w"].full_tensor(), full.double())
+    assert torch.equal(out["b"], torch.ones(3))
+    info = engine.plan_cache_info()
+    assert info["misses"] >= 1
+    dcp_optim.reshard_state_dict(
+        src, {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(3)}
+    )
+    assert engine.plan_cache_info()["hits"] > info["hits"]  # the same pair of layouts: cached
+    return seen
+
+
+def subworld_case(rank: int, ws: int, path: str, flatten: bool) -> list[str]:
+    """World ws -> the first ws // 2 ranks (the others leave, passing no
+    template): the same shards as dcp.load on the subgroup."""
+    _, _, src = trained_state("fsdp2", ws, flatten)
+    dcp.save(src, checkpoint_id=path)
+    half = ws // 2
+    sub = DeviceMesh("cpu", torch.arange(half))  # every rank takes part in creating it
+    kinds = ("fsdp2", "tp")
+    if rank >= half:
+        for _ in kinds:
+            assert dcp_optim.reshard_state_dict(src, None) is None
+        dist.barrier()
+        return ["left"]
+    pg = sub.get_group()
+    done = []
+    for kind in kinds:
+        results = []
+        for how in ("dcp", "reshard"):
+            torch.manual_seed(11)
+            model = Net()
+            if kind == "fsdp2":
+                for block in model.layers:
+                    fully_shard(block, mesh=sub)
+                fully_shard(model, mesh=sub)
+            else:
+                for block in model.layers:
+                    _tp(block, sub)
+            optim = optimizer(model)
+            msd, osd = dcp_optim.get_state_dict(model, optim, options=Opts(flatten_optimizer_state_dict=flatten))
+            tmpl = {"model": msd, "optim": osd}
+            if how == "dcp":
+                dcp.load(tmpl, checkpoint_id=path, process_group=pg)
+                results.append(_local_tree(tmpl))
+            else:
+                results.append(_local_tree(dcp_optim.reshard_state_dict(src, tmpl)))
+        assert_same_tree(results[0], results[1])
+        done.append(kind)
+    dist.barrier()
+    return done
+
+
+
+
+def memory_case(rank: int, ws: int, bucket_mb: int) -> dict[str, Any]:
+    """Peak extra resident memory of a reshard (FSDP2 Shard(0) -> TP
+    Shard(1), 128 MB of float32 in 4 MB tensors, 64 MB of shards per
+    rank): at most the two buckets plus allocator slack."""
+    from .dist_cases import PeakRSS
+
+    mesh = init_device_mesh("cpu", (ws,))
+    shapes = [(1024, 1024)] * 32
+    src = {f"t{i}": distribute_tensor(torch.full(s, float(i)), mesh, [Shard(0)]) for i, s in enumerate(shapes)}
+    tmpl = {f"t{i}": distribute_tensor(torch.zeros(s), mesh, [Shard(1)]) for i, s in enumerate(shapes)}
+    bucket = bucket_mb * 2**20
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)  # warm-up: plans, gloo's pairs
+    for t in tmpl.values():
+        t.to_local().zero_()
+    dist.barrier()
+    with PeakRSS() as mem:
+        dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)
+    for i, t in enumerate(tmpl.values()):
+        assert bool((t.to_local() == float(i)).all())
+    dist.barrier()
+    return {
+        "peak_delta": mem.peak - mem.base,
+        "bucket_bytes": bucket,
+        "shard_bytes": sum(t.to_local().numel() * 4 for t in tmpl.values()),
+    }
