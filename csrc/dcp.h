@@ -395,6 +395,13 @@ int dcp_parse_shape(PyObject *obj,
                     Py_ssize_t *out,
                     Py_ssize_t *n,
                     const char *what);
+/* Parses placements, a sequence of at most `max` (kind, dim,
+ * split_factor) tuples; a Partial kind only with `allow_partial`.  0 / -1. */
+int dcp_parse_placements(PyObject *obj,
+                         placement_t *out,
+                         Py_ssize_t max,
+                         Py_ssize_t *n,
+                         int allow_partial);
 /* A new tuple of the n ints of v. */
 PyObject *dcp_ssize_tuple(const Py_ssize_t *v, Py_ssize_t n);
 /* (local_shape, [(lstart, gstart, length), ...]) of the shard at mesh

@@ -47,42 +47,6 @@ rmesh_free(rmesh_t *m)
     m->ranks = NULL;
 }
 
-static int
-parse_rplacements(PyObject *obj, placement_t *out, Py_ssize_t *n)
-{
-    PyObject *seq = dcp_sequence_fast(obj, "placements must be a sequence");
-    if (seq == NULL) {
-        return -1;
-    }
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-    if (len > DCP_MAX_DIMS) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "too many placements");
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < len; i++) {
-        long kind, dim, sf;
-        if (!dcp_parse_tuple(
-                PySequence_Fast_GET_ITEM(seq, i), "lll", &kind, &dim, &sf)) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        if (kind < PL_REPLICATE || kind > PL_STRIDED || dim < 0 || sf < 1) {
-            Py_DECREF(seq);
-            PyErr_SetString(PyExc_ValueError,
-                            "bad placement tuple (a Partial placement "
-                            "cannot be resharded)");
-            return -1;
-        }
-        out[i].kind = (int)kind;
-        out[i].dim = dim;
-        out[i].split_factor = sf;
-    }
-    *n = len;
-    Py_DECREF(seq);
-    return 0;
-}
-
 /* Parses (mesh_shape, placements, ranks) into `m`.  0 / -1. */
 static int
 parse_rmesh(PyObject *shape,
@@ -94,7 +58,7 @@ parse_rmesh(PyObject *shape,
     Py_ssize_t npl;
     m->ranks = NULL;
     if (dcp_parse_shape(shape, m->shape, &m->mdim, "mesh_shape") < 0 ||
-        parse_rplacements(placements, m->pl, &npl) < 0) {
+        dcp_parse_placements(placements, m->pl, DCP_MAX_DIMS, &npl, 0) < 0) {
         return -1;
     }
     if (npl != m->mdim) {

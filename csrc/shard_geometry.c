@@ -152,12 +152,12 @@ chunk_range(Py_ssize_t size,
     *len = e > s ? e - s : 0;
 }
 
-/* Parses placements: a sequence of (kind, dim, split_factor). */
-static int
-parse_placements(PyObject *obj,
-                 placement_t *out,
-                 Py_ssize_t max,
-                 Py_ssize_t *n)
+int
+dcp_parse_placements(PyObject *obj,
+                     placement_t *out,
+                     Py_ssize_t max,
+                     Py_ssize_t *n,
+                     int allow_partial)
 {
     PyObject *seq = dcp_sequence_fast(obj, "placements must be a sequence");
     if (seq == NULL) {
@@ -176,9 +176,15 @@ parse_placements(PyObject *obj,
             Py_DECREF(seq);
             return -1;
         }
-        if (kind < PL_REPLICATE || kind > PL_PARTIAL || dim < 0 || sf < 1) {
+        if (kind < PL_REPLICATE ||
+            kind > (allow_partial ? PL_PARTIAL : PL_STRIDED) || dim < 0 ||
+            sf < 1) {
             Py_DECREF(seq);
-            PyErr_SetString(PyExc_ValueError, "bad placement tuple");
+            PyErr_SetString(PyExc_ValueError,
+                            allow_partial
+                                ? "bad placement tuple"
+                                : "bad placement tuple (a Partial placement "
+                                  "cannot be resharded)");
             return -1;
         }
         out[i].kind = (int)kind;
@@ -391,7 +397,7 @@ dcp_shard_layouts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dcp_check_nargs("shard_layouts", nargs, 4) < 0 ||
         dcp_parse_shape(args[0], gshape, &ndim, "global_shape") < 0 ||
         dcp_parse_shape(args[1], mesh, &mdim, "mesh_shape") < 0 ||
-        parse_placements(args[2], pl, DCP_MAX_DIMS, &npl) < 0) {
+        dcp_parse_placements(args[2], pl, DCP_MAX_DIMS, &npl, 1) < 0) {
         return NULL;
     }
     if (npl != mdim) {
