@@ -41,7 +41,8 @@ FAULTS = {
     "never": "rank 1 arrives 8 s late (past both bounds)",
     "kill-before": "rank 1 SIGKILLed before the call",
     "kill-mid": "rank 0 SIGKILLed in its third collective (mid-transfer)",
-    "kill-commit": "rank 1 SIGKILLed as its commit starts",
+    "kill-agree": "rank 1 SIGKILLed before the last agreement (data moved, nothing installed)",
+    "kill-commit": "rank 1 SIGKILLed after the last agreement, as its commit starts",
     "hook": "a module's load hook raises on rank 1 only",
 }
 PATHS = {
@@ -53,7 +54,7 @@ PATHS = {
 }
 # cells that do not apply (a getter has no commit nor load hook; sharded
 # and full loads make fewer than three collectives: nothing is in transit)
-SKIP = {("kill-commit", "get-full"), ("hook", "get-full"), ("kill-mid", "sharded"),
+SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("kill-mid", "sharded"),
         ("kill-mid", "full"), ("kill-mid", "flat")}
 
 
@@ -120,6 +121,26 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
                 return _fn(*a, **k)
 
             setattr(dist, name, wrapped)
+    if fault == "kill-agree" and rank == 1:
+        # the last agreement of the load: the first of a sharded load, the
+        # one after the data moved of full (second) and broadcast (third)
+        # loads; upstream has none: its last collective before installing
+        last = 1 if path == "sharded" else (3 if bcast else 2)
+        if impl == "dcp_optim":
+            import dcp_optim.state_dict as ours
+
+            calls = [0]
+            real_agree = ours._agree
+
+            def agree(*a, **k):
+                calls[0] += 1
+                if calls[0] == last:
+                    _die()
+                return real_agree(*a, **k)
+
+            ours._agree = agree  # type: ignore[assignment]
+        else:
+            model.load_state_dict = lambda *a, **k: _die()  # type: ignore[method-assign]
     if fault == "kill-commit" and rank == 1:
         if impl == "dcp_optim":
             import dcp_optim.state_dict as ours

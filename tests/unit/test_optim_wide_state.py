@@ -246,12 +246,14 @@ def test_lbfgs_history_flattened_upstream_raises():
 
 
 @FORMATS
-def test_lbfgs_history_resumes_bit_identically_through_dcp(flat, tmp_path):
+def test_lbfgs_history_round_trips_and_dcp_never_drops_it(flat, tmp_path):
     """LBFGS keeps its history (lists of tensors, a list with None
     scratch entries) under its first parameter.  Flattened, a list is
     spelled "<name>.[i]" per element and "<name>.[]" for its length.  A
-    never-stepped LBFGS's template is empty (the history's length varies),
-    so the DCP flow loads the checkpoint's entries with the planner."""
+    direct get -> set carries the whole history in both formats; through
+    DCP, a never-stepped LBFGS's template (its first step's keys, empty
+    history: D26) cannot ask for lists of another length, so ``dcp.load``
+    raises on them instead of silently restarting the history."""
     model, optim = _lbfgs()
     for _ in range(3):
         _lbfgs_step(model, optim)
@@ -260,20 +262,14 @@ def test_lbfgs_history_resumes_bit_identically_through_dcp(flat, tmp_path):
     if flat:
         assert osd["state.weight.old_dirs.[]"] == len(optim.state[model.weight]["old_dirs"])
         assert "state.weight.old_dirs.[0]" in osd
-    dcp.save({"optim": osd}, checkpoint_id=str(tmp_path))
     model2, optim2 = _lbfgs(seed=1)
     model2.load_state_dict(model.state_dict())
-    state = {"optim": dcp_optim.get_optimizer_state_dict(model2, optim2, options=options)}
-    planner = dcp_optim.LoadPlanner(unrequested="load")
-    dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
-    loaded = dict(state["optim"])
-    if flat:
-        loaded.update((k[len("optim."):], v) for k, v in planner.unrequested_state.items())
-    else:
-        # nested: the entries DCP flattened ("optim.state.weight.old_dirs.0")
-        # come back through a direct get of the checkpoint's full dict
-        loaded = copy.deepcopy(osd)
-    dcp_optim.set_optimizer_state_dict(model2, optim2, loaded, options=options)
+    template = {"optim": dcp_optim.get_optimizer_state_dict(model2, optim2, options=options)}
+    dcp.save({"optim": osd}, checkpoint_id=str(tmp_path))
+    with pytest.raises(dcp.api.CheckpointException):
+        dcp.load(template, checkpoint_id=str(tmp_path))
+    assert len(optim2.state) == 0
+    dcp_optim.set_optimizer_state_dict(model2, optim2, copy.deepcopy(osd), options=options)
     live, got = optim.state[model.weight], optim2.state[model2.weight]
     assert sorted(live) == sorted(got)
     assert isinstance(got["old_dirs"], list) and len(got["old_dirs"]) == len(live["old_dirs"])

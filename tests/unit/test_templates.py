@@ -176,10 +176,12 @@ def test_lbfgs_template_set_into_a_fresh_optimizer_is_a_no_op():
     sd = dcp_optim.get_optimizer_state_dict(b, opt_b)
     dcp_optim.set_optimizer_state_dict(b, opt_b, copy.deepcopy(sd))
     assert opt_b.state[b.a.weight]["n_iter"] == 0
-    # the flat format of list state raises, as for a trained LBFGS (and
-    # upstream's); its history in that format is issue 23's requirement 5
-    with pytest.raises(NotImplementedError, match="old_dirs"):
-        dcp_optim.get_optimizer_state_dict(b, opt_b, options=FLAT)
+    # the flattened format spells the (empty) history lists by their
+    # length (D29), and sets back as the same no-op
+    flat = dcp_optim.get_optimizer_state_dict(b, opt_b, options=FLAT)
+    assert flat["state.a.weight.old_dirs.[]"] == 0
+    dcp_optim.set_optimizer_state_dict(b, opt_b, flat, options=FLAT)
+    assert opt_b.state[b.a.weight]["n_iter"] == 0 and opt_b.state[b.a.weight]["old_dirs"] == []
     train(a, opt_a, 3, closure=True)
     train(b, opt_b, 3, closure=True)
     for p, q in zip(a.parameters(), b.parameters()):
