@@ -19,7 +19,6 @@ sharded on a sub-mesh the data travels within that mesh.
 from __future__ import annotations
 
 import os
-
 from typing import Any, NamedTuple
 
 import torch
