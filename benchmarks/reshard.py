@@ -96,11 +96,13 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         path = [tempfile.mkdtemp(prefix="dcp_optim_bench_", dir=base) if rank == 0 else None]
         dist.broadcast_object_list(path, src=0)
-        dcp.save(src, checkpoint_id=path[0])
-        dcp.load(templates["dcp_shm"], checkpoint_id=path[0])
+        folder = path[0]
+        assert folder is not None  # rank 0's, broadcast
+        dcp.save(src, checkpoint_id=folder)
+        dcp.load(templates["dcp_shm"], checkpoint_id=folder)
         dist.barrier()
         if rank == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
 
     runs = {"reshard": run_reshard, "gather": run_gather, "dcp_shm": run_dcp}
     times: dict[str, list[float]] = {k: [] for k in runs}
