@@ -914,7 +914,8 @@ def _template_names(index: Any, optim: _Optimizer) -> dict[Any, list[Any]]:
         names: list[Any] = []
         for name, value in (states.get(id(p)) or {}).items():
             # a dict keyed by non-str keys: its leaf paths (_odd_paths)
-            names.extend(_odd_paths(name, value) or [name])
+            odd: list[Any] = _odd_paths(name, value)
+            names.extend(odd or [name])
         out[p] = names
     return out
 
