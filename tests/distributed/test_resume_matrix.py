@@ -9,10 +9,11 @@ on.  Each case resumes bit-identically to the uninterrupted run or raises
 before training continues (tests/distributed/resume_cases.py).  The summary
 lists every verdict with its reason.
 
-``PENDING`` names the cases that diverge until another change lands (with
-why), ``KNOWN`` those that diverge for a reason still open; both are
-printed in the summary, and a case in either that no longer diverges
-fails the test too, so that the lists stay exact.
+Any ``diverged`` verdict fails the test: there is no list of tolerated
+divergences (Prodigy's, Conda's, ScalableShampoo's and AdaShift's
+rank-local values now raise RankLocalStateError at world 2, D30; AggMo's
+float-keyed buffers resume in the flattened format).
+``DCP_OPTIM_MATRIX_CASES=name,name`` runs only those cases.
 """
 
 from __future__ import annotations
@@ -48,18 +49,6 @@ if _UNKNOWN:
     raise ValueError(f"{CASES_ENV}: no such case(s) {_UNKNOWN}")
 NAMES = _SELECTED or list(catalogue())
 
-# (world, name, format) -> why it diverges until another change lands.
-# Empty: AggMo's momentum buffers (a state dict keyed by its float betas)
-# now keep their keys in the flattened format (the template's keys).
-PENDING: dict[tuple[int, str, str], str] = {}
-
-# (world, name, format) -> why it diverges: known and not fixed (reported
-# as open).  Empty: Prodigy's group sums and GaLore's/Shampoo's state
-# objects, computed from each rank's local shards under FSDP2, now make
-# the sharded getter raise RankLocalStateError (D30) instead of resuming
-# with one rank's values.
-KNOWN: dict[tuple[int, str, str], str] = {}
-
 _SUMMARY: list[str] = []
 
 
@@ -72,22 +61,15 @@ def _check(world: int, rows: list[tuple[str, str, str, str]]) -> None:
     counts = collections.Counter(verdict for _, _, verdict, _ in rows)
     lines = [f"resume matrix, world {world}: " + ", ".join(f"{counts[v]} {v}" for v in
                                                          ("resumed", "raised", "not run", "diverged"))]
-    bad, stale = [], []
+    bad = []
     for name, fmt, verdict, reason in rows:
-        pending = PENDING.get((world, name, fmt))
-        if pending is None and (world, name, fmt) in KNOWN:
-            pending = "KNOWN, " + KNOWN[(world, name, fmt)]
-        if verdict == "diverged" and pending is None:
+        if verdict == "diverged":
             bad.append(f"{name} ({fmt}): {reason}")
-        if pending is not None and verdict != "diverged":
-            stale.append(f"{name} ({fmt}): {verdict}, listed as pending ({pending})")
         if verdict != "resumed":
-            mark = f" [{pending if pending.startswith('KNOWN') else 'pending: ' + pending}]" if pending else ""
-            lines.append(f"  {verdict} {name} ({fmt}): {reason}{mark}")
+            lines.append(f"  {verdict} {name} ({fmt}): {reason}")
     _SUMMARY.extend(lines)
     print("\n".join(lines))
     assert not bad, "resumes that diverged silently:\n" + "\n".join(bad)
-    assert not stale, "pending cases that no longer diverge:\n" + "\n".join(stale)
     # most of the cases that can train here resume (at world 2, many
     # third-party optimizers cannot take a step on DTensors: "not run")
     if not _SELECTED:
