@@ -125,7 +125,9 @@ def parameter_order_case(rank: int, ws: int) -> dict[str, Any]:
 def one_rank_full_getter_case(rank: int, ws: int, which: str) -> dict[str, Any]:
     """full_state_dict=True on rank 0 only: rank 0 gathers, rank 1 does
     not communicate.  dcp_optim: rank 0 raises within the arrival bound
-    (set to 2 s here) naming rank 1; rank 1 returns its sharded dict."""
+    (set to 2 s here) naming rank 1; rank 1 returns its sharded dict.
+    (The optimizer getter: rank 1's sharded get agrees on its non-tensor
+    values, D30, and meets rank 0's gather: both raise.)"""
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (ws,))
     model, optim = build(mesh)
