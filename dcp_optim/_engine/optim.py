@@ -35,7 +35,12 @@ from .model import _is_patched, state_dict_fn
 from .pipeline import Prepared, Report
 from .pristine import pristine, pristine_states, template_error
 from .ranklocal import check_rank_local
-from .shadow import OPTIMIZER_WIDE, fallback_pristine, fallback_wrapper_entries, upstream_wrapper_entries
+from .shadow import (
+    OPTIMIZER_WIDE,
+    fallback_pristine,
+    fallback_wrapper_entries,
+    upstream_wrapper_entries,
+)
 from .tree import maybe_full_or_cpu_state_dict
 
 __all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]

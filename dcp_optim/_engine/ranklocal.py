@@ -104,12 +104,9 @@ def check_rank_local(osd: dict[str, Any], info: Any) -> None:
         if not isinstance(tensor, DTensor):
             continue
         mesh = tensor.device_mesh
-        for m, known in enumerate(meshes):
-            if known == mesh:
-                break
-        else:
+        m = next((i for i, known in enumerate(meshes) if known == mesh), len(meshes))
+        if m == len(meshes):
             meshes.append(mesh)
-            m = len(meshes) - 1
         for fqn in fqns:
             mesh_of[fqn] = m
     if not meshes:
