@@ -24,6 +24,7 @@ __all__ = [
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
     "IncompleteTemplateError",
+    "RankLocalStateError",
 ]
 
 
@@ -83,6 +84,23 @@ class IncompleteTemplateError(StateDictRuntimeError):
     zero-gradient step of the optimizer itself yields it): raised rather
     than returning a template ``dcp.load`` would silently leave state
     behind with."""
+
+
+class RankLocalStateError(StateDictRuntimeError):
+    """A sharded get (FSDP2/TP) found an optimizer value that is not a
+    tensor and differs between the ranks of a mesh (a group sum such as
+    Prodigy's ``d``, a projector object built from local shards).  DCP
+    stores such a value once, so a resume would silently give every rank
+    one rank's value (D30).  ``key`` names the entry, ``ranks`` the ranks
+    per distinct value."""
+
+    def __init__(self, message: str, key: str, ranks: list[list[int]]):
+        super().__init__(message)
+        self.key = key
+        self.ranks = ranks
+
+    def __reduce__(self):  # picklable (errors travel between ranks)
+        return (type(self), (str(self.args[0]) if self.args else "", self.key, self.ranks))
 
 
 # --- upstream texts (docs/architecture.md, "Errors and warnings") ----------

@@ -29,11 +29,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
-from ..schema import PARAM, PARAM_DEVICE, schema_for
+from ..schema import PARAM, PARAM_DEVICE, proxied, schema_for
 from .core import C, context
 from .model import _is_patched, state_dict_fn
 from .pipeline import Prepared, Report
 from .pristine import pristine, pristine_states, template_error
+from .ranklocal import check_rank_local
 from .shadow import (
     OPTIMIZER_WIDE,
     fallback_pristine,
@@ -101,6 +102,13 @@ def _add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | 
             group.setdefault(k, v)
 
 
+def _torch_optimizer(optim: Any) -> bool:
+    """A class of torch.optim itself (through proxies such as accelerate's
+    AcceleratedOptimizer), with its own step: its non-tensor state and
+    group values are hyperparameters and counters every rank shares."""
+    return type(proxied(optim)).__module__.startswith("torch.optim.")
+
+
 @torch.no_grad()
 def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     if not info.handle_optim:
@@ -113,6 +121,10 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         osd = get_fsdp1_optim(model, optimizers, info)
     else:
         osd = _get_plain(optimizers, info)
+        if not info.full_state_dict and not all(_torch_optimizer(optim) for optim in optimizers):
+            # D30; torch.optim's own classes keep no rank-local values
+            # outside tensors, and their sharded get stays local (upstream's)
+            check_rank_local(osd, info)
     extras = getattr(info, "optim_extras", None)
     if info.flatten_optimizer_state_dict:
         keys = _flat_keys(model)
@@ -706,8 +718,9 @@ def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = 
         if not optimizers:
             raise
     # (optimizers with a schema: their names are all in `whole` already)
-    schema_less = any(schema_for(optim) is None for optim in optimizers)
-    if schema_less and (view is None or _nests(view[0])):
+    # (and where the view nests: the paths of state dicts keyed by non-str
+    # keys, AggMo's, from the live state or the template, _odd_paths)
+    if view is None or _nests(view[0]):
         more = _whole_state_names(index, osd, optimizers, template=True)
         if set(more) - set(whole):
             view = _flat_view(index, osd, {**whole, **more})
@@ -765,13 +778,45 @@ def _decode_lists(value: Any) -> Any:
     return {k: _decode_lists(v) for k, v in value.items()}
 
 
-def _flat_view(index: Any, osd: dict[str, Any], whole: dict[str, tuple[str, str]]) -> tuple:
+def _flat_view(index: Any, osd: dict[str, Any], whole: dict[str, tuple[str, Any]]) -> tuple:
     if not whole:
         return C.unflatten_optim(index, osd)
     view = C.unflatten_optim(index, {k: v for k, v in osd.items() if k not in whole})
     for key, (fqn, name) in whole.items():
-        view[0].setdefault(fqn, {})[name] = osd[key]
+        entry = view[0].setdefault(fqn, {})
+        if isinstance(name, tuple):
+            # a path into a state dict keyed by non-str or dotted keys
+            # (AggMo's {0.9: buffer}): the template's own keys
+            for k in name[:-1]:
+                entry = entry.setdefault(k, {})
+            entry[name[-1]] = osd[key]
+        else:
+            entry[name] = osd[key]
     return view
+
+
+def _odd_paths(name: str, value: Any) -> list[tuple[Any, ...]]:
+    """The leaf paths (name, k1, ..., kn) of a state value that is a dict
+    with a key that is not a str or holds a dot, at any depth (AggMo's
+    momentum buffers keyed by their beta): splitting its flattened keys at
+    the dots cannot give those keys back; [] for any other value."""
+    if not isinstance(value, dict):
+        return []
+    paths: list[tuple[Any, ...]] = []
+    odd = False
+
+    def walk(node: dict[Any, Any], path: tuple[Any, ...]) -> None:
+        nonlocal odd
+        for k, v in node.items():
+            if not isinstance(k, str) or "." in k:
+                odd = True
+            if isinstance(v, dict) and v:
+                walk(v, (*path, k))
+            else:
+                paths.append((*path, k))
+
+    walk(value, (name,))
+    return paths if odd else []
 
 
 def _nests(state: dict[str, Any]) -> bool:
@@ -820,22 +865,26 @@ def _whole_state_names(
     (``template``: the names of their templates, see _template_names)
     whose whole key "state.<fqn>.<name>" is in ``flat``
     (docs/architecture.md, Flat keys)."""
-    out: dict[str, tuple[str, str]] = {}
+    out: dict[str, tuple[str, Any]] = {}
 
-    def add(param: Any, dotted: list[str]) -> None:
+    def add(param: Any, dotted: list[Any]) -> None:
         slot = index.slot_of(param) if dotted else None
         if slot is None:
             return
         for fqn in index.tensor_fqns[slot]:
             for name in dotted:
-                key = f"state.{fqn}.{name}"
+                spelled = ".".join(str(k) for k in name) if isinstance(name, tuple) else name
+                key = f"state.{fqn}.{spelled}"
                 if key in flat:
                     out[key] = (fqn, name)
 
     for optim in optimizers:
         if template:
             for param, names in _template_names(index, optim).items():
-                add(param, [k for k in names if isinstance(k, str) and "." in k])
+                add(param, [k for k in names if isinstance(k, tuple) or (isinstance(k, str) and "." in k)])
+            for param, live in optim.state.items():
+                if isinstance(live, dict):
+                    add(param, [p for k, v in live.items() if isinstance(k, str) for p in _odd_paths(k, v)])
             continue
         schema = schema_for(optim)
         if schema is not None:
@@ -874,7 +923,15 @@ def _template_names(index: Any, optim: _Optimizer) -> dict[Any, list[Any]]:
         states, _ = fallback_pristine(optim, [p for p, _, _ in missing])
     except Exception:  # noqa: BLE001 - no template: nothing to go by
         return {}
-    return {p: list(states.get(id(p)) or ()) for p, _, _ in missing}
+    out: dict[Any, list[Any]] = {}
+    for p, _, _ in missing:
+        names: list[Any] = []
+        for name, value in (states.get(id(p)) or {}).items():
+            # a dict keyed by non-str keys: its leaf paths (_odd_paths)
+            odd: list[Any] = _odd_paths(name, value)
+            names.extend(odd or [name])
+        out[p] = names
+    return out
 
 
 @torch.no_grad()

@@ -1,0 +1,52 @@
+"""D30: a sharded get raises RankLocalStateError on every rank when an
+optimizer keeps a non-tensor value that differs between the ranks of the
+mesh (dcp.save would store one rank's copy for all); torch.optim's dicts
+stay equal to upstream's (scenarios: dist_cases_ranklocal.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..support.harness import run_ranks
+from . import dist_cases_ranklocal as cases
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_ranks(2, cases.rank_local_fsdp2, timeout=600)
+
+
+@pytest.mark.parametrize("fmt", ["nested", "flat"])
+def test_group_sum_raises_on_every_rank(outcomes, fmt):
+    for out in outcomes:
+        got = out[f"group_sum[{fmt}]"]
+        assert got["raised"] == "RankLocalStateError", got
+        assert got["key"] == "param_groups[0]['d']"
+        assert sorted(r for rs in got["ranks"] for r in rs) == [0, 1]
+        assert "dcp.save stores a non-tensor value once" in got["text"]
+        assert "DCP_OPTIM_RANK_LOCAL_CHECK=0" in got["text"]
+    assert outcomes[0][f"group_sum[{fmt}]"] == outcomes[1][f"group_sum[{fmt}]"]
+    # upstream returns each rank's own value, silently
+    assert outcomes[0][f"upstream_d[{fmt}]"] != outcomes[1][f"upstream_d[{fmt}]"]
+
+
+@pytest.mark.parametrize("fmt", ["nested", "flat"])
+def test_state_object_raises(outcomes, fmt):
+    for out in outcomes:
+        got = out[f"object[{fmt}]"]
+        assert got["raised"] == "RankLocalStateError", got
+        assert got["key"].startswith("state.") and got["key"].endswith(".proj"), got
+
+
+@pytest.mark.parametrize("fmt", ["nested", "flat"])
+def test_torch_optim_unchanged(outcomes, fmt):
+    for out in outcomes:
+        assert out[f"adamw[{fmt}]"] == {"raised": None}
+
+
+def test_switch_off_and_full_dicts(outcomes):
+    for out in outcomes:
+        assert out["off"] == {"raised": None}
+        assert out["full"] == {"raised": None}
