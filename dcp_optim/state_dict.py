@@ -462,7 +462,7 @@ def _run_load(
             if sharded:
                 prepared, error = _phase(lambda p: p.move(), parts, error)
             fallible = int(any(p.can_fail for p in parts))
-            per_rank = _agree(agreement, error, (*has, fallible), _flags_check(api, info))
+            per_rank = _agree_or_abort(parts, agreement, error, (*has, fallible), _flags_check(api, info))
             assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
                 parts = _source_parts(api, parts, per_rank, info, optimizers)
@@ -473,7 +473,7 @@ def _run_load(
                 # on broadcast loads every part runs even after one failed
                 # (its stream is a collective the others wait in)
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
-                _agree(agreement, error)
+                _agree_or_abort(parts, agreement, error)
             reports = _commit(parts, prepared, agreement if any(f[2] for f in per_rank) else None)
         finally:
             torch.set_grad_enabled(grad)
@@ -564,6 +564,18 @@ def _agree(
     if error is not None:
         raise error
     return []
+
+
+def _agree_or_abort(parts: list[LoadPart], agreement: Any, error: Exception | None, *args: Any) -> list[tuple[int, ...]]:
+    """``_agree`` after data moved: where it raises (a failure here or on
+    another rank, or a peer that died), what in-place moves wrote into live
+    tensors is put back first (``LoadPart.abort``)."""
+    try:
+        return _agree(agreement, error, *args)
+    except BaseException:
+        for part in parts:
+            part.abort()
+        raise
 
 
 def _flags_check(api: str, info: Any) -> Any:

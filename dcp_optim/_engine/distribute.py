@@ -116,19 +116,28 @@ def run_full_load(
     route: Route | None,
     offload: torch.device | None = None,
     in_place: bool = False,
+    undo: _UndoLog | None = None,
 ) -> list[Any]:
     """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
     local slicing when ``route`` is None, else a bucketed broadcast stream.
     With ``in_place`` a DTensor template's shard lands straight in the
     template's own local tensor where dtype, device and layout allow (the
-    caller has validated the whole load).  Returns the loaded value of each
-    job (None where not needed)."""
+    caller has validated the whole load).  ``undo`` (in-place loads) keeps
+    what the load overwrites in live tensors, for the caller to restore if
+    the load fails after this returns (its agreement); without one, a
+    stream keeps its own until it completes.  Returns the loaded value of
+    each job (None where not needed)."""
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
+    if not in_place:
+        undo = None
+    if route is None and undo is not None:
+        undo.save_all(jobs)  # local slicing writes every live shard at once
     plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
     if route is not None and plan.nbuckets:
-        undo = _UndoLog(jobs) if in_place and undo_enabled() else None
+        if undo is None and in_place and undo_enabled():
+            undo = _UndoLog(jobs)
         # One buffer for the whole stream: re-allocating per bucket lets
         # the allocator keep several freed buckets resident.
         storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
@@ -148,7 +157,7 @@ def run_full_load(
             if undo is not None:
                 undo.restore()
             raise
-        del storage, buf, chunks, undo
+        del storage, buf, chunks
     return C.finish_full_load(plan, DTensor.from_local, offload)
 
 
@@ -185,6 +194,14 @@ class _UndoLog:
             if dest.untyped_storage().data_ptr() not in self.live:
                 continue  # a fresh tensor of this load, not a live one
             self.saved[id(dest)] = (dest, dest.detach().to(_CPU, copy=True))
+
+    def save_all(self, jobs: list[tuple[Any, Any, Any]]) -> None:
+        """Keep every live template's local tensor (a load that writes
+        them all without buckets)."""
+        for _, template, _ in jobs:
+            local = template.to_local() if isinstance(template, DTensor) else template
+            if isinstance(local, torch.Tensor) and id(local) not in self.saved:
+                self.saved[id(local)] = (local, local.detach().to(_CPU, copy=True))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -347,14 +364,16 @@ class ModelFullLoad:
         route = self.route
         if not in_place_allowed(self.info):
             self.in_place = False
+        self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if route is None:
             if self.jobs:
-                values = run_full_load(self.jobs, route=None, in_place=self.in_place)
+                values = run_full_load(self.jobs, route=None, in_place=self.in_place, undo=self.undo)
                 C.write_slots([(self.merged, key) for key in self.keys], values)
             return self.merged
         out = self.out
         values = run_full_load(
-            self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place
+            self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place,
+            undo=self.undo,
         )
         C.write_slots([(out, k) for k in self.keys], values)
         if self.strict:
@@ -365,6 +384,14 @@ class ModelFullLoad:
             merged.update(out)
             return merged
         return out
+
+
+    def abort(self) -> None:
+        """Put back what ``move`` wrote into live tensors (the load failed
+        after it: its agreement)."""
+        undo, self.undo = getattr(self, "undo", None), None
+        if undo is not None:
+            undo.restore()
 
 
 def _stand_in(job: tuple) -> Any:
@@ -496,10 +523,17 @@ class OptimLocalize:
     def move(self) -> tuple:
         if not in_place_allowed(self.info):
             self.in_place = False
+        self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if self.jobs:
-            values = run_full_load(self.jobs, route=self.route, in_place=self.in_place)
+            values = run_full_load(self.jobs, route=self.route, in_place=self.in_place, undo=self.undo)
             C.write_slots(self.slots, values)
         return self.result
+
+    def abort(self) -> None:
+        """Put back what ``move`` wrote into the optimizer's live state."""
+        undo, self.undo = getattr(self, "undo", None), None
+        if undo is not None:
+            undo.restore()
 
 
 def _state_device(index: Any) -> torch.device:

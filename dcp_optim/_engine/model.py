@@ -271,6 +271,12 @@ class ModelLoad:
             self.rollback()
             raise
 
+    def abort(self) -> None:
+        """Put back what ``move`` wrote into live tensors (an in-place
+        full or broadcast load) when the load fails after it."""
+        if self.full_load is not None:
+            self.full_load.abort()
+
     def rollback(self) -> None:
         """Put back what a committed load changed (the load failed on
         another rank, after this rank's commit)."""

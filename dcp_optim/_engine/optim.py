@@ -1381,6 +1381,13 @@ class OptimLoad:
     def rollback(self) -> None:
         """Nothing to put back: the optimizers are installed last."""
 
+    def abort(self) -> None:
+        """Put back what ``move`` wrote into the optimizers' held state (an
+        in-place full or broadcast load) when the load fails after it."""
+        abort = getattr(self.localize, "abort", None)
+        if abort is not None:
+            abort()
+
 
 def _commit_native(optimizers: tuple[_Optimizer, ...], osd: dict[str, Any]) -> None:
     """A dict keyed by parameter IDs: every optimizer's own load, as upstream."""

@@ -75,6 +75,8 @@ class LoadPart(Protocol):
 
     def rollback(self) -> None: ...
 
+    def abort(self) -> None: ...
+
 
 def run_alone(part: LoadPart, info: Any) -> Prepared:
     """Plan, validate and move ``part`` without agreeing with other ranks;

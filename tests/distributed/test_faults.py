@@ -97,3 +97,17 @@ def test_a_source_killed_mid_stream(part, undo):
     assert survivor["result"].startswith("RuntimeError"), survivor
     assert "Connection closed by peer" in survivor["result"] or "Connection reset by peer" in survivor["result"], survivor
     assert survivor["unchanged"] is (undo == "1"), survivor
+
+
+@pytest.mark.parametrize("path", ["full", "broadcast", "flat"])
+def test_peer_killed_before_the_last_agreement_changes_nothing(path):
+    """Rank 1 dies after the data moved (an in-place full or broadcast
+    load writes shards straight into the live tensors) and before the
+    last agreement: rank 0's agreement fails at once, and what the move
+    wrote is put back (the fault matrix's "kill-agree" cells)."""
+    from .fault_matrix import run_cell
+
+    r0, r1 = run_cell("kill-agree", path, "dcp_optim")
+    assert r1["result"] == "killed", r1
+    assert r0["result"].startswith("RuntimeError:") and "gloo" in r0["result"], r0
+    assert r0["changed"] is False, r0
