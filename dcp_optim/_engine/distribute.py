@@ -133,7 +133,7 @@ def run_full_load(
     if not in_place:
         undo = None
     if route is None and undo is not None:
-        undo.save_all(jobs)  # local slicing writes every live shard at once
+        undo.save_all()  # local slicing writes every live shard at once
     plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
     if route is not None and plan.nbuckets:
         if undo is None and in_place and undo_enabled():
@@ -172,6 +172,16 @@ def undo_enabled() -> bool:
     return os.environ.get(UNDO_ENV, "1").strip() not in ("0", "false", "False", "")
 
 
+def _live_locals(jobs: list[tuple[Any, Any, Any]]) -> list[torch.Tensor]:
+    """The local tensors of the jobs' live templates (a DTensor's shard)."""
+    out = []
+    for _, template, _ in jobs:
+        local = template.to_local() if isinstance(template, DTensor) else template
+        if isinstance(local, torch.Tensor):
+            out.append(local)
+    return out
+
+
 class _UndoLog:
     """The previous values of the live tensors an in-place stream writes
     into, each copied to the host the first time a bucket reaches it:
@@ -179,11 +189,8 @@ class _UndoLog:
     device memory), and a failed stream restores them."""
 
     def __init__(self, jobs: list[tuple[Any, Any, Any]]):
-        self.live: set[int] = set()
-        for _, template, _ in jobs:
-            local = template.to_local() if isinstance(template, DTensor) else template
-            if isinstance(local, torch.Tensor):
-                self.live.add(local.untyped_storage().data_ptr())
+        self.locals = _live_locals(jobs)
+        self.live: set[int] = {local.untyped_storage().data_ptr() for local in self.locals}
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def save(self, chunks: list[tuple]) -> None:
@@ -195,12 +202,11 @@ class _UndoLog:
                 continue  # a fresh tensor of this load, not a live one
             self.saved[id(dest)] = (dest, dest.detach().to(_CPU, copy=True))
 
-    def save_all(self, jobs: list[tuple[Any, Any, Any]]) -> None:
+    def save_all(self) -> None:
         """Keep every live template's local tensor (a load that writes
         them all without buckets)."""
-        for _, template, _ in jobs:
-            local = template.to_local() if isinstance(template, DTensor) else template
-            if isinstance(local, torch.Tensor) and id(local) not in self.saved:
+        for local in self.locals:
+            if id(local) not in self.saved:
                 self.saved[id(local)] = (local, local.detach().to(_CPU, copy=True))
 
     @torch.no_grad()

@@ -258,34 +258,22 @@ def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any, local_p
                     continue
                 objects[path] = holders[0][1][1]  # the lowest rank's value
                 continue
-            # tensors: one global dtype and shape on the source side
-            s0 = holders[0][1]
-            for r, d in holders[1:]:
-                if d[:3] != s0[:3]:
-                    fail(
-                        f"'{name}': ranks {holders[0][0]} and {r} hold different source tensors "
-                        f"({s0[1]} {list(s0[2])} vs {d[1]} {list(d[2])})"
-                    )
-                    break
-            else:
-                d0 = descs[0][1]
-                for r, d in descs[1:]:
-                    if d[:3] != d0[:3]:
-                        fail(
-                            f"'{name}': ranks {descs[0][0]} and {r} hold different template tensors "
-                            f"({d0[1]} {list(d0[2])} vs {d[1]} {list(d[2])})"
-                        )
-                        break
-                else:
-                    if d0[2] != s0[2]:
-                        fail(
-                            f"'{name}': the source's global shape {list(s0[2])} differs from "
-                            f"the template's {list(d0[2])}"
-                        )
-                        continue
-                    spec = _layouts(path, sk, dk, holders, descs, s0, d0, fail)
-                    if spec is not None:
-                        specs.append(spec)
+            # tensors: one global dtype and shape on each side, and the same
+            # global shape on both
+            differ = _first_difference(holders, "source") or _first_difference(descs, "template")
+            if differ is not None:
+                fail(f"'{name}': {differ}")
+                continue
+            s0, d0 = holders[0][1], descs[0][1]
+            if d0[2] != s0[2]:
+                fail(
+                    f"'{name}': the source's global shape {list(s0[2])} differs from "
+                    f"the template's {list(d0[2])}"
+                )
+                continue
+            spec = _layouts(path, sk, dk, holders, descs, s0, d0, fail)
+            if spec is not None:
+                specs.append(spec)
     for spec in specs:
         outside = sorted((set(spec.src[2]) | set(spec.dst[2])) - members)
         if outside:
@@ -294,6 +282,19 @@ def _agree(src_desc: dict, dst_desc: dict | None, rank: int, group: Any, local_p
     if problems:
         _raise(problems)
     return specs, objects
+
+
+def _first_difference(described: list[tuple[int, Any]], side: str) -> str | None:
+    """The first rank whose tensor description (kind, dtype, global shape)
+    differs from the lowest rank's, as an error text, or None."""
+    r0, d0 = described[0]
+    for r, d in described[1:]:
+        if d[:3] != d0[:3]:
+            return (
+                f"ranks {r0} and {r} hold different {side} tensors "
+                f"({d0[1]} {list(d0[2])} vs {d[1]} {list(d[2])})"
+            )
+    return None
 
 
 def _raise(problems: list[str]) -> None:
