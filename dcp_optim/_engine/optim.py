@@ -41,7 +41,7 @@ from .shadow import (
     fallback_wrapper_entries,
     upstream_wrapper_entries,
 )
-from .tree import maybe_full_or_cpu_state_dict
+from .tree import insert_path, maybe_full_or_cpu_state_dict
 
 __all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]
 
@@ -553,16 +553,7 @@ def _take_wide(
         if path in held or "." not in path:
             names[path] = value
             continue
-        parts = path.split(".")
-        node = names
-        for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise errors.StateDictValueError(
-                    f"flattened optimizer key {key!r} nests under a non-dict optimizer-wide value"
-                )
-            node = nxt
-        node[parts[-1]] = value
+        insert_path(names, path, value, key, "optimizer-wide value")
     return wide, rest, unexpected
 
 

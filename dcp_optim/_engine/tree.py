@@ -1,4 +1,5 @@
-"""Post-processing of state-dict trees: full gathers and CPU offloading.
+"""Post-processing of state-dict trees: full gathers, CPU offloading, and
+the nesting of flattened keys' dotted paths (:func:`insert_path`).
 
 The containers are copied natively (``tree_leaves`` / ``tree_rebuild``);
 tensors are processed all at once, so a full gather can move many DTensors
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import errors
 from .core import C, context
 
 _CPU = torch.device("cpu")
@@ -73,3 +75,25 @@ def maybe_full_or_cpu_state_dict(state_dict: dict[str, Any], info: Any) -> dict[
     if info.cpu_offload:
         return offload_state_dict_to_cpu(state_dict)
     return state_dict
+
+
+def insert_path(root: dict[str, Any], path: str, value: Any, key: str, what: str) -> None:
+    """Store ``value`` at the dotted ``path`` under ``root``, creating the
+    dicts between (the flattened format's nesting of state names).  A
+    part that already holds a non-dict, or a leaf that already holds a
+    dict, is a collision: ``errors.StateDictValueError`` naming the
+    flattened ``key`` and ``what`` it nests under (e.g. "state value")."""
+    parts = path.split(".")
+    node = root
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise errors.StateDictValueError(
+                f"flattened optimizer key {key!r} nests under a non-dict {what}"
+            )
+        node = nxt
+    if isinstance(node.get(parts[-1]), dict):
+        raise errors.StateDictValueError(
+            f"flattened optimizer key {key!r} collides with nested {what}s under the same name"
+        )
+    node[parts[-1]] = value

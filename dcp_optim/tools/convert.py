@@ -55,6 +55,7 @@ import torch.nn as nn
 
 from .. import errors
 from .._engine.core import C, context
+from .._engine.tree import insert_path
 from .checkpoint import (
     FLAT,
     NESTED,
@@ -93,23 +94,6 @@ def to_flat(osd: dict[str, Any], group_counts: Sequence[int] | None = None) -> d
 def _model_fqns(model: nn.Module) -> set[str]:
     index = C.walk_model(context(), model, "_fqn_modifiers")
     return {fqn for names in index.tensor_fqns for fqn in names}
-
-
-def _store(entry: dict[str, Any], tail: str, value: Any, key: str) -> None:
-    parts = tail.split(".")
-    cur = entry
-    for part in parts[:-1]:
-        nxt = cur.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            raise errors.StateDictValueError(
-                f"flattened optimizer key '{key}' nests under a non-dict state value"
-            )
-        cur = nxt
-    if isinstance(cur.get(parts[-1]), dict):
-        raise errors.StateDictValueError(
-            f"flattened optimizer key '{key}' collides with nested state under the same name"
-        )
-    cur[parts[-1]] = value
 
 
 def param_groups_of(model: nn.Module, optimizers: Any) -> list[list[list[str]]]:
@@ -223,7 +207,7 @@ def to_nested(
             raise errors.StateDictKeyError(
                 f"'{key}': no known parameter FQN is a prefix of it (pass the model's FQNs)"
             )
-        _store(state.setdefault(parsed[1], {}), parsed[2], value, key)
+        insert_path(state.setdefault(parsed[1], {}), parsed[2], value, key, "state value")
     if groups is not None:
         return {"state": state, "param_groups": _groups_like(per_fqn, empties, groups)}
     return {"state": state, "param_groups": group_runs(per_fqn, empties)}
