@@ -19,7 +19,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true",
                    help="1k and 10k tensors, shorter budgets, fewer distributed passes (~2 min)")
-    p.add_argument("--sizes", help="comma-separated numbers of parameter tensors (default 1000,10000,50000)")
+    p.add_argument("--sizes", help="comma-separated numbers of parameter tensors (default 1000,10000,50000,200000)")
     p.add_argument("--sections", default="1,2,3,4,5,6",
                    help="which sections to run: 1 bookkeeping, 2 distributed (FSDP2), 3 scaling (from 1), "
                    "4 distributed FSDP1 (flat parameters), 5 scale simulation (fake process group), "
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sizes:
         sizes = [int(float(x)) for x in args.sizes.split(",") if x.strip()]
     else:
-        sizes = [1000, 10000] if args.quick else [1000, 10000, 50000]
+        sizes = [1000, 10000] if args.quick else [1000, 10000, 50000, 200000]
     budget = args.budget if args.budget is not None else (0.75 if args.quick else 2.0)
     dist_reps = args.dist_reps if args.dist_reps is not None else (2 if args.quick else 5)
     mem_iso = args.dist_mem_isolation or ("shared" if args.quick else "impl")
@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n-- ratios: up/dcp = upstream / dcp_optim (higher is better), "
               "dcp/floor = dcp_optim / torch's own call (lower is better) --")
         print(report.table_ratios(s1))
+        print("\n-- targets (issue 26: bookkeeping at torch's cost); ratio = dcp_optim / floor, "
+              "medians of this run --")
+        print(report.table_targets(s1))
     if "scaling" in out:
         print("\n== 3. Scaling: microseconds per parameter tensor; exp = d log t / d log n "
               "(1 linear, 2 quadratic) ==")

@@ -189,10 +189,14 @@ def measure_interleaved(
     min_reps: int,
     max_reps: int,
     call_timeout_s: float | None = None,
+    always_repeat: frozenset[str] = frozenset(),
 ) -> dict[str, Timing]:
     """Time ``candidates`` interleaved in one process; see the module
     docstring.  Exceptions are recorded per candidate, never raised.
-    After a timeout nothing more is run (the objects are suspect)."""
+    After a timeout nothing more is run (the objects are suspect).
+    Candidates named in ``always_repeat`` get ``min_reps`` timed calls
+    even when their warm-up exceeds the budget (a median, not one cold
+    call)."""
     out: dict[str, Timing] = {}
     reps: dict[str, int] = {}
     live: list[Candidate] = []
@@ -210,7 +214,7 @@ def measure_interleaved(
         except Exception as exc:  # noqa: BLE001 - reported, never hidden
             out[c.name] = Timing(error=_describe(exc))
             continue
-        if t_warm >= budget_s:
+        if t_warm >= budget_s and c.name not in always_repeat:
             out[c.name] = Timing(median=t_warm, min=t_warm, reps=1, cold=True, samples=[t_warm])
             continue
         reps[c.name] = max(min_reps, min(max_reps, int(budget_s / max(t_warm, 1e-9))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .bookkeeping import fmt_time
+from .bookkeeping import PER_TENSOR_GROWTH_LIMIT, TARGET_SIZES, TARGETS, fmt_time
 
 #: dcp_optim/floor above this is flagged.
 FLOOR_RATIO_LIMIT = 1.5
@@ -114,6 +114,70 @@ def table_section1(s1: dict[str, Any]) -> str:
         out += "\npeak RSS of the process after each size (both implementations, model, inputs): " + ", ".join(
             f"{int(n):,}: {mb:.0f} MB" for n, mb in rss.items()
         )
+    return out
+
+
+def table_targets(s1: dict[str, Any]) -> str:
+    """Issue 26 requirement 3: each target's measured dcp_optim/floor ratio
+    beside the target at 10k and 200k tensors, then dcp_optim's per-tensor
+    cost from the smallest to the largest of those sizes (the floor's
+    beside it).  Every figure comes from this run."""
+    idx = _index(s1)
+    rows = []
+    for op, limit in TARGETS:
+        for n in TARGET_SIZES:
+            dc, fl = idx.get((n, op, "dcp_optim")), idx.get((n, op, "floor"))
+            ratio = _ratio(dc, fl)
+            if ratio == "-" or ratio.startswith(("~", ">")):
+                verdict = "not measured"
+            else:
+                verdict = "met" if float(ratio) <= limit else "NOT MET"
+            floor_name = (fl or {}).get("floor_op") or "-"
+            rows.append(
+                [op, f"{n:,}", _cell(dc), f"{floor_name} {_cell(fl)}", ratio, f"<= {limit:.2f}", verdict]
+            )
+    out = _grid(
+        ["target: dcp_optim / floor", "tensors", "dcp_optim", "floor", "ratio", "target", ""], rows
+    )
+    lo, hi = TARGET_SIZES[0], TARGET_SIZES[-1]
+    rows = []
+    for op, _ in TARGETS:
+        cells = []
+        for impl in ("dcp_optim", "floor"):
+            a, b = idx.get((lo, op, impl)), idx.get((hi, op, impl))
+            if a and b and a.get("median_s") and b.get("median_s"):
+                ua, ub = a["median_s"] / lo * 1e6, b["median_s"] / hi * 1e6
+                cells.append((ua, ub, ub / ua))
+            else:
+                cells.append(None)
+        dc, fl = cells
+        if dc is None:
+            rows.append([op, "-", "-", "-", f"<= {PER_TENSOR_GROWTH_LIMIT:.2f}", "not measured", "-"])
+            continue
+        verdict = "met" if dc[2] <= PER_TENSOR_GROWTH_LIMIT else "NOT MET"
+        rows.append(
+            [
+                op,
+                f"{dc[0]:.2f}",
+                f"{dc[1]:.2f}",
+                f"{dc[2]:.2f}",
+                f"<= {PER_TENSOR_GROWTH_LIMIT:.2f}",
+                verdict,
+                f"{fl[2]:.2f}" if fl else "-",
+            ]
+        )
+    out += "\n\n" + _grid(
+        [
+            "target: per-tensor cost flat",
+            f"us/tensor {_k(lo)}",
+            f"us/tensor {_k(hi)}",
+            "growth",
+            "target",
+            "",
+            "floor's growth",
+        ],
+        rows,
+    )
     return out
 
 
