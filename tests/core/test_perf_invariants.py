@@ -296,6 +296,26 @@ def test_cache_is_bounded():
     assert id(models[-1]) in _verify._WALK_TRACES
 
 
+def test_model_getter_name_sets_are_per_trace_and_bounded():
+    """get_model_state_dict's canonical-key check caches one name set per
+    walk trace: after the tree changes (a new trace) the getter still
+    returns what upstream's does, and the cache stays bounded."""
+    from torch.distributed.checkpoint import state_dict as upstream
+
+    from dcp_optim._engine import model as _model
+
+    model = tree()
+    for _ in range(2):
+        assert list(dcp_optim.get_model_state_dict(model)) == list(upstream.get_model_state_dict(model))
+    model[0].add_module("extra", nn.Linear(3, 3))
+    assert list(dcp_optim.get_model_state_dict(model)) == list(upstream.get_model_state_dict(model))
+    index = _verify.walk(model, "_fqn_modifiers")
+    assert _model._CANONICAL_NAMES[id(index.trace)] == (index.trace, frozenset(index.raw_names))
+    for m in [nn.Linear(2, 2) for _ in range(_model._CANONICAL_NAMES_MAX + 3)]:
+        dcp_optim.get_model_state_dict(m)
+    assert len(_model._CANONICAL_NAMES) <= _model._CANONICAL_NAMES_MAX
+
+
 def test_api_calls_leave_the_trace_as_a_walk_builds_it():
     model = tree()
     optim = torch.optim.Adam(model.parameters())
