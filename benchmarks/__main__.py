@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n-- ratios: up/dcp = upstream / dcp_optim (higher is better), "
               "dcp/floor = dcp_optim / torch's own call (lower is better) --")
         print(report.table_ratios(s1))
-        print("\n-- targets (issue 26: bookkeeping at torch's cost); ratio = dcp_optim / floor, "
-              "medians of this run --")
+        print("\n-- targets (issue 26: bookkeeping at torch's cost); ratio = dcp_optim / floor of "
+              "median CPU times of the calling thread, this run (wall ratio beside it) --")
         print(report.table_targets(s1))
     if "scaling" in out:
         print("\n== 3. Scaling: microseconds per parameter tensor; exp = d log t / d log n "

@@ -17,7 +17,10 @@ Timing rules (every section):
   cheap and no automatic full collection lands inside a timed call).
   Anything a call needs as input (e.g. a fresh container copy of a state
   dict) is built by ``prepare`` outside the timed region too.
-* The reported figure is the median; min and all samples are kept in JSON.
+* The reported figure is the median; min and all samples are kept in JSON,
+  with the CPU time of the calling thread (``time.thread_time``) of every
+  call beside its wall time: on a loaded machine wall time includes the
+  time other processes ran, CPU time does not.
 * ``call_timeout_s``: a hard limit per call (SIGALRM, main thread only).
   A call that exceeds it is abandoned with a ``TimeoutError`` raised inside
   it; the result says ``timed_out`` and the caller must assume the objects
@@ -129,6 +132,10 @@ class Timing:
     skipped: str | None = None
     timed_out: bool = False
     predicted_s: float | None = None
+    #: CPU time of the calling thread per call (``time.thread_time``):
+    #: what the call itself consumed, whatever else the machine runs.
+    cpu_samples: list[float] = field(default_factory=list)
+    cpu_median: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -137,6 +144,8 @@ class Timing:
             "reps": self.reps,
             "cold": self.cold,
             "samples_s": [round(s, 9) for s in self.samples],
+            "cpu_median_s": self.cpu_median,
+            "cpu_samples_s": [round(s, 9) for s in self.cpu_samples],
         }
         if self.error:
             d["error"] = self.error
@@ -157,7 +166,8 @@ def _on_alarm(signum, frame):
     raise CallTimeout()
 
 
-def _timed_call(c: Candidate, timeout_s: float | None = None) -> float:
+def _timed_call(c: Candidate, timeout_s: float | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread) of one call."""
     args = c.prepare() if c.prepare is not None else ()
     gc.collect()
     alarm_s = timeout_s if threading.current_thread() is threading.main_thread() else None
@@ -166,15 +176,17 @@ def _timed_call(c: Candidate, timeout_s: float | None = None) -> float:
         old = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, alarm_s)
     try:
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         result = c.fn(*args)
         dt = time.perf_counter() - t0
+        dc = time.thread_time() - c0
     finally:
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
     del result, args
-    return dt
+    return dt, dc
 
 
 def _describe(exc: BaseException) -> str:
@@ -205,7 +217,7 @@ def measure_interleaved(
             out[c.name] = Timing(error="not run: an earlier candidate timed out")
             continue
         try:
-            t_warm = _timed_call(c, call_timeout_s)
+            t_warm, c_warm = _timed_call(c, call_timeout_s)
         except CallTimeout:
             out[c.name] = Timing(
                 error=f"timeout: one call ran over {call_timeout_s:g} s", timed_out=True
@@ -215,7 +227,10 @@ def measure_interleaved(
             out[c.name] = Timing(error=_describe(exc))
             continue
         if t_warm >= budget_s and c.name not in always_repeat:
-            out[c.name] = Timing(median=t_warm, min=t_warm, reps=1, cold=True, samples=[t_warm])
+            out[c.name] = Timing(
+                median=t_warm, min=t_warm, reps=1, cold=True, samples=[t_warm],
+                cpu_samples=[c_warm], cpu_median=c_warm,
+            )
             continue
         reps[c.name] = max(min_reps, min(max_reps, int(budget_s / max(t_warm, 1e-9))))
         out[c.name] = Timing()
@@ -232,7 +247,9 @@ def measure_interleaved(
             if reps[c.name] <= r or out[c.name].error:
                 continue
             try:
-                out[c.name].samples.append(_timed_call(c, call_timeout_s))
+                wall, cpu = _timed_call(c, call_timeout_s)
+                out[c.name].samples.append(wall)
+                out[c.name].cpu_samples.append(cpu)
             except CallTimeout:
                 out[c.name].error = f"timeout: one call ran over {call_timeout_s:g} s"
                 out[c.name].timed_out = True
@@ -244,6 +261,7 @@ def measure_interleaved(
     for t in out.values():
         if t.samples and not t.cold and not t.error:
             t.median = statistics.median(t.samples)
+            t.cpu_median = statistics.median(t.cpu_samples)
             t.min = min(t.samples)
             t.reps = len(t.samples)
     return out
