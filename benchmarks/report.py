@@ -215,7 +215,7 @@ def table_targets(s1: dict[str, Any]) -> str:
             fl = idx.get((n, op, "floor"))
             if fl and fl.get("floor_op"):
                 floors.setdefault(op, fl["floor_op"])
-    out += "\nfloors: " + "; ".join(f"{k}: {v}" for k, v in floors.items())
+    out += "\nfloors: " + ("; ".join(f"{k}: {v}" for k, v in floors.items()) or "-")
     return out
 
 
@@ -240,7 +240,11 @@ def floor_legend(s1: dict[str, Any]) -> str:
     seen: dict[str, Any] = {}
     for r in s1["results"]:
         if r["impl"] == "floor" and r.get("floor_op"):
-            seen.setdefault(r["op"].split("/")[0], r["floor_op"])
+            base = r["op"].split("/")[0]
+            # an op whose floor differs from its twin's (the flattened
+            # getter's dict(zip(...))) is listed by its full id
+            key = base if seen.get(base, r["floor_op"]) == r["floor_op"] else r["op"]
+            seen.setdefault(key, r["floor_op"])
     return "floor = " + "; ".join(f"{k}: {v}" for k, v in seen.items())
 
 
