@@ -7,7 +7,7 @@ layers, fp32, one process), by each of dcp_optim's routes
 
 * ``schema``   -- ``torch.optim.AdamW``: the schema, applied natively;
 * ``shadow``   -- an AdamW subclass with its own ``step`` (no schema): the
-  shadow step over copies of the parameters (two passes);
+  shadow step over one copy of the parameters (two passes);
 * ``upstream-style`` -- an AdamW subclass whose step refuses copies of its
   parameters: the shadow step raises, and one step of the real optimizer
   with zero gradients, undone, builds the template;

@@ -24,6 +24,7 @@ __all__ = [
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
     "IncompleteTemplateError",
+    "HeldOptimizerStateError",
     "RankLocalStateError",
 ]
 
@@ -84,6 +85,24 @@ class IncompleteTemplateError(StateDictRuntimeError):
     zero-gradient step of the optimizer itself yields it): raised rather
     than returning a template ``dcp.load`` would silently leave state
     behind with."""
+
+
+class HeldOptimizerStateError(StateDictRuntimeError):
+    """An optimizer holds another optimizer (an attribute, such as the
+    ``base_optimizer`` of pytorch-optimizer's FriendlySAM, LookSAM, WSAM,
+    GSAM) whose state it keeps apart from its own ``state`` and that is
+    neither a proxy nor a wrapper of a recognised layout: its
+    ``state_dict()`` omits that state or nests it where it cannot be keyed
+    by parameter FQN, so a resume through DCP would silently lose it
+    (upstream's getter drops it).  ``owner`` and ``attribute`` name it."""
+
+    def __init__(self, message: str, owner: str, attribute: str):
+        super().__init__(message)
+        self.owner = owner
+        self.attribute = attribute
+
+    def __reduce__(self):  # picklable (errors travel between ranks)
+        return (type(self), (str(self.args[0]) if self.args else "", self.owner, self.attribute))
 
 
 class RankLocalStateError(StateDictRuntimeError):

@@ -102,6 +102,50 @@ def _add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | 
             group.setdefault(k, v)
 
 
+def _check_held_optimizers(optim: _Optimizer, i: int) -> None:
+    """Raises ``HeldOptimizerStateError`` where ``optim`` (or the
+    optimizer a proxy of it wraps) holds, as an attribute, another
+    optimizer whose ``state`` is not its own and which is not the inner
+    optimizer of a recognised wrapper layout (_wrapper_layout: Lookahead's
+    ``state_dict()`` nests the inner one's beside its own entries).
+    pytorch-optimizer's FriendlySAM, LookSAM, WSAM and GSAM keep their
+    base optimizer's state so: their ``state_dict()`` nests its ID-keyed
+    ``state_dict()`` under ``base_optimizer`` beside their own state,
+    which no FQN-keyed dict (nor a DCP template) can carry; torch's
+    default ``state_dict()`` omits it altogether.  SAM shares its base
+    optimizer's ``state``, a proxy (accelerate) its inner one's: fine."""
+    seen: set[int] = set()
+    for owner in (optim, proxied(optim)):
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        own_state = getattr(owner, "state", None)
+        held = [
+            (name, v) for name, v in getattr(owner, "__dict__", {}).items()
+            if isinstance(v, _Optimizer) and v is not owner and getattr(v, "state", None) is not own_state
+        ]
+        if not held:
+            continue
+        wrapped = _live_wrapper_layout(owner)
+        held = [(name, v) for name, v in held if wrapped is None or v is not wrapped[1]]
+        if not held:
+            continue
+        name, inner = held[0]
+        cls = type(owner).__qualname__
+        where = ("its state_dict() is torch's and omits it" if _native_get(owner)
+                 else "its state_dict() keeps it apart from the state it keys by parameter")
+        raise errors.HeldOptimizerStateError(
+            f"optimizer {i} ({cls}) holds a {type(inner).__qualname__} at .{name} whose state "
+            f"it keeps apart from its own ({where}): that state cannot be keyed by parameter "
+            "FQN, and a resume through DCP would silently lose it (upstream's getter drops "
+            "it). Nothing is returned. Save and load this optimizer with its own "
+            f"state_dict()/load_state_dict(), or give {cls} one state dict that holds both "
+            f"(e.g. sharing .{name}.state as its own state, as pytorch-optimizer's SAM does)",
+            cls,
+            name,
+        )
+
+
 def _torch_optimizer(optim: Any) -> bool:
     """A class of torch.optim itself (through proxies such as accelerate's
     AcceleratedOptimizer), with its own step: its non-tensor state and
@@ -115,6 +159,7 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         return {}
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
+        _check_held_optimizers(optim, i)
     if info.fsdp_modules:
         from .fsdp1 import get_fsdp1_optim
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -241,6 +241,172 @@ class _Keep:
         return value
 
 
+class _StandIns:
+    """One detached copy of each parameter of ``optimizer`` (the
+    stand-ins a shadow step updates), made once and reused by every try
+    and pass: :meth:`prepare` copies the live values back in place and
+    gives the stand-ins gradients.
+
+    Gradients of a plain tensor are, by default (``"expanded"``),
+    stride-0 views of one scalar per dtype and device
+    (``torch.full((), v).expand_as(p)``): no memory per parameter.  An
+    optimizer that writes into ``p.grad`` in place either raises (most
+    in-place ops refuse a tensor whose elements share memory) or changes
+    the scalar (``fill_``, ``zero_``), which :meth:`intact` tells; the
+    step is then redone with ``"dense"`` gradients (``full_like``).
+    ``"graph"`` gradients carry a graph (Hessian-vector products)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.order: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.by_id: dict[int, torch.Tensor] = {}
+        self.scalars: list[tuple[torch.Tensor, float]] = []
+        self.fresh = True
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in self.by_id:
+                        continue
+                    clone = p.detach().clone()
+                    if p.requires_grad:
+                        clone.requires_grad_(True)
+                    self.by_id[id(p)] = clone
+                    self.order.append((p, clone))
+
+    def prepare(self, value: float, mode: str, only: set[int] | None = None) -> None:
+        """Live values copied into the stand-ins (but on first use);
+        gradients ``value`` (``mode``, see the class) for the trainable
+        ones (those in ``only`` where given), None for the others."""
+        with torch.no_grad():
+            if not self.fresh:
+                for p, clone in self.order:
+                    clone.grad = None
+                    clone.copy_(p.detach())
+            self.fresh = False
+        self.set_grads(value, mode, only)
+
+    def set_grads(self, value: float, mode: str, only: set[int] | None = None) -> None:
+        self.scalars = []
+        scalars: dict[tuple[Any, Any], torch.Tensor] = {}
+        with torch.no_grad():
+            for p, clone in self.order:
+                if not p.requires_grad or (only is not None and id(p) not in only):
+                    clone.grad = None
+                    continue
+                if mode == "graph":
+                    with torch.enable_grad():
+                        clone.grad = clone * 0.0 + value
+                    continue
+                grad = None
+                if mode == "expanded":
+                    grad = self._expanded(clone, value, scalars)
+                clone.grad = torch.full_like(clone, value) if grad is None else grad
+        self.scalars = [(s, value) for s in scalars.values()]
+
+    @staticmethod
+    def _expanded(clone: torch.Tensor, value: float, scalars: dict) -> torch.Tensor | None:
+        from torch.distributed.tensor import DTensor
+
+        local = clone._local_tensor if isinstance(clone, DTensor) else clone
+        if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.is_sparse:
+            return None
+        key = (local.dtype, local.device)
+        scalar = scalars.get(key)
+        if scalar is None:
+            scalar = scalars[key] = torch.full((), value, dtype=local.dtype, device=local.device)
+        view = scalar.expand_as(local)
+        if isinstance(clone, DTensor):
+            return DTensor.from_local(view, clone.device_mesh, clone.placements, run_check=False,
+                                      shape=clone.shape, stride=clone.stride())
+        return view
+
+    def intact(self) -> bool:
+        """Whether every scalar behind an expanded gradient holds its value
+        (the step wrote into no gradient)."""
+        return all(bool((s == v).item()) for s, v in self.scalars)
+
+    def drop_grads(self) -> None:
+        """The stand-ins' gradients dropped: a gradient with a graph holds
+        its stand-in through autograd's nodes (a cycle no garbage
+        collection sees, the stand-in holding its gradient)."""
+        for _, clone in self.order:
+            clone.grad = None
+
+    def storages(self) -> set[int]:
+        out = set()
+        for _, clone in self.order:
+            for t in (clone, clone.grad):
+                ptr = None if t is None else _storage(t)
+                if ptr is not None:
+                    out.add(ptr)
+        for s, _ in self.scalars:
+            out.add(s.untyped_storage().data_ptr())
+        return out
+
+
+class _GradientWritten(RuntimeError):
+    """A shadow step wrote into the stand-ins' shared gradient scalar."""
+
+
+def _tries(
+    optimizer: torch.optim.Optimizer,
+    stand: _StandIns,
+    wanted: set[int],
+    grad_value: float,
+    tries: list[tuple[bool, bool, bool]],
+    only: set[int] | None = None,
+    own_key: Any = None,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """The first of ``tries`` (zero lr, closure, graph) that steps: each
+    with expanded gradients, redone with dense ones where that raises or
+    writes into a gradient.  Raises the last failure."""
+    failures: list[BaseException] = []
+    for zero_lr, closure, graph in tries:
+        for mode in ("graph",) if graph else ("expanded", "dense"):
+            try:
+                stand.prepare(grad_value, mode, only)
+                got = _shadow_step(optimizer, stand, wanted, zero_lr, grad_value, mode, closure, only, own_key)
+                if not stand.intact():
+                    raise _GradientWritten("the step wrote into a gradient")
+                return got
+            except Exception as exc:  # noqa: BLE001 - retried, then re-raised
+                # kept without its traceback: its frames hold that try's
+                # state, which the next try must not meet
+                failures.append(exc.with_traceback(None))
+            finally:
+                stand.drop_grads()
+    _raise_last(failures)
+
+
+def _raise_last(failures: list[BaseException]) -> NoReturn:
+    """Raises the last of ``failures`` with no reference cycle through
+    the raising frame (the exception's traceback holds that frame, whose
+    locals would hold the exception): a cycle would keep the frames of
+    the failed step, and its copies of the parameters, until a garbage
+    collection."""
+    last = failures[-1]
+    failures.clear()
+    try:
+        raise last
+    finally:
+        del last
+
+
+def _probes(optimizer: torch.optim.Optimizer, wanted: set[int]) -> set[int]:
+    """Per param group, the smallest wanted trainable parameter of each
+    (dimensionality, dtype): the parameters the unit-gradient pass steps
+    first."""
+    out: set[int] = set()
+    for group in optimizer.param_groups:
+        smallest: dict[tuple[int, Any], torch.Tensor] = {}
+        for p in group["params"]:
+            if id(p) in wanted and p.requires_grad:
+                key = (p.dim(), p.dtype)
+                if key not in smallest or p.numel() < smallest[key].numel():
+                    smallest[key] = p
+        out.update(id(p) for p in smallest.values())
+    return out
+
+
 def fallback_pristine(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
@@ -251,26 +417,36 @@ def fallback_pristine(
     (pytorch-optimizer's ``group['step']``, Prodigy's running sums).
 
     A shadow of the optimizer (see :class:`_Shadow`: its constructor never
-    runs) holding a detached clone of every parameter and empty state takes
-    one step of its class under ``torch.no_grad``: every parameter gets a
-    zero gradient and every group ``lr`` 0, as in upstream's initialising
-    step (the real ``lr`` where that step raises), so that state derived
-    from the parameters (schedule-free's ``z``, Prodigy's ``p0``, an EMA of
-    the weights) starts from their real values.  A second shadow step with
-    unit gradients and the real ``lr`` adds the keys some optimizers create
-    only for a nonzero update (D-Adapt SGD, Prodigy's ``d`` sums), with that
-    step's values.  A step that raises is retried on a fresh shadow with a
-    closure returning a zero loss, then with gradients carrying a graph
-    (Hessian-vector products); the last failure is re-raised.  The
-    optimizer's own step hooks run with the shadow as
+    runs) holding a detached copy of every parameter (:class:`_StandIns`)
+    and empty state takes one step of its class under ``torch.no_grad``:
+    every parameter gets a zero gradient and every group ``lr`` 0, as in
+    upstream's initialising step (the real ``lr`` where that step raises),
+    so that state derived from the parameters (schedule-free's ``z``,
+    Prodigy's ``p0``, an EMA of the weights) starts from their real values.
+    A second shadow step with unit gradients and the real ``lr`` adds the
+    keys some optimizers create only for a nonzero update (D-Adapt SGD,
+    Prodigy's ``d`` sums), with that step's values: first over probes
+    only (per group, the smallest parameter of each dimensionality and
+    dtype; the others without gradient), over every parameter only where
+    a probe's state gains a key the first pass did not give it (or the
+    probe step raises).  A step that raises is retried with a closure
+    returning a zero loss (which sets the stand-ins' gradients again:
+    sharpness-aware optimizers clear them before calling it), then with
+    gradients carrying a graph (Hessian-vector products); the last failure
+    is re-raised.  The optimizer's own step hooks run with the shadow as
     their optimizer (an EMA kept by ``register_step_post_hook`` is state a
     real step creates); the process-wide ones do not (see
     :func:`_no_global_step_hooks`).  Counters named ``step`` are reset to
     0, every tensor is a fresh copy (no two share storage).  The live
     optimizer, its groups, parameters, gradients and hooks are untouched;
     a hook or step that reaches the live objects through a closure rather
-    than its ``optimizer`` argument is outside this guarantee.  Cost: two
-    steps over a copy of the parameters, freed on return -- only for
+    than its ``optimizer`` argument is outside this guarantee.
+
+    Cost beyond the returned template: one copy of the parameters (the
+    stand-ins, reused by every try and pass), freed on return; gradients
+    are stride-0 views of one scalar (real tensors only for an optimizer
+    that writes into them); the first pass's state is the template
+    itself; the probes' state is the size of the probes.  Only for
     optimizers without a schema, only while some parameter lacks state.
     """
     cls = type(optimizer)
@@ -285,44 +461,40 @@ def fallback_pristine(
             stacklevel=5,
         )
     wanted = {id(p) for p in params}
-    # Pass 1, zero gradients and lr 0: the values.  Pass 2, unit gradients
-    # and the group's lr: the keys that some optimizers create only for a
-    # nonzero update (D-Adapt SGD's state, Prodigy's d sums), added with
-    # pass 2's values where pass 1 lacks them.
-    states: dict[int, dict[str, Any]] = {}
-    group_keys: list[dict[str, Any]] | None = None
-    for grad_value in (0.0, 1.0):
-        failures: list[BaseException] = []
-        # lr 0 first (pass 1); without a closure, then with one returning
-        # a zero loss (LBFGS-like and AliG-like steps): a fresh shadow each
-        # last, gradients with a graph (AdaHessian and SophiaH take
-        # Hessian-vector products of them: here the Hessian is 0)
-        lrs = (True, False) if grad_value == 0.0 else (False,)
-        tries = [(z, c, False) for z in lrs for c in (False, True)] + [(z, False, True) for z in lrs]
-        for zero_lr, closure, graph in tries:
-            try:
-                got, keys = _shadow_step(optimizer, wanted, zero_lr, grad_value, closure, graph)
-                break
-            except Exception as exc:  # noqa: BLE001 - retried, then re-raised
-                # kept without its traceback: its frames hold that try's
-                # copies of the parameters, which the next try must not meet
-                failures.append(exc.with_traceback(None))
-        else:
-            if grad_value:  # pass 1 succeeded: keep what it gave
-                break
-            raise failures[-1]
-        for pid, st in got.items():
-            merged = states.setdefault(pid, st)
-            if merged is not st:
-                for k, v in st.items():
-                    merged.setdefault(k, v)
-        if group_keys is None:
-            group_keys = keys
-        else:
-            for mine, theirs in zip(group_keys, keys):
-                for k, v in theirs.items():
-                    mine.setdefault(k, v)
-    return states, group_keys or []
+    stand = _StandIns(optimizer)
+    # Pass 1, zero gradients and lr 0 (the real lr where that raises);
+    # without a closure, then with one returning a zero loss (LBFGS-like,
+    # AliG-like, sharpness-aware steps); last, gradients with a graph
+    # (AdaHessian and SophiaH take Hessian-vector products of them: here
+    # the Hessian is 0)
+    tries1 = [(z, c, False) for z in (True, False) for c in (False, True)] + [(z, False, True) for z in (True, False)]
+    states, group_keys = _tries(optimizer, stand, wanted, 0.0, tries1)
+    # Pass 2, unit gradients and the group's lr: the keys that some
+    # optimizers create only for a nonzero update (D-Adapt SGD's state,
+    # Prodigy's d sums), added with pass 2's values where pass 1 lacks
+    # them.  Probes first; every parameter where a probe tells more.
+    tries2 = [(False, False, False), (False, True, False), (False, False, True)]
+    probes = _probes(optimizer, wanted)
+    try:
+        got, keys = _tries(optimizer, stand, probes, 1.0, tries2, only=probes)
+    except Exception:  # noqa: BLE001 - every parameter, below
+        full = True
+    else:
+        full = any(not set(st).issubset(states.get(pid, {})) for pid, st in got.items() if pid in probes)
+    if full:
+        try:
+            got, keys = _tries(optimizer, stand, wanted, 1.0, tries2)
+        except Exception:  # noqa: BLE001 - pass 1 succeeded: keep what it gave
+            return states, group_keys
+    for pid, st in got.items():
+        merged = states.setdefault(pid, st)
+        if merged is not st:
+            for k, v in st.items():
+                merged.setdefault(k, v)
+    for mine, theirs in zip(group_keys, keys):
+        for k, v in theirs.items():
+            mine.setdefault(k, v)
+    return states, group_keys
 
 
 def fallback_wrapper_entries(
@@ -339,36 +511,23 @@ def fallback_wrapper_entries(
     group keys that step adds (ScheduleFreeWrapper's ``weight_sum``).
     Raises what the step raises."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return _shadow_step(optimizer, {id(p) for p in params}, True, 0.0, False, own_key=inner_key)
+    stand = _StandIns(optimizer)
+    return _tries(optimizer, stand, {id(p) for p in params}, 0.0, [(True, False, False)], own_key=inner_key)
 
 
 def _shadow_step(
     optimizer: torch.optim.Optimizer,
+    stand: _StandIns,
     wanted: set[int],
     zero_lr: bool,
     grad_value: float,
+    mode: str,
     closure: bool,
-    graph: bool = False,
+    only: set[int] | None = None,
     own_key: Any = None,
 ) -> tuple[Any, list[dict[str, Any]]]:
-    stand_ins: dict[int, torch.Tensor] = {}
-    order: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) in stand_ins:
-                    continue
-                clone = p.detach().clone()
-                if p.requires_grad:
-                    clone.requires_grad_(True)
-                    if graph:
-                        with torch.enable_grad():
-                            clone.grad = clone * 0.0 + grad_value
-                    else:
-                        clone.grad = torch.full_like(clone, grad_value)
-                stand_ins[id(p)] = clone
-                order.append((p, clone))
-    sh = _Shadow(stand_ins)
+    order = stand.order
+    sh = _Shadow(stand.by_id)
     shadow = sh.optimizer(optimizer)
     live_keys = [set(g) for g in optimizer.param_groups]
     if zero_lr:
@@ -380,18 +539,19 @@ def _shadow_step(
                 group["lr"] = 0.0
     with torch.no_grad(), _no_global_step_hooks():
         if closure:
+
+            def zero_loss() -> torch.Tensor:
+                # the stand-ins' gradients set again (a sharpness-aware
+                # step clears them before its second forward-backward)
+                stand.set_grads(grad_value, mode, only)
+                return torch.zeros(())
+
             # torch hints a closure as returning float; a loss tensor is
             # what training closures return.
-            shadow.step(lambda: torch.zeros(()))  # type: ignore[arg-type,return-value]
+            shadow.step(zero_loss)  # type: ignore[arg-type]
         else:
             shadow.step()
-    avoid = set()
-    for _, clone in order:
-        for t in (clone, clone.grad):
-            ptr = None if t is None else _storage(t)
-            if ptr is not None:
-                avoid.add(ptr)
-    keep = _Keep(avoid)
+    keep = _Keep(stand.storages())
     new_keys = []
     for keys, group in zip(live_keys, shadow.param_groups):
         new_keys.append(_zero_steps(keep({k: v for k, v in group.items() if k not in keys})))
@@ -538,15 +698,31 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
     takes it -- zero gradients for the trainable parameters without state
     (``wanted``; the others get none, so that their held state is not
     advanced), every group's ``lr`` 0 -- without a closure, then with one
-    returning a zero loss; undone (see _undone).  Returns what
-    ``_shadow_step`` returns."""
+    returning a zero loss (and setting the gradients again); undone (see
+    _undone).  The gradients are stride-0 views of one zero scalar, real
+    zero tensors where the step raises on them or writes into them (see
+    _StandIns).  Returns what ``_shadow_step`` returns."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     live_keys = [set(g) for g in optimizer.param_groups]
     failures: list[BaseException] = []
-    for closure in (False, True):
+    for closure, mode in ((c, m) for c in (False, True) for m in ("expanded", "dense")):
         with _undone(optimizer, params), torch.no_grad(), _no_global_step_hooks():
-            for p in params:
-                p.grad = torch.zeros_like(p) if id(p) in wanted and p.requires_grad else None
+            scalars: dict[tuple[Any, Any], torch.Tensor] = {}
+
+            def set_grads() -> None:
+                for p in params:
+                    grad = None
+                    if id(p) in wanted and p.requires_grad:
+                        if mode == "expanded":
+                            grad = _StandIns._expanded(p, 0.0, scalars)
+                        if grad is None:
+                            grad = torch.zeros_like(p)
+                    p.grad = grad
+
+            def zero_loss() -> torch.Tensor:
+                set_grads()  # a sharpness-aware step clears them first
+                return torch.zeros(())
+
             for group in optimizer.param_groups:
                 lr = group.get("lr")
                 if isinstance(lr, torch.Tensor):
@@ -554,10 +730,13 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
                 elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
                     group["lr"] = 0.0
             try:
+                set_grads()
                 if closure:
-                    optimizer.step(lambda: torch.zeros(()))
+                    optimizer.step(zero_loss)  # type: ignore[arg-type]
                 else:
                     optimizer.step()
+                if any(bool(s.item()) for s in scalars.values()):
+                    raise _GradientWritten("the step wrote into a gradient")
             except Exception as exc:  # noqa: BLE001 - retried, then re-raised
                 # kept without its traceback: its frames hold that try's
                 # copies of the parameters, which the next try must not meet
@@ -568,7 +747,7 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
             # on exit: handed over without a copy unless it shares storage
             # with a parameter, a gradient or another entry.  A wrapper's
             # own state_dict() may hold live, restored tensors: copied.
-            avoid = set()
+            avoid = {s.untyped_storage().data_ptr() for s in scalars.values()}
             for p in params:
                 for t in (p, p.grad):
                     ptr = None if t is None else _storage(t)
@@ -590,7 +769,7 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
             if wide:
                 states[OPTIMIZER_WIDE] = wide
             return states, new_keys
-    raise failures[-1]
+    _raise_last(failures)
 
 
 def upstream_pristine(

@@ -79,7 +79,9 @@ def _corpus() -> dict[str, Any]:
     for name, (skip, factory) in corpus.CATALOGUE.items():
         short = corpus.name_of.get(factory) if factory is not None else None
         mode = ("closure" if short in corpus.CLOSURE else "loss" if short in corpus.LOSS
-                else "hessian" if short in corpus.HESSIAN else None)
+                else "hessian" if short in corpus.HESSIAN
+                else "sam" if short in corpus.SAM or factory in corpus._SAM_FACTORIES
+                else "gsam" if factory is corpus._gsam else None)
         out[name] = {"skip": skip, "factory": factory, "mode": mode}
     return out
 
@@ -151,6 +153,19 @@ def _step(model, opt, i: int, mode: str | None) -> None:
             loss = model(x)
             loss.backward()
             return loss
+
+        opt.step(closure)
+    elif mode in ("sam", "gsam"):
+        # sharpness-aware: gradients first, then a closure that clears and
+        # recomputes them (GSAM's returns (outputs, loss))
+        model(x).backward()
+
+        def closure():
+            opt.zero_grad()
+            with torch.enable_grad():
+                loss = model(x)
+            loss.backward()
+            return (None, loss.detach()) if mode == "gsam" else loss
 
         opt.step(closure)
     elif mode == "loss":

@@ -93,20 +93,40 @@ SKIP = {
     "spectralsphere": "SpectralSphere supports 2-D parameters only (and needs a closure-free sphere init)",
     "adalomo": "AdaLOMO fuses the update into backward hooks: no optimizer.step() training",
     "lomo": "LOMO fuses the update into backward hooks: no optimizer.step() training",
-    "bsam": "BSAM needs a two-pass closure (sharpness-aware)",
 }
 # trained with a closure re-evaluating the loss / with backward(create_graph=True)
 CLOSURE = {"lbfgs"}
 LOSS = {"alig"}  # step(lambda: loss) after backward
 HESSIAN = {"adahessian", "sophiah"}
+# sharpness-aware: gradients first, then step(closure) with a closure that
+# clears and recomputes them (called twice or more per step)
+SAM = {"bsam"}
 
 # name -> constructor arguments beyond the parameters
 KWARGS = {
     "ranger21": {"num_iterations": 10},
     "adammini": {"num_embeds": 3, "num_heads": 1},
+    "bsam": {"num_data": 10},
 }
 GROUPS = {n: _muon_groups for n in ("muon", "adamuon", "adago", "muonclip", "normuon")}
 MODEL_ARG = {"adammini"}
+
+
+_SAM_FACTORIES: set = set()
+
+
+def _sam(factory):
+    _SAM_FACTORIES.add(factory)
+    return factory
+
+
+def _gsam(model):
+    """GSAM over an AdamW instance, its rho driven by a ProportionScheduler
+    of a constant LR scheduler; its closure returns (outputs, loss)."""
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(base, lambda _: 1.0)
+    rho = po.ProportionScheduler(sched, max_lr=1e-2, min_lr=0.0, max_value=0.05, min_value=0.05)
+    return po.GSAM(model.parameters(), base_optimizer=base, model=model, rho_scheduler=rho)
 
 
 def catalogue():
@@ -126,13 +146,17 @@ def catalogue():
     out["po.ScheduleFreeWrapper(SGD)"] = (
         None, lambda m: po.ScheduleFreeWrapper(torch.optim.SGD(m.parameters(), lr=1e-2)))
     out["po.OrthoGrad(AdamW)"] = (None, lambda m: po.OrthoGrad(torch.optim.AdamW(m.parameters(), lr=1e-2)))
-    out["po.LookSAM"] = ("LookSAM needs a two-pass closure (sharpness-aware)", None)
     out["po.TRAC(AdamW)"] = (None, lambda m: po.TRAC(torch.optim.AdamW(m.parameters(), lr=1e-2)))
     out["po.PCGrad(AdamW)"] = (None, lambda m: po.PCGrad(torch.optim.AdamW(m.parameters(), lr=1e-2)))
-    for sam in ("SAM", "WSAM", "FriendlySAM"):
-        out[f"po.{sam}"] = (f"{sam} needs a two-pass closure (sharpness-aware)", None)
-    out["po.GSAM"] = ("GSAM needs set_closure(loss_fn, inputs, targets) and an LR scheduler "
-                      "(sharpness-aware two-pass step)", None)
+    # sharpness-aware wrappers of a base optimizer class: SAM shares its
+    # base optimizer's state, the others nest the base optimizer's
+    # state_dict under "base_optimizer" in theirs
+    for sam in (po.SAM, po.FriendlySAM, po.LookSAM):
+        out[f"po.{sam.__name__}(AdamW)"] = (None, _sam(lambda m, cls=sam: cls(
+            m.parameters(), base_optimizer=torch.optim.AdamW, lr=1e-2)))
+    out["po.WSAM(AdamW)"] = (None, _sam(lambda m: po.WSAM(m, m.parameters(), base_optimizer=torch.optim.AdamW,
+                                                          lr=1e-2)))
+    out["po.GSAM(AdamW)"] = (None, _gsam)
     # steps fp32 master copies (not the model's parameters) and has no
     # param_groups/state of its own: both getters raise
     out["po.SafeFP16Optimizer(AdamW)"] = (
@@ -151,21 +175,24 @@ name_of = {f: n.split(".", 1)[1] for n, (_, f) in CATALOGUE.items() if f is not 
 _RAN: set[str] = set()  # ran, and dcp_optim's results were checked
 _BOTH_RAISE: dict[str, str] = {}  # ran, but every get raises in both: nothing to check beyond that
 _SKIPPED: dict[str, str] = {}
+_REFUSED: dict[str, str] = {}  # the getter raises HeldOptimizerStateError, checked
 _UPSTREAM_FAILS: dict[str, str] = {}
 
 
 def corpus_summary() -> list[str]:
     """Printed at the end of the session (conftest.py)."""
-    if not (_RAN or _BOTH_RAISE or _SKIPPED):
+    if not (_RAN or _BOTH_RAISE or _SKIPPED or _REFUSED):
         return []
     lines = [
         f"optimizer corpus: {len(_RAN)} of {len(CATALOGUE)} ran and were checked (template, "
         f"formats, resumes); {len(_BOTH_RAISE)} ran but both dcp_optim and upstream raise on "
-        f"get (only the exception class checked); {len(_SKIPPED)} skipped; "
+        f"get (only the exception class checked); {len(_REFUSED)} refused (a base optimizer's "
+        f"state kept apart: HeldOptimizerStateError, checked); {len(_SKIPPED)} skipped; "
         f"upstream (or torch) fails on {len(_UPSTREAM_FAILS)} checks"
     ]
     lines += [f"  skipped {k}: {v}" for k, v in sorted(_SKIPPED.items())]
     lines += [f"  both raise {k}: {v}" for k, v in sorted(_BOTH_RAISE.items())]
+    lines += [f"  refused {k}: {v}" for k, v in sorted(_REFUSED.items())]
     lines += [f"  upstream: {k}: {v}" for k, v in sorted(_UPSTREAM_FAILS.items())]
     return lines
 
@@ -184,6 +211,10 @@ def _build(factory, dtype=torch.float32, seed=0):
         _MODE[id(opt)] = "loss"
     elif short in HESSIAN:
         _MODE[id(opt)] = "hessian"
+    elif short in SAM or factory in _SAM_FACTORIES:
+        _MODE[id(opt)] = "sam"
+    elif factory is _gsam:
+        _MODE[id(opt)] = "gsam"
     if hasattr(opt, "train") and callable(opt.train):
         opt.train()  # schedule-free optimizers step in train mode
     return model, opt
@@ -206,6 +237,18 @@ def _step(model, opt, i, dtype=torch.float32):
             loss = model(_x(i, dtype))
             loss.backward()
             return loss
+
+        opt.step(closure)
+    elif mode in ("sam", "gsam"):
+        x = _x(i, dtype)
+        model(x).backward()
+
+        def closure():
+            opt.zero_grad()
+            with torch.enable_grad():
+                loss = model(x)
+            loss.backward()
+            return (None, loss.detach()) if mode == "gsam" else loss
 
         opt.step(closure)
     elif mode == "loss":
@@ -427,6 +470,9 @@ def test_corpus(name, tmp_path):
             h.remove()
     assert calls == [], f"process-wide step hooks fired: {calls}"
     _same(_snapshot(model, opt), before)
+    if isinstance(failure, dcp_optim.errors.HeldOptimizerStateError):
+        _check_refused(name, factory, failure)
+        return
     if failure is not None:
         # a state_dict() layout or state keys that cannot be keyed by FQN
         # (wrappers, optimizer-wide state entries), a step that needs a
@@ -448,6 +494,27 @@ def test_corpus(name, tmp_path):
         _BOTH_RAISE[name] = "both raise on every get (see the upstream lines)"
     else:
         _RAN.add(name)
+
+
+def _check_refused(name, factory, failure):
+    """A base optimizer whose state is kept apart (FriendlySAM, LookSAM,
+    WSAM, GSAM): the getter refuses it, naming the class and attribute,
+    before and after a step; upstream's getter returns a dict without that
+    state (a resume through it silently restarts the base optimizer)."""
+    model, opt = _build(factory)
+    _step(model, opt, 0)
+    assert failure.owner == type(opt).__qualname__ and failure.owner in str(failure)
+    assert f".{failure.attribute}" in str(failure)
+    with pytest.raises(dcp_optim.errors.HeldOptimizerStateError):
+        dcp_optim.get_optimizer_state_dict(model, opt)
+    inner = getattr(opt, failure.attribute)
+    inner_keys = {k for st in inner.state.values() for k in st}
+    assert inner_keys, "the base optimizer holds state after a step"
+    theirs = _upstream_get(model, opt, "nested", factory, 1)
+    kept = {k for st in theirs["state"].values() for k in st}
+    assert not inner_keys <= kept, (inner_keys, kept)
+    _UPSTREAM_FAILS[name] = f"upstream drops {type(inner).__name__}'s state {sorted(inner_keys - kept)}"
+    _REFUSED[name] = str(failure)[:160]
 
 
 def _wide_entries(opt):

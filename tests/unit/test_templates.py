@@ -387,3 +387,52 @@ def test_no_route_raises_on_the_getter_naming_class_and_way_out():
         assert set(sd["state"]) == {n for n, _ in model.named_parameters()}
     finally:
         dcp_optim.schema._registry.pop(NeverSteps, None)
+
+
+class HoldsAdamW(torch.optim.Optimizer):
+    """Torch's default state_dict(), and an inner AdamW over the same
+    parameters whose state is its own: Optimizer.state_dict() omits it."""
+
+    def __init__(self, params, share: bool = False):
+        params = list(params)
+        super().__init__(params, {"lr": 0.01})
+        self.inner = torch.optim.AdamW(params, lr=0.01)
+        if share:
+            self.state = self.inner.state
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+@pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
+def test_optimizer_holding_another_with_its_own_state_is_refused():
+    """D31: an optimizer keeping another optimizer's state apart is refused
+    on the getter (never-stepped and stepped, both formats), naming class
+    and attribute, with nothing changed; upstream's dict silently lacks the
+    inner state.  Sharing the inner optimizer's state is the way out."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = HoldsAdamW(model.parameters())
+    for steps in (0, 1):
+        train(model, opt, steps)
+        before = copy.deepcopy(opt.inner.state_dict())
+        for options in (dcp_optim.StateDictOptions(), FLAT):
+            with pytest.raises(dcp_optim.errors.HeldOptimizerStateError) as info:
+                dcp_optim.get_optimizer_state_dict(model, opt, options=options)
+            assert info.value.owner == "HoldsAdamW" and info.value.attribute == "inner"
+            assert "HoldsAdamW" in str(info.value) and ".inner" in str(info.value)
+            assert "omits it" in str(info.value)
+        after = opt.inner.state_dict()
+        assert before["state"].keys() == after["state"].keys()
+        for k, st in before["state"].items():
+            for name, v in st.items():
+                assert torch.equal(v, after["state"][k][name])
+    theirs = upstream.get_optimizer_state_dict(model, opt)
+    assert opt.inner.state and not any("exp_avg" in st for st in theirs["state"].values())
+    # sharing the state: the inner AdamW's state is the optimizer's own
+    torch.manual_seed(0)
+    model = Net()
+    opt = HoldsAdamW(model.parameters(), share=True)
+    train(model, opt, 1)
+    sd = dcp_optim.get_optimizer_state_dict(model, opt)
+    assert all("exp_avg" in st for st in sd["state"].values())
