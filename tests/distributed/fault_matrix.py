@@ -6,7 +6,15 @@ in ``make test``.
 
 Each cell records, per implementation, what every surviving rank saw:
 the time from the call to its end (seconds), the error (its type and
-first words) or "ok", and whether that rank's model or optimizer changed.
+first words) or "ok", and what the call left in that rank's model and
+optimizer (its shards of the parameters and of the optimizer state):
+
+* ``unchanged``: bit-identical to before the call;
+* ``loaded``: bit-identical to what a successful load of that dict gives;
+* ``PARTIAL``: every tensor is one or the other, some loaded, some not;
+* ``WRONG``: anything else (a tensor that is neither).
+
+A getter's cells compare with before only (nothing is loaded).
 The process group's timeout is 6 s in every cell (so that upstream's hangs
 end), dcp_optim's arrival bound (DCP_OPTIM_ARRIVAL_TIMEOUT) 2 s.
 
@@ -58,6 +66,38 @@ SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-f
         ("kill-mid", "full"), ("kill-mid", "flat")}
 
 
+def _leaves(snapshot: Any) -> list[Any]:
+    params, state = snapshot
+    out = list(params)
+    for st in state:
+        out.extend(st[k] for k in sorted(st))
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+def classify(before: Any, after: Any, loaded: Any | None) -> str:
+    """``unchanged``, ``loaded``, ``PARTIAL`` or ``WRONG`` (module
+    docstring); ``loaded`` None: nothing was to be loaded (a getter)."""
+    b, a = _leaves(before), _leaves(after)
+    if len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b)):
+        return "unchanged"
+    if loaded is None:
+        return "WRONG"
+    ref = _leaves(loaded)
+    if len(a) != len(b) or len(a) != len(ref):
+        return "WRONG"
+    if all(_equal(x, y) for x, y in zip(a, ref)):
+        return "loaded"
+    if all(_equal(x, y) or _equal(x, z) for x, y, z in zip(a, b, ref)):
+        return "PARTIAL"
+    return "WRONG"
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -80,7 +120,7 @@ def _build(mesh, fault: str, rank: int, seed: int):
 
 
 def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]:
-    from tests.distributed.dist_cases_reliability import _local_snapshot, _outcome, _same
+    from tests.distributed.dist_cases_reliability import _local_snapshot, _outcome
 
     os.environ["DCP_OPTIM_ARRIVAL_TIMEOUT"] = ARRIVAL_S
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=PG_TIMEOUT_S))
@@ -106,6 +146,9 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
             kw["broadcast_from_rank0"] = False
     opts = mod.StateDictOptions(**kw)
     before = _local_snapshot(model, optim)
+    # what a successful load of (msd, osd) leaves here: this rank's shards
+    # of the source (built on the same mesh, so sharded alike)
+    loaded = None if path == "get-full" else _local_snapshot(src, src_optim)
     if fault == "kill-mid" and rank == 0:
         count = [0]
         for name in ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
@@ -162,7 +205,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     t0 = time.monotonic()
     result = _outcome(call)
     seconds = round(time.monotonic() - t0, 1)
-    return {"result": result, "seconds": seconds, "changed": not _same(before, _local_snapshot(model, optim))}
+    return {"result": result, "seconds": seconds, "state": classify(before, _local_snapshot(model, optim), loaded)}
 
 
 def run_cell(fault: str, path: str, impl: str) -> list[Any]:
@@ -182,7 +225,7 @@ def run_cell(fault: str, path: str, impl: str) -> list[Any]:
             else:
                 code = codes.get(r)
                 out.append({"result": "killed" if code == -9 else f"died (exit code {code})",
-                            "seconds": None, "changed": None})
+                            "seconds": None, "state": None})
         return out
 
 
@@ -201,7 +244,7 @@ def describe(records: list[Any]) -> str:
         if rec["result"] == "killed":
             parts.append(f"r{r}: killed")
             continue
-        changed = {True: "CHANGED", False: "unchanged", None: "?"}[rec["changed"]]
+        changed = rec["state"] or "?"
         secs = "" if rec["seconds"] is None else f"{rec['seconds']:g} s, "
         parts.append(f"r{r}: {secs}{_short(rec['result'])}, {changed}")
     return "<br>".join(parts)
