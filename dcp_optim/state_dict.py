@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, cast, no_type_check
 
@@ -461,7 +462,8 @@ def _run_load(
             prepared: list[Prepared | None] = []
             if sharded:
                 prepared, error = _phase(lambda p: p.move(), parts, error)
-            fallible = int(any(p.can_fail for p in parts))
+            # which parts' commits can fail on this rank: 1 the model's, 2 the optimizers'
+            fallible = sum(bit for p in parts if p.can_fail for bit in (_FALLIBLE[p.name],))
             per_rank = _agree_or_abort(parts, agreement, error, (*has, fallible), _flags_check(api, info))
             assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
@@ -474,7 +476,8 @@ def _run_load(
                 # (its stream is a collective the others wait in)
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
                 _agree_or_abort(parts, agreement, error)
-            reports = _commit(parts, prepared, agreement if any(f[2] for f in per_rank) else None)
+            fallible_somewhere = functools.reduce(operator.or_, (f[2] for f in per_rank), 0)
+            reports = _commit(parts, prepared, agreement if fallible_somewhere else None, fallible_somewhere)
         finally:
             torch.set_grad_enabled(grad)
     model_report = reports.get("model") or _IncompatibleKeys({}, {})
@@ -600,32 +603,53 @@ def _source_parts(
     return [p for p in parts if p.name != "model"]
 
 
-def _commit(parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any) -> dict[str, Any]:
+_FALLIBLE = {"model": 1, "optim": 2}
+
+
+def _commit(
+    parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any, fallible: int = 0
+) -> dict[str, Any]:
     """Install every part, the model first: a model whose modules decide
     their own load rules is loaded by torch at its commit, before the
     optimizer's state is installed.  Such a commit can fail on some ranks
-    only (a module's hook): with ``agreement`` (some rank's commit can
-    fail), the ranks agree on its outcome, and where any failed, every
-    rank puts back what it committed and raises the same error."""
+    only (a module's hook, an optimizer's own ``load_state_dict``): with
+    ``agreement`` (some rank's commit can fail; ``fallible``: the parts
+    whose commit can fail on some rank, ``_FALLIBLE`` bits), the model is
+    staged (snapshot) before it commits, and so is every part that can
+    fail; the ranks agree on the outcome of each part that can fail, and
+    where any rank failed, every rank puts back every part it committed
+    (the model too, where the optimizer failed) and raises that rank's
+    error."""
     reports: dict[str, Any] = {}
     done: list[LoadPart] = []
     for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
         assert ready is not None  # a failed move was agreed on and raised
-        if agreement is None or part.name != "model":
+        bit = _FALLIBLE[part.name]
+        if agreement is None or not (fallible & bit or part.name == "model"):
             reports[part.name] = part.commit(ready)
+            continue
+        if not fallible & bit:  # the model, staged for the optimizers' outcome
+            part.stage()
+            reports[part.name] = part.commit(ready)
+            done.append(part)
             continue
         error = None
         try:
             part.stage()
             reports[part.name] = part.commit(ready)
             done.append(part)
-        except Exception as exc:  # noqa: BLE001 - agreed on below (restored already)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
+            part.rollback()
         try:
             agreement.agree(error)
         except BaseException:
+            # the snapshots hold what the commits found, after an in-place
+            # move wrote the loaded values: that move's undo log goes last
             for committed in done:
                 committed.rollback()
+            for each in parts:
+                each.abort()
             raise
     return reports
 

@@ -52,6 +52,7 @@ FAULTS = {
     "kill-agree": "rank 1 SIGKILLed before the last agreement (data moved, nothing installed)",
     "kill-commit": "rank 1 SIGKILLed after the last agreement, as its commit starts",
     "hook": "a module's load hook raises on rank 1 only",
+    "optim-load": "the optimizer's own load_state_dict raises on rank 1 only (after the model's commit)",
 }
 PATHS = {
     "get-full": "full getter (get_state_dict, full_state_dict)",
@@ -62,15 +63,27 @@ PATHS = {
 }
 # cells that do not apply (a getter has no commit nor load hook; sharded
 # and full loads make fewer than three collectives: nothing is in transit)
-SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("kill-mid", "sharded"),
-        ("kill-mid", "full"), ("kill-mid", "flat")}
+SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("optim-load", "get-full"),
+        ("kill-mid", "sharded"), ("kill-mid", "full"), ("kill-mid", "flat")}
+
+
+def _snapshot(model: Any, optim: Any) -> Any:
+    """This rank's shards of the parameters and of the optimizer state, and
+    the optimizer's hyperparameters (without collectives)."""
+    from tests.distributed.dist_cases_reliability import _local_snapshot
+
+    params, state = _local_snapshot(model, optim)
+    groups = [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in optim.param_groups]
+    return params, state, groups
 
 
 def _leaves(snapshot: Any) -> list[Any]:
-    params, state = snapshot
+    params, state, *groups = snapshot
     out = list(params)
     for st in state:
         out.extend(st[k] for k in sorted(st))
+    for g in groups:
+        out.extend(g)
     return out
 
 
@@ -103,7 +116,7 @@ def _die() -> None:
 
 
 def _build(mesh, fault: str, rank: int, seed: int):
-    from tests.distributed.dist_cases_faults import Hooked, _two_params
+    from tests.distributed.dist_cases_faults import Hooked, _two_params, refusing_optimizer
     from tests.distributed.dist_cases_reliability import build
 
     if fault == "order":
@@ -116,11 +129,14 @@ def _build(mesh, fault: str, rank: int, seed: int):
         model(torch.ones(2, 3)).sum().backward()
         optim.step()
         return model, optim
+    if fault == "optim-load":
+        model, optim = build(mesh, seed=seed)
+        return model, refusing_optimizer(optim, bad_rank=1 if seed == 0 else -1)
     return build(mesh, seed=seed)
 
 
 def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]:
-    from tests.distributed.dist_cases_reliability import _local_snapshot, _outcome
+    from tests.distributed.dist_cases_reliability import _outcome
 
     os.environ["DCP_OPTIM_ARRIVAL_TIMEOUT"] = ARRIVAL_S
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=PG_TIMEOUT_S))
@@ -145,10 +161,10 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
         if key == "full_state_dict" and kw[key] is False:
             kw["broadcast_from_rank0"] = False
     opts = mod.StateDictOptions(**kw)
-    before = _local_snapshot(model, optim)
+    before = _snapshot(model, optim)
     # what a successful load of (msd, osd) leaves here: this rank's shards
     # of the source (built on the same mesh, so sharded alike)
-    loaded = None if path == "get-full" else _local_snapshot(src, src_optim)
+    loaded = None if path == "get-full" else _snapshot(src, src_optim)
     if fault == "kill-mid" and rank == 0:
         count = [0]
         for name in ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
@@ -205,7 +221,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     t0 = time.monotonic()
     result = _outcome(call)
     seconds = round(time.monotonic() - t0, 1)
-    return {"result": result, "seconds": seconds, "state": classify(before, _local_snapshot(model, optim), loaded)}
+    return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), loaded)}
 
 
 def run_cell(fault: str, path: str, impl: str) -> list[Any]:

@@ -158,3 +158,18 @@ def test_the_matrix_classifies_what_a_call_left():
     assert classify(before, loaded, None) == "WRONG"  # a getter that wrote
     # a dtype change is not the same bits
     assert classify(before, ([torch.zeros(2, dtype=torch.float64), torch.zeros(3)], before[1]), loaded) == "WRONG"
+
+
+@pytest.mark.parametrize("path", ["sharded", "broadcast"])
+def test_an_optimizer_load_raising_on_one_rank_rolls_the_model_back(path):
+    """The optimizer's own load_state_dict (an override) raises on rank 1
+    only, after the model was committed on every rank (and, broadcast,
+    after the stream wrote into the live tensors): every rank raises rank
+    1's error, and every rank's model and optimizer are as before (the
+    optimizer's hyperparameters too: the override set one before raising)."""
+    from .fault_matrix import run_cell
+
+    r0, r1 = records = run_cell("optim-load", path, "dcp_optim")
+    assert r0["result"] == r1["result"], records
+    assert r0["result"].startswith("RuntimeError: optimizer refuses the load on rank 1 [raised on rank 1"), records
+    assert_safe(records)
