@@ -434,11 +434,13 @@ def _run_load(
        agreement, then ``commit`` -- which cannot fail on bad input.  A
        sharded load moves no data between ranks and writes nothing before
        commit: its ``move`` runs before the agreement of step 2, which is
-       its only one.
+       its only one (except into FSDP1 models, whose sharded move
+       exchanges shards: after it, as above).
 
     Agreements are fixed-size all-gathers (``_engine.consistency.Agreement``)
-    among the ranks of the model's mesh, made whenever the load
-    communicates or the model holds sharded tensors; a plain model's
+    among the ranks of the model's mesh (FSDP1: its device mesh or process
+    group), made whenever the load communicates or the model holds
+    sharded tensors; a plain model's
     sharded load runs alone on each rank, as upstream's does."""
     from ._engine.distribute import route_for
 
@@ -460,7 +462,10 @@ def _run_load(
             if not (bcast and agreement is not None):  # alone: the source's metadata is its own
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), error)
             prepared: list[Prepared | None] = []
-            if sharded:
+            # FSDP1's sharded move exchanges shards across its group: it
+            # runs after the first agreement, as full loads' moves do
+            moves_first = sharded and not _holds_fsdp1(model, info)
+            if moves_first:
                 prepared, error = _phase(lambda p: p.move(), parts, error)
             # which parts' commits can fail on this rank: 1 the model's, 2 the optimizers'
             fallible = sum(bit for p in parts if p.can_fail for bit in (_FALLIBLE[p.name],))
@@ -471,7 +476,7 @@ def _run_load(
                 metas = route_for(info.index, None).broadcast_object(tuple(metas[: len(parts)]))
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), None)
                 _agree(agreement, error)
-            if not sharded:
+            if not moves_first:
                 # on broadcast loads every part runs even after one failed
                 # (its stream is a collective the others wait in)
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
@@ -490,6 +495,12 @@ def _run_load(
     result.optim_missing_keys = optim_report.missing_keys if optim_report else []
     result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
     return (result, info.handle_model), optimizers
+
+
+def _holds_fsdp1(model: Any, info: Any) -> bool:
+    from ._engine.fsdp1 import agreement_mesh
+
+    return agreement_mesh(model, info)[0]
 
 
 def _load_info(
@@ -681,10 +692,17 @@ def _agreement_for(
     full = bool(getattr(options, "full_state_dict", False) or getattr(options, "broadcast_from_rank0", False))
     sharded = index is not None and bool(C.indices_of(index.tensors, DTensor))
     mesh = route_for(index, None).mesh if index is not None else None
+    # FSDP1: FSDP's own load functions gather across its group (sharded
+    # loads too, without a device mesh): its ranks agree there
+    from ._engine.fsdp1 import agreement_mesh
+
+    fsdp1, fsdp1_known, fsdp1_mesh = agreement_mesh(model, info)
+    if fsdp1 and fsdp1_known and mesh is None:
+        mesh, sharded = fsdp1_mesh, fsdp1_mesh is not None or sharded
     # Without one device mesh the group is the default one, which may
     # hold other models (pipeline stages): only loads that communicate
     # there anyway agree there.
-    if not (full or (sharded and mesh is not None)):
+    if not (full or (sharded and mesh is not None) or (fsdp1 and fsdp1_known)):
         return None
     pairs = [("api", api), *option_pairs(options, _COLLECTIVE_OPTIONS), ("bucket", repr(_bucket_setting()))]
     structure = None

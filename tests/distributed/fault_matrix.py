@@ -1,5 +1,6 @@
 """Issue 24's fault matrix: every fault x path, dcp_optim beside upstream
-(torch 2.13), two gloo ranks, FSDP2 (uneven shards).  ``make fault-matrix``
+(torch 2.13), two gloo ranks, FSDP2 (uneven shards) and, on the "fsdp1-"
+paths, FSDP1 (flat parameters, nested wrapping, ``device_id`` cpu).  ``make fault-matrix``
 runs it all (one launch per cell) and prints the table of
 docs/reliability.md; tests/distributed/test_faults.py runs a sample of it
 in ``make test``.
@@ -60,19 +61,34 @@ PATHS = {
     "full": "full set_state_dict (every rank holds the dict)",
     "broadcast": "broadcast set_state_dict (rank 0 holds the dict)",
     "flat": "full set_state_dict, flattened optimizer dict",
+    "fsdp1-get-full": "FSDP1: full getter",
+    "fsdp1-sharded": "FSDP1: sharded set_state_dict (no device mesh: ShardedTensors)",
+    "fsdp1-full": "FSDP1: full set_state_dict",
+    "fsdp1-broadcast": "FSDP1: broadcast set_state_dict",
+    "fsdp1-mesh-sharded": "FSDP1 with a device mesh: sharded set_state_dict (DTensors)",
 }
+FSDP1_FAULTS = ("options", "never", "kill-before", "kill-commit", "optim-load")
 # cells that do not apply (a getter has no commit nor load hook; sharded
 # and full loads make fewer than three collectives: nothing is in transit)
 SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("optim-load", "get-full"),
-        ("kill-mid", "sharded"), ("kill-mid", "full"), ("kill-mid", "flat")}
+        ("kill-mid", "sharded"), ("kill-mid", "full"), ("kill-mid", "flat"),
+        ("kill-commit", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full")}
+# FSDP1 (flat parameters, nested wrapping) runs the faults that do not
+# depend on FSDP2 models (Hooked, TwoParams) or on the FSDP2 paths'
+# collective counts
+SKIP |= {(f, p) for f in FAULTS for p in PATHS if p.startswith("fsdp1") and f not in FSDP1_FAULTS}
 
 
 def _snapshot(model: Any, optim: Any) -> Any:
     """This rank's shards of the parameters and of the optimizer state, and
     the optimizer's hyperparameters (without collectives)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     from tests.distributed.dist_cases_reliability import _local_snapshot
 
     params, state = _local_snapshot(model, optim)
+    if isinstance(model, FSDP):  # this rank's shards of the flat parameters
+        params = [p.detach().clone() for p in model.parameters()]
     groups = [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in optim.param_groups]
     return params, state, groups
 
@@ -115,9 +131,20 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _build(mesh, fault: str, rank: int, seed: int):
+def _build(mesh, fault: str, rank: int, seed: int, path: str = ""):
     from tests.distributed.dist_cases_faults import Hooked, _two_params, refusing_optimizer
     from tests.distributed.dist_cases_reliability import build
+
+    if path.startswith("fsdp1"):
+        from tests.distributed.dist_cases import train
+        from tests.distributed.dist_cases_fsdp1 import fsdp1_model
+
+        model = fsdp1_model(seed, orig=False, wrap="nested", mesh=mesh if "mesh" in path else None)
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        train(model, optim, steps=2, seed=seed)
+        if fault == "optim-load":
+            optim = refusing_optimizer(optim, bad_rank=1 if seed == 0 else -1)
+        return model, optim
 
     if fault == "order":
         return _two_params(mesh, rank, swapped=seed == 0)
@@ -142,13 +169,11 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=PG_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (ws,))
     mod: Any = dcp_optim if impl == "dcp_optim" else upstream
-    model, optim = _build(mesh, fault, rank, 0)
-    src, src_optim = _build(mesh, "plain" if fault == "order" else fault, rank, 3)
-    if fault == "order":
-        src, src_optim = _build(mesh, fault, rank, 3)  # rank 0's layout everywhere
+    model, optim = _build(mesh, fault, rank, 0, path)
+    src, src_optim = _build(mesh, fault, rank, 3, path)  # "order": rank 0's layout everywhere
     flat = path == "flat"
-    full = path in ("full", "broadcast", "flat", "get-full")
-    bcast = path == "broadcast"
+    full = path.removeprefix("fsdp1-") in ("full", "broadcast", "flat", "get-full")
+    bcast = path.endswith("broadcast")
     get_opts = dcp_optim.StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=flat)
     msd, osd = dcp_optim.get_state_dict(src, src_optim, options=get_opts)
     if bcast and rank != 0:
@@ -164,7 +189,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     before = _snapshot(model, optim)
     # what a successful load of (msd, osd) leaves here: this rank's shards
     # of the source (built on the same mesh, so sharded alike)
-    loaded = None if path == "get-full" else _snapshot(src, src_optim)
+    loaded = None if path.endswith("get-full") else _snapshot(src, src_optim)
     if fault == "kill-mid" and rank == 0:
         count = [0]
         for name in ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
@@ -207,7 +232,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
             ours._commit = lambda *a, **k: _die()  # type: ignore[assignment]
         else:
             model.load_state_dict = lambda *a, **k: _die()  # type: ignore[method-assign]
-    if path == "get-full":
+    if path.endswith("get-full"):
         def call():
             mod.get_state_dict(model, optim, options=opts)
     else:

@@ -173,3 +173,22 @@ def test_an_optimizer_load_raising_on_one_rank_rolls_the_model_back(path):
     assert r0["result"] == r1["result"], records
     assert r0["result"].startswith("RuntimeError: optimizer refuses the load on rank 1 [raised on rank 1"), records
     assert_safe(records)
+
+
+@pytest.mark.parametrize("fault, path", [
+    ("options", "fsdp1-sharded"),  # FSDP1 without a device mesh: its sharded load exchanges shards
+    ("never", "fsdp1-get-full"),   # FSDP's own full state dict gathers every flat parameter
+    ("optim-load", "fsdp1-full"),
+])
+def test_fsdp1_paths_raise_the_same_error_within_the_bound(fault, path):
+    """FSDP1 paths that communicate through FSDP's own functions meet
+    (bounded) and agree first: the same error on every rank, before the
+    process group's timeout (6 s: what a hang would take), nothing
+    changed."""
+    from .fault_matrix import PG_TIMEOUT_S, run_cell
+
+    records = run_cell(fault, path, "dcp_optim")
+    assert records[0]["result"] == records[1]["result"], records
+    assert records[0]["result"].startswith(("StateDictRuntimeError", "RuntimeError: optimizer refuses")), records
+    assert all(rec["seconds"] < PG_TIMEOUT_S for rec in records), records
+    assert_safe(records)
