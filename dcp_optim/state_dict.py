@@ -633,6 +633,8 @@ def _commit(
     error."""
     reports: dict[str, Any] = {}
     done: list[LoadPart] = []
+    if agreement is None and any(p.can_fail for p in parts if p.name == "optim"):
+        return _commit_alone(parts, prepared)
     for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
         assert ready is not None  # a failed move was agreed on and raised
         bit = _FALLIBLE[part.name]
@@ -662,6 +664,28 @@ def _commit(
             for each in parts:
                 each.abort()
             raise
+    return reports
+
+
+def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None]) -> dict[str, Any]:
+    """``_commit`` of a load that runs alone whose optimizers' own
+    ``load_state_dict`` can fail: the model is committed first, so it is
+    staged too, and put back (with what an in-place move wrote) if the
+    optimizers' load raises -- nothing changed, as with an agreement."""
+    reports: dict[str, Any] = {}
+    done: list[LoadPart] = []
+    try:
+        for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
+            assert ready is not None  # a failed move raised
+            part.stage()
+            done.append(part)
+            reports[part.name] = part.commit(ready)
+    except BaseException:
+        for committed in done:
+            committed.rollback()
+        for each in parts:
+            each.abort()
+        raise
     return reports
 
 

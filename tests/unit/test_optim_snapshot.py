@@ -103,3 +103,42 @@ def test_restore_undoes_what_a_load_can_do(kind):
     # the restored optimizer still steps
     model(torch.randn(4, 3)).sum().backward()
     optim.step()
+
+
+class _Refusing(torch.optim.Adam):
+    """Its own load_state_dict sets a hyperparameter, then raises."""
+
+    def load_state_dict(self, state_dict):
+        self.param_groups[0]["lr"] = 123.0
+        raise RuntimeError("optimizer refuses the load")
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_an_optimizer_load_raising_alone_leaves_the_model_as_before(full):
+    """One process (no agreement): the model, committed before the
+    optimizer, is put back when the optimizer's own load raises, and so
+    is what that load set.  Upstream loads the optimizers first (its
+    model stays as it was) and keeps what the failing load set."""
+    import torch.distributed.checkpoint.state_dict as upstream
+
+    import dcp_optim
+
+    results = {}
+    for name, mod in (("dcp_optim", dcp_optim), ("torch", upstream)):
+        model, optim, _ = _trained("plain")
+        optim.__class__ = _Refusing
+        src, src_optim, _ = _trained("plain")
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(1.0)
+        opts = dcp_optim.StateDictOptions(full_state_dict=full)
+        msd, osd = dcp_optim.get_state_dict(src, src_optim, options=opts)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        optim_before = _bits(optim)
+        with pytest.raises(RuntimeError, match="optimizer refuses the load"):
+            mod.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd,
+                               options=mod.StateDictOptions(full_state_dict=full))
+        results[name] = (all(torch.equal(before[k], v) for k, v in model.state_dict().items()),
+                         _same(_bits(optim), optim_before))
+    assert results["dcp_optim"] == (True, True)
+    assert results["torch"] == (True, False)
