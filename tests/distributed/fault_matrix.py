@@ -66,6 +66,7 @@ PATHS = {
     "fsdp1-full": "FSDP1: full set_state_dict",
     "fsdp1-broadcast": "FSDP1: broadcast set_state_dict",
     "fsdp1-mesh-sharded": "FSDP1 with a device mesh: sharded set_state_dict (DTensors)",
+    "fsdp1-hsdp-sharded": "FSDP1 hybrid sharding (1 x 2 mesh): sharded set_state_dict (FSDP's own optimizer load)",
 }
 FSDP1_FAULTS = ("options", "never", "kill-before", "kill-commit", "optim-load")
 # cells that do not apply (a getter has no commit nor load hook; sharded
@@ -139,7 +140,18 @@ def _build(mesh, fault: str, rank: int, seed: int, path: str = ""):
         from tests.distributed.dist_cases import train
         from tests.distributed.dist_cases_fsdp1 import fsdp1_model
 
-        model = fsdp1_model(seed, orig=False, wrap="nested", mesh=mesh if "mesh" in path else None)
+        if "hsdp" in path:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import ShardingStrategy
+
+            from tests.distributed.dist_cases import MLP
+
+            torch.manual_seed(seed)
+            hybrid = init_device_mesh("cpu", (1, mesh.size()), mesh_dim_names=("replicate", "shard"))
+            model = FSDP(MLP(width=8, hidden=7, layers=2), device_id=torch.device("cpu"), device_mesh=hybrid,
+                         sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        else:
+            model = fsdp1_model(seed, orig=False, wrap="nested", mesh=mesh if "mesh" in path else None)
         optim = torch.optim.Adam(model.parameters(), lr=0.01)
         train(model, optim, steps=2, seed=seed)
         if fault == "optim-load":
