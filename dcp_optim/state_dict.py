@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, cast, no_type_check
 
@@ -433,11 +434,13 @@ def _run_load(
        agreement, then ``commit`` -- which cannot fail on bad input.  A
        sharded load moves no data between ranks and writes nothing before
        commit: its ``move`` runs before the agreement of step 2, which is
-       its only one.
+       its only one (except into FSDP1 models, whose sharded move
+       exchanges shards: after it, as above).
 
     Agreements are fixed-size all-gathers (``_engine.consistency.Agreement``)
-    among the ranks of the model's mesh, made whenever the load
-    communicates or the model holds sharded tensors; a plain model's
+    among the ranks of the model's mesh (FSDP1: its device mesh or process
+    group), made whenever the load communicates or the model holds
+    sharded tensors; a plain model's
     sharded load runs alone on each rank, as upstream's does."""
     from ._engine.distribute import route_for
 
@@ -459,9 +462,13 @@ def _run_load(
             if not (bcast and agreement is not None):  # alone: the source's metadata is its own
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), error)
             prepared: list[Prepared | None] = []
-            if sharded:
+            # FSDP1's sharded move exchanges shards across its group: it
+            # runs after the first agreement, as full loads' moves do
+            moves_first = sharded and not _holds_fsdp1(model, info)
+            if moves_first:
                 prepared, error = _phase(lambda p: p.move(), parts, error)
-            fallible = int(any(p.can_fail for p in parts))
+            # which parts' commits can fail on this rank: 1 the model's, 2 the optimizers'
+            fallible = sum(bit for p in parts if p.can_fail for bit in (_FALLIBLE[p.name],))
             per_rank = _agree_or_abort(parts, agreement, error, (*has, fallible), _flags_check(api, info))
             assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
@@ -469,12 +476,13 @@ def _run_load(
                 metas = route_for(info.index, None).broadcast_object(tuple(metas[: len(parts)]))
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), None)
                 _agree(agreement, error)
-            if not sharded:
+            if not moves_first:
                 # on broadcast loads every part runs even after one failed
                 # (its stream is a collective the others wait in)
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
                 _agree_or_abort(parts, agreement, error)
-            reports = _commit(parts, prepared, agreement if any(f[2] for f in per_rank) else None)
+            fallible_somewhere = functools.reduce(operator.or_, (f[2] for f in per_rank), 0)
+            reports = _commit(parts, prepared, agreement if fallible_somewhere else None, fallible_somewhere)
         finally:
             torch.set_grad_enabled(grad)
     model_report = reports.get("model") or _IncompatibleKeys({}, {})
@@ -487,6 +495,12 @@ def _run_load(
     result.optim_missing_keys = optim_report.missing_keys if optim_report else []
     result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
     return (result, info.handle_model), optimizers
+
+
+def _holds_fsdp1(model: Any, info: Any) -> bool:
+    from ._engine.fsdp1 import agreement_mesh
+
+    return agreement_mesh(model, info)[0]
 
 
 def _load_info(
@@ -600,33 +614,78 @@ def _source_parts(
     return [p for p in parts if p.name != "model"]
 
 
-def _commit(parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any) -> dict[str, Any]:
+_FALLIBLE = {"model": 1, "optim": 2}
+
+
+def _commit(
+    parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any, fallible: int = 0
+) -> dict[str, Any]:
     """Install every part, the model first: a model whose modules decide
     their own load rules is loaded by torch at its commit, before the
     optimizer's state is installed.  Such a commit can fail on some ranks
-    only (a module's hook): with ``agreement`` (some rank's commit can
-    fail), the ranks agree on its outcome, and where any failed, every
-    rank puts back what it committed and raises the same error."""
+    only (a module's hook, an optimizer's own ``load_state_dict``): with
+    ``agreement`` (some rank's commit can fail; ``fallible``: the parts
+    whose commit can fail on some rank, ``_FALLIBLE`` bits), the model is
+    staged (snapshot) before it commits, and so is every part that can
+    fail; the ranks agree on the outcome of each part that can fail, and
+    where any rank failed, every rank puts back every part it committed
+    (the model too, where the optimizer failed) and raises that rank's
+    error."""
     reports: dict[str, Any] = {}
     done: list[LoadPart] = []
+    if agreement is None and any(p.can_fail for p in parts if p.name == "optim"):
+        return _commit_alone(parts, prepared)
     for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
         assert ready is not None  # a failed move was agreed on and raised
-        if agreement is None or part.name != "model":
+        bit = _FALLIBLE[part.name]
+        if agreement is None or not (fallible & bit or part.name == "model"):
             reports[part.name] = part.commit(ready)
+            continue
+        if not fallible & bit:  # the model, staged for the optimizers' outcome
+            part.stage()
+            reports[part.name] = part.commit(ready)
+            done.append(part)
             continue
         error = None
         try:
             part.stage()
             reports[part.name] = part.commit(ready)
             done.append(part)
-        except Exception as exc:  # noqa: BLE001 - agreed on below (restored already)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
+            part.rollback()
         try:
             agreement.agree(error)
         except BaseException:
+            # the snapshots hold what the commits found, after an in-place
+            # move wrote the loaded values: that move's undo log goes last
             for committed in done:
                 committed.rollback()
+            for each in parts:
+                each.abort()
             raise
+    return reports
+
+
+def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None]) -> dict[str, Any]:
+    """``_commit`` of a load that runs alone whose optimizers' own
+    ``load_state_dict`` can fail: the model is committed first, so it is
+    staged too, and put back (with what an in-place move wrote) if the
+    optimizers' load raises -- nothing changed, as with an agreement."""
+    reports: dict[str, Any] = {}
+    done: list[LoadPart] = []
+    try:
+        for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
+            assert ready is not None  # a failed move raised
+            part.stage()
+            done.append(part)
+            reports[part.name] = part.commit(ready)
+    except BaseException:
+        for committed in done:
+            committed.rollback()
+        for each in parts:
+            each.abort()
+        raise
     return reports
 
 
@@ -657,10 +716,17 @@ def _agreement_for(
     full = bool(getattr(options, "full_state_dict", False) or getattr(options, "broadcast_from_rank0", False))
     sharded = index is not None and bool(C.indices_of(index.tensors, DTensor))
     mesh = route_for(index, None).mesh if index is not None else None
+    # FSDP1: FSDP's own load functions gather across its group (sharded
+    # loads too, without a device mesh): its ranks agree there
+    from ._engine.fsdp1 import agreement_mesh
+
+    fsdp1, fsdp1_known, fsdp1_mesh = agreement_mesh(model, info)
+    if fsdp1 and fsdp1_known and mesh is None:
+        mesh, sharded = fsdp1_mesh, fsdp1_mesh is not None or sharded
     # Without one device mesh the group is the default one, which may
     # hold other models (pipeline stages): only loads that communicate
     # there anyway agree there.
-    if not (full or (sharded and mesh is not None)):
+    if not (full or (sharded and mesh is not None) or (fsdp1 and fsdp1_known)):
         return None
     pairs = [("api", api), *option_pairs(options, _COLLECTIVE_OPTIONS), ("bucket", repr(_bucket_setting()))]
     structure = None

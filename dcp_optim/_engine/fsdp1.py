@@ -39,7 +39,16 @@ from .core import C, context
 from .model import state_dict_fn
 from .pristine import pristine_states
 
-__all__ = ["get_fsdp1_optim", "localize_fsdp1_view", "load_via_fsdp", "native_supported", "fsdp_process_group"]
+__all__ = [
+    "agreement_mesh",
+    "check_before_fsdp",
+    "getter_options",
+    "fsdp_process_group",
+    "get_fsdp1_optim",
+    "load_via_fsdp",
+    "localize_fsdp1_view",
+    "native_supported",
+]
 
 
 def fsdp_process_group(model: nn.Module, info: Any):
@@ -54,6 +63,61 @@ def fsdp_process_group(model: nn.Module, info: Any):
         return None
     group = fsdp_module.process_group
     return None if isinstance(group, tuple) else group
+
+
+def agreement_mesh(model: nn.Module, info: Any) -> tuple[bool, bool, DeviceMesh | None]:
+    """(whether ``model`` holds FSDP1 instances, whether their ranks are
+    known, the mesh they agree on: None for the default group).  The
+    device mesh FSDP was built with, else a 1-D mesh over its process
+    group; hybrid sharding given a pair of process groups: the default
+    group where the pair spans the world, else unknown.  ``info`` may be
+    None (a load that failed before its info was built)."""
+    modules = list(info.fsdp_modules) if info is not None else []
+    if not modules and isinstance(model, nn.Module):
+        modules = [m for m in model.modules() if isinstance(m, FSDP)]
+    if not modules:
+        return False, False, None
+    first = modules[0]
+    mesh = getattr(first, "_device_mesh", None)
+    if mesh is not None:
+        return True, True, mesh
+    group = first.process_group
+    if isinstance(group, DeviceMesh):
+        return True, True, group
+    if first.sharding_strategy in HYBRID_SHARDING_STRATEGIES:
+        inter = getattr(first, "_inter_node_pg", None)
+        if group is not None and inter is not None:
+            spans = dist.get_world_size(group) * dist.get_world_size(inter) == dist.get_world_size()
+            return True, spans, None
+        return True, False, None
+    if group is None or isinstance(group, tuple):
+        return True, False, None
+    return True, True, _mesh_for(group, first.compute_device.type)
+
+
+def _getter_options(info: Any) -> tuple[tuple[str, Any], ...]:
+    """The options that decide a getter's collectives."""
+    return tuple((name, bool(getattr(info, name, False)))
+                 for name in ("full_state_dict", "cpu_offload", "broadcast_from_rank0"))
+
+
+def check_before_fsdp(model: nn.Module, info: Any, what: str, options: Any) -> None:
+    """Before FSDP1 paths communicate outside a load's agreement (FSDP's
+    own full model state dict, the optimizer getters' first exchange):
+    the bounded arrival of every rank of the FSDP1 group and one agreement
+    on ``options`` and on the names of the model's tensors (identity), so
+    that a rank that is missing, in another call, or holding another
+    model raises the same error on every rank instead of hanging in the
+    collectives."""
+    from .consistency import check_agreement
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    is_fsdp1, known, mesh = agreement_mesh(model, info)
+    if not (is_fsdp1 and known):
+        return
+    names = [(f"model tensor #{i}", "|".join(fqns)) for i, fqns in enumerate(info.index.tensor_fqns)]
+    check_agreement(mesh, what, (options, names), lambda: [("options", repr(options)), *names])
 
 
 @dataclass
@@ -149,6 +213,7 @@ def _sort_names(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
+    check_before_fsdp(model, info, "FSDP1 optimizer state dict", _getter_options(info))
     if not _native_supported(info):
         return _get_via_fsdp(model, optimizers, info)
     handles = _handles(info)
@@ -725,3 +790,7 @@ def _compat_info(model: nn.Module, info: Any):
     compat = _verify_options(model, (), optim_only=False, options=None)
     compat.strict = info.strict
     return compat
+
+
+def getter_options(info: Any) -> tuple[tuple[str, Any], ...]:
+    return _getter_options(info)

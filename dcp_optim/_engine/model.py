@@ -59,6 +59,13 @@ def state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable:
 def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
     if not info.handle_model:
         return {}
+    if info.fsdp_modules:
+        # FSDP's own state dict communicates (full: it gathers every flat
+        # parameter; sharded: its ShardedTensors): the ranks meet
+        # (bounded) and agree first
+        from .fsdp1 import check_before_fsdp, getter_options
+
+        check_before_fsdp(model, info, "FSDP1 model state dict", getter_options(info))
     with info.fsdp_context():
         state_dict = state_dict_fn(model, "state_dict")()
     if not _keys_are_canonical(info.index, state_dict):

@@ -1329,7 +1329,11 @@ class OptimLoad:
         self.view: tuple = ()
         self.localize: Any = None  # distribute.OptimLocalize
         self.extras: dict[str, Any] = {}
-        self.can_fail = False  # installs validated state (own load_state_dict: as upstream)
+        # an optimizer's own load_state_dict (an override, hooks, a
+        # wrapper's) runs at commit and can raise on some ranks only: the
+        # ranks then agree on the outcome (state_dict._commit)
+        self.can_fail = False
+        self.snapshot: OptimSnapshot | None = None
 
     def plan(self) -> Any:
         model, optimizers, osd, info = self.model, self.optimizers, self.osd, self.info
@@ -1338,6 +1342,7 @@ class OptimLoad:
             return None
         for i, optim in enumerate(optimizers):
             _check_optimizer(optim, i)
+        self.can_fail = bool(info.fsdp_modules) or not all(_native_load(optim) for optim in optimizers)
         _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
         fsdp1 = self.fsdp1 = bool(info.fsdp_modules)
         if fsdp1:
@@ -1412,10 +1417,18 @@ class OptimLoad:
         return prepared.report
 
     def stage(self) -> None:
-        """Nothing to keep: the optimizers are installed last."""
+        """Before a commit that can fail here or on another rank: snapshot
+        every optimizer (``OptimSnapshot``), held until the ranks agreed
+        on the outcome."""
+        if self.snapshot is None and self.info.handle_optim:
+            self.snapshot = OptimSnapshot(self.optimizers)
 
     def rollback(self) -> None:
-        """Nothing to put back: the optimizers are installed last."""
+        """Put back what a commit changed (it raised here, or on another
+        rank after this rank's commit)."""
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is not None:
+            snapshot.restore()
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizers' held state (an
@@ -1423,6 +1436,72 @@ class OptimLoad:
         abort = getattr(self.localize, "abort", None)
         if abort is not None:
             abort()
+
+
+class OptimSnapshot:
+    """What a load can change in optimizers: each one's attributes (a load
+    replaces its ``state`` and ``param_groups``: ``__setstate__``; a
+    wrapper's own load sets its settings), the contents of its ``state``,
+    ``param_groups`` and ``defaults``, a copy of every state tensor's
+    values (an override may write into them), and the same of every
+    optimizer a wrapper holds in an attribute (Lookahead's
+    ``optimizer``), once each.
+    Costs one copy of the optimizers' state tensors while it is held."""
+
+    def __init__(self, optimizers: tuple[_Optimizer, ...]):
+        self.owners: list[tuple[_Optimizer, dict[str, Any]]] = []
+        self.dicts: list[tuple[dict, dict]] = []
+        self.lists: list[tuple[list, list]] = []
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        pending = list(optimizers)
+        while pending:
+            optim = pending.pop(0)
+            if id(optim) in seen:
+                continue
+            seen.add(id(optim))
+            attrs = dict(vars(optim))
+            self.owners.append((optim, attrs))
+            for name in ("state", "param_groups", "defaults"):
+                if name in attrs:
+                    self._keep(attrs[name], seen)
+            pending.extend(v for v in vars(optim).values() if isinstance(v, _Optimizer))
+
+    def _keep(self, value: Any, seen: set[int]) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            self.dicts.append((value, dict(value)))
+            for v in list(value.values()):
+                self._keep(v, seen)
+        elif isinstance(value, list):
+            self.lists.append((value, list(value)))
+            for v in value:
+                if not isinstance(v, torch.Tensor):  # a group's parameters
+                    self._keep(v, seen)
+        elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            self.tensors.append((value, value.detach().clone()))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for optim, attrs in self.owners:
+            live = vars(optim)
+            if live.keys() != attrs.keys() or any(live[k] is not v for k, v in attrs.items()):
+                live.clear()
+                live.update(attrs)
+        for live, saved in self.dicts:
+            if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                live.clear()
+                live.update(saved)
+        for live_list, saved_list in self.lists:
+            if len(live_list) != len(saved_list) or any(a is not b for a, b in zip(live_list, saved_list)):
+                live_list[:] = saved_list
+        for t, saved in self.tensors:
+            if t.shape == saved.shape and t.dtype == saved.dtype and type(t) is type(saved):
+                t.copy_(saved)
+            else:
+                t.data = saved
 
 
 def _commit_native(optimizers: tuple[_Optimizer, ...], osd: dict[str, Any]) -> None:

@@ -187,6 +187,26 @@ class Hooked(nn.Module):
         return self.lin(x)
 
 
+class RefusingAdam(torch.optim.Adam):
+    """Adam whose own ``load_state_dict`` (an override) raises on
+    ``bad_rank`` after doing half its work (the first group's lr set):
+    what a custom optimizer's checks do."""
+
+    bad_rank = -1
+
+    def load_state_dict(self, state_dict):
+        self.param_groups[0]["lr"] = 123.0
+        if dist.get_rank() == self.bad_rank:
+            raise RuntimeError(f"optimizer refuses the load on rank {dist.get_rank()}")
+        super().load_state_dict(state_dict)
+
+
+def refusing_optimizer(optim: torch.optim.Optimizer, bad_rank: int) -> torch.optim.Optimizer:
+    optim.__class__ = RefusingAdam
+    optim.bad_rank = bad_rank  # type: ignore[attr-defined]
+    return optim
+
+
 def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
     """A module's own load hook raises on rank 1 only: the same error on
     every rank, nothing changed on any rank (dcp_optim); upstream raises

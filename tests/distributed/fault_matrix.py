@@ -1,12 +1,21 @@
 """Issue 24's fault matrix: every fault x path, dcp_optim beside upstream
-(torch 2.13), two gloo ranks, FSDP2 (uneven shards).  ``make fault-matrix``
+(torch 2.13), two gloo ranks, FSDP2 (uneven shards) and, on the "fsdp1-"
+paths, FSDP1 (flat parameters, nested wrapping, ``device_id`` cpu).  ``make fault-matrix``
 runs it all (one launch per cell) and prints the table of
 docs/reliability.md; tests/distributed/test_faults.py runs a sample of it
 in ``make test``.
 
 Each cell records, per implementation, what every surviving rank saw:
 the time from the call to its end (seconds), the error (its type and
-first words) or "ok", and whether that rank's model or optimizer changed.
+first words) or "ok", and what the call left in that rank's model and
+optimizer (its shards of the parameters and of the optimizer state):
+
+* ``unchanged``: bit-identical to before the call;
+* ``loaded``: bit-identical to what a successful load of that dict gives;
+* ``PARTIAL``: every tensor is one or the other, some loaded, some not;
+* ``WRONG``: anything else (a tensor that is neither).
+
+A getter's cells compare with before only (nothing is loaded).
 The process group's timeout is 6 s in every cell (so that upstream's hangs
 end), dcp_optim's arrival bound (DCP_OPTIM_ARRIVAL_TIMEOUT) 2 s.
 
@@ -44,6 +53,7 @@ FAULTS = {
     "kill-agree": "rank 1 SIGKILLed before the last agreement (data moved, nothing installed)",
     "kill-commit": "rank 1 SIGKILLed after the last agreement, as its commit starts",
     "hook": "a module's load hook raises on rank 1 only",
+    "optim-load": "the optimizer's own load_state_dict raises on rank 1 only (after the model's commit)",
 }
 PATHS = {
     "get-full": "full getter (get_state_dict, full_state_dict)",
@@ -51,20 +61,102 @@ PATHS = {
     "full": "full set_state_dict (every rank holds the dict)",
     "broadcast": "broadcast set_state_dict (rank 0 holds the dict)",
     "flat": "full set_state_dict, flattened optimizer dict",
+    "fsdp1-get-full": "FSDP1: full getter",
+    "fsdp1-sharded": "FSDP1: sharded set_state_dict (no device mesh: ShardedTensors)",
+    "fsdp1-full": "FSDP1: full set_state_dict",
+    "fsdp1-broadcast": "FSDP1: broadcast set_state_dict",
+    "fsdp1-mesh-sharded": "FSDP1 with a device mesh: sharded set_state_dict (DTensors)",
+    "fsdp1-hsdp-sharded": "FSDP1 hybrid sharding (1 x 2 mesh): sharded set_state_dict (FSDP's own optimizer load)",
 }
+FSDP1_FAULTS = ("options", "never", "kill-before", "kill-commit", "optim-load")
 # cells that do not apply (a getter has no commit nor load hook; sharded
 # and full loads make fewer than three collectives: nothing is in transit)
-SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("kill-mid", "sharded"),
-        ("kill-mid", "full"), ("kill-mid", "flat")}
+SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("optim-load", "get-full"),
+        ("kill-mid", "sharded"), ("kill-mid", "full"), ("kill-mid", "flat"),
+        ("kill-commit", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full")}
+# FSDP1 (flat parameters, nested wrapping) runs the faults that do not
+# depend on FSDP2 models (Hooked, TwoParams) or on the FSDP2 paths'
+# collective counts
+SKIP |= {(f, p) for f in FAULTS for p in PATHS if p.startswith("fsdp1") and f not in FSDP1_FAULTS}
+
+
+def _snapshot(model: Any, optim: Any) -> Any:
+    """This rank's shards of the parameters and of the optimizer state, and
+    the optimizer's hyperparameters (without collectives)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from tests.distributed.dist_cases_reliability import _local_snapshot
+
+    params, state = _local_snapshot(model, optim)
+    if isinstance(model, FSDP):  # this rank's shards of the flat parameters
+        params = [p.detach().clone() for p in model.parameters()]
+    groups = [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in optim.param_groups]
+    return params, state, groups
+
+
+def _leaves(snapshot: Any) -> list[Any]:
+    params, state, *groups = snapshot
+    out = list(params)
+    for st in state:
+        out.extend(st[k] for k in sorted(st))
+    for g in groups:
+        out.extend(g)
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+def classify(before: Any, after: Any, loaded: Any | None) -> str:
+    """``unchanged``, ``loaded``, ``PARTIAL`` or ``WRONG`` (module
+    docstring); ``loaded`` None: nothing was to be loaded (a getter)."""
+    b, a = _leaves(before), _leaves(after)
+    if len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b)):
+        return "unchanged"
+    if loaded is None:
+        return "WRONG"
+    ref = _leaves(loaded)
+    if len(a) != len(b) or len(a) != len(ref):
+        return "WRONG"
+    if all(_equal(x, y) for x, y in zip(a, ref)):
+        return "loaded"
+    if all(_equal(x, y) or _equal(x, z) for x, y, z in zip(a, b, ref)):
+        return "PARTIAL"
+    return "WRONG"
 
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _build(mesh, fault: str, rank: int, seed: int):
-    from tests.distributed.dist_cases_faults import Hooked, _two_params
+def _build(mesh, fault: str, rank: int, seed: int, path: str = ""):
+    from tests.distributed.dist_cases_faults import Hooked, _two_params, refusing_optimizer
     from tests.distributed.dist_cases_reliability import build
+
+    if path.startswith("fsdp1"):
+        from tests.distributed.dist_cases import train
+        from tests.distributed.dist_cases_fsdp1 import fsdp1_model
+
+        if "hsdp" in path:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import ShardingStrategy
+
+            from tests.distributed.dist_cases import MLP
+
+            torch.manual_seed(seed)
+            hybrid = init_device_mesh("cpu", (1, mesh.size()), mesh_dim_names=("replicate", "shard"))
+            model = FSDP(MLP(width=8, hidden=7, layers=2), device_id=torch.device("cpu"), device_mesh=hybrid,
+                         sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        else:
+            model = fsdp1_model(seed, orig=False, wrap="nested", mesh=mesh if "mesh" in path else None)
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        train(model, optim, steps=2, seed=seed)
+        if fault == "optim-load":
+            optim = refusing_optimizer(optim, bad_rank=1 if seed == 0 else -1)
+        return model, optim
 
     if fault == "order":
         return _two_params(mesh, rank, swapped=seed == 0)
@@ -76,23 +168,24 @@ def _build(mesh, fault: str, rank: int, seed: int):
         model(torch.ones(2, 3)).sum().backward()
         optim.step()
         return model, optim
+    if fault == "optim-load":
+        model, optim = build(mesh, seed=seed)
+        return model, refusing_optimizer(optim, bad_rank=1 if seed == 0 else -1)
     return build(mesh, seed=seed)
 
 
 def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]:
-    from tests.distributed.dist_cases_reliability import _local_snapshot, _outcome, _same
+    from tests.distributed.dist_cases_reliability import _outcome
 
     os.environ["DCP_OPTIM_ARRIVAL_TIMEOUT"] = ARRIVAL_S
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=PG_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (ws,))
     mod: Any = dcp_optim if impl == "dcp_optim" else upstream
-    model, optim = _build(mesh, fault, rank, 0)
-    src, src_optim = _build(mesh, "plain" if fault == "order" else fault, rank, 3)
-    if fault == "order":
-        src, src_optim = _build(mesh, fault, rank, 3)  # rank 0's layout everywhere
+    model, optim = _build(mesh, fault, rank, 0, path)
+    src, src_optim = _build(mesh, fault, rank, 3, path)  # "order": rank 0's layout everywhere
     flat = path == "flat"
-    full = path in ("full", "broadcast", "flat", "get-full")
-    bcast = path == "broadcast"
+    full = path.removeprefix("fsdp1-") in ("full", "broadcast", "flat", "get-full")
+    bcast = path.endswith("broadcast")
     get_opts = dcp_optim.StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=flat)
     msd, osd = dcp_optim.get_state_dict(src, src_optim, options=get_opts)
     if bcast and rank != 0:
@@ -105,7 +198,10 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
         if key == "full_state_dict" and kw[key] is False:
             kw["broadcast_from_rank0"] = False
     opts = mod.StateDictOptions(**kw)
-    before = _local_snapshot(model, optim)
+    before = _snapshot(model, optim)
+    # what a successful load of (msd, osd) leaves here: this rank's shards
+    # of the source (built on the same mesh, so sharded alike)
+    loaded = None if path.endswith("get-full") else _snapshot(src, src_optim)
     if fault == "kill-mid" and rank == 0:
         count = [0]
         for name in ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
@@ -148,7 +244,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
             ours._commit = lambda *a, **k: _die()  # type: ignore[assignment]
         else:
             model.load_state_dict = lambda *a, **k: _die()  # type: ignore[method-assign]
-    if path == "get-full":
+    if path.endswith("get-full"):
         def call():
             mod.get_state_dict(model, optim, options=opts)
     else:
@@ -162,7 +258,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     t0 = time.monotonic()
     result = _outcome(call)
     seconds = round(time.monotonic() - t0, 1)
-    return {"result": result, "seconds": seconds, "changed": not _same(before, _local_snapshot(model, optim))}
+    return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), loaded)}
 
 
 def run_cell(fault: str, path: str, impl: str) -> list[Any]:
@@ -182,7 +278,7 @@ def run_cell(fault: str, path: str, impl: str) -> list[Any]:
             else:
                 code = codes.get(r)
                 out.append({"result": "killed" if code == -9 else f"died (exit code {code})",
-                            "seconds": None, "changed": None})
+                            "seconds": None, "state": None})
         return out
 
 
@@ -201,7 +297,7 @@ def describe(records: list[Any]) -> str:
         if rec["result"] == "killed":
             parts.append(f"r{r}: killed")
             continue
-        changed = {True: "CHANGED", False: "unchanged", None: "?"}[rec["changed"]]
+        changed = rec["state"] or "?"
         secs = "" if rec["seconds"] is None else f"{rec['seconds']:g} s, "
         parts.append(f"r{r}: {secs}{_short(rec['result'])}, {changed}")
     return "<br>".join(parts)

@@ -99,6 +99,23 @@ def test_a_source_killed_mid_stream(part, undo):
     assert survivor["unchanged"] is (undo == "1"), survivor
 
 
+def assert_safe(records) -> None:
+    """The fault matrix's acceptance, on one dcp_optim cell: every rank
+    ended (killed, or with a result: no hang); every surviving rank that
+    raised is ``unchanged``, every one that returned is ``loaded`` (or,
+    for a getter, ``unchanged``); the survivors raised the same error
+    type."""
+    survivors = [rec for rec in records if rec["result"] != "killed"]
+    assert survivors, records
+    for rec in survivors:
+        assert not rec["result"].startswith("died"), records
+        if rec["result"] == "ok":
+            assert rec["state"] in ("loaded", "unchanged"), records
+        else:
+            assert rec["state"] == "unchanged", records
+    assert len({rec["result"].split(":")[0] for rec in survivors}) == 1, records
+
+
 @pytest.mark.parametrize("path", ["full", "broadcast", "flat"])
 def test_peer_killed_before_the_last_agreement_changes_nothing(path):
     """Rank 1 dies after the data moved (an in-place full or broadcast
@@ -107,7 +124,71 @@ def test_peer_killed_before_the_last_agreement_changes_nothing(path):
     wrote is put back (the fault matrix's "kill-agree" cells)."""
     from .fault_matrix import run_cell
 
-    r0, r1 = run_cell("kill-agree", path, "dcp_optim")
+    r0, r1 = records = run_cell("kill-agree", path, "dcp_optim")
     assert r1["result"] == "killed", r1
     assert r0["result"].startswith("RuntimeError:") and "gloo" in r0["result"], r0
-    assert r0["changed"] is False, r0
+    assert_safe(records)
+
+
+def test_peer_killed_after_the_last_agreement_leaves_the_load():
+    """Rank 1 dies as its commit starts, after the last agreement: the
+    survivor completes the load it agreed on -- ``loaded``, bit for bit,
+    not partly (the fault matrix's "kill-commit" cells)."""
+    from .fault_matrix import run_cell
+
+    r0, r1 = records = run_cell("kill-commit", "sharded", "dcp_optim")
+    assert r1["result"] == "killed", r1
+    assert r0["result"] == "ok" and r0["state"] == "loaded", r0
+    assert_safe(records)
+
+
+def test_the_matrix_classifies_what_a_call_left():
+    import torch
+
+    from .fault_matrix import classify
+
+    before = ([torch.zeros(2), torch.zeros(3)], [{"exp_avg": torch.zeros(2), "step": torch.tensor(2.0)}])
+    loaded = ([torch.ones(2), torch.ones(3)], [{"exp_avg": torch.ones(2), "step": torch.tensor(2.0)}])
+    partial = ([torch.ones(2), torch.zeros(3)], [{"exp_avg": torch.ones(2), "step": torch.tensor(2.0)}])
+    wrong = ([torch.ones(2), torch.full((3,), 0.5)], [{"exp_avg": torch.ones(2), "step": torch.tensor(2.0)}])
+    assert classify(before, before, loaded) == "unchanged"
+    assert classify(before, loaded, loaded) == "loaded"
+    assert classify(before, partial, loaded) == "PARTIAL"
+    assert classify(before, wrong, loaded) == "WRONG"
+    assert classify(before, loaded, None) == "WRONG"  # a getter that wrote
+    # a dtype change is not the same bits
+    assert classify(before, ([torch.zeros(2, dtype=torch.float64), torch.zeros(3)], before[1]), loaded) == "WRONG"
+
+
+@pytest.mark.parametrize("path", ["sharded", "broadcast"])
+def test_an_optimizer_load_raising_on_one_rank_rolls_the_model_back(path):
+    """The optimizer's own load_state_dict (an override) raises on rank 1
+    only, after the model was committed on every rank (and, broadcast,
+    after the stream wrote into the live tensors): every rank raises rank
+    1's error, and every rank's model and optimizer are as before (the
+    optimizer's hyperparameters too: the override set one before raising)."""
+    from .fault_matrix import run_cell
+
+    r0, r1 = records = run_cell("optim-load", path, "dcp_optim")
+    assert r0["result"] == r1["result"], records
+    assert r0["result"].startswith("RuntimeError: optimizer refuses the load on rank 1 [raised on rank 1"), records
+    assert_safe(records)
+
+
+@pytest.mark.parametrize("fault, path", [
+    ("options", "fsdp1-sharded"),  # FSDP1 without a device mesh: its sharded load exchanges shards
+    ("never", "fsdp1-get-full"),   # FSDP's own full state dict gathers every flat parameter
+    ("optim-load", "fsdp1-full"),
+])
+def test_fsdp1_paths_raise_the_same_error_within_the_bound(fault, path):
+    """FSDP1 paths that communicate through FSDP's own functions meet
+    (bounded) and agree first: the same error on every rank, before the
+    process group's timeout (6 s: what a hang would take), nothing
+    changed."""
+    from .fault_matrix import PG_TIMEOUT_S, run_cell
+
+    records = run_cell(fault, path, "dcp_optim")
+    assert records[0]["result"] == records[1]["result"], records
+    assert records[0]["result"].startswith(("StateDictRuntimeError", "RuntimeError: optimizer refuses")), records
+    assert all(rec["seconds"] < PG_TIMEOUT_S for rec in records), records
+    assert_safe(records)

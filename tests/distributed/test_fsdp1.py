@@ -51,7 +51,8 @@ def test_gather_is_bucketed():
         assert r["flat_params"] == 9
         # upstream: at least one all-gather per flat parameter and state
         assert r["upstream"] >= 2 * r["flat_params"], r
-        # dcp_optim: one metadata exchange, the agreement check, one bucket
+        # dcp_optim: the FSDP1 getter's agreement (options, FQNs), one
+        # metadata exchange, the gather's agreement check, one bucket
         assert r["ours"] <= 4, r
 
 
