@@ -34,8 +34,9 @@ from ._engine.checks import (
 # from here like the rest of upstream's private helpers (test_wrappers).
 from ._engine.core import EXTRA_STATE as _EXTRA_STATE  # noqa: F401
 from ._engine.core import C, context
-from ._engine.model import PATCH_MARK, ModelLoad, get_model, unflatten_model_state_dict
+from ._engine.model import ModelLoad, get_model, unflatten_model_state_dict
 from ._engine.optim import OptimLoad, get_optim, init_optim_state
+from ._engine.own_calls import PATCH_MARK
 from ._engine.pipeline import LoadPart, Prepared
 from .options import StateDictOptions
 
@@ -98,7 +99,7 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable:
-    from ._engine.model import state_dict_fn
+    from ._engine.own_calls import state_dict_fn
 
     return state_dict_fn(obj, api)
 

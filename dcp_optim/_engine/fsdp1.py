@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .. import errors
 from .collectives import gather_full_tensors
 from .core import C, context
-from .model import state_dict_fn
+from .own_calls import state_dict_fn
 from .pristine import pristine_states
 
 __all__ = [

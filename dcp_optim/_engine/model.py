@@ -24,36 +24,11 @@ from torch.nn.parameter import UninitializedTensorMixin, is_lazy  # type: ignore
 
 from .. import errors
 from .core import C, context
+from .own_calls import is_patched, state_dict_fn
 from .pipeline import Prepared
 from .tree import maybe_full_or_cpu_state_dict
 
-__all__ = ["ModelLoad", "get_model", "load_model", "state_dict_fn", "unflatten_model_state_dict"]
-
-# Marks the closures _patch_*_state_dict installs (D17 in docs/differences.md: a marker on the
-# function instead of upstream's ever-growing registry of closures, which
-# keeps every patched model alive).
-PATCH_MARK = "_dcp_optim_patched"
-
-
-def _is_patched(call: Any) -> bool:
-    if getattr(call, PATCH_MARK, False):
-        return True
-    # Closures installed by upstream's own _patch_*_state_dict.
-    try:
-        from torch.distributed.checkpoint import state_dict as upstream
-    except ImportError:  # pragma: no cover
-        return False
-    return call in upstream._patched_state_dict
-
-
-def state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable:
-    """``obj.<api>``, or the class's method when it was patched by us or by
-    upstream (so a patched object does not call itself recursively)."""
-    call = getattr(obj, api)
-    if _is_patched(call):
-        call = functools.partial(getattr(type(obj), api), self=obj)
-    return call
-
+__all__ = ["ModelLoad", "get_model", "load_model", "unflatten_model_state_dict"]
 
 @torch.no_grad()
 def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
@@ -594,7 +569,7 @@ def load_plan(model: nn.Module, info: Any) -> LoadPlan:
     cls = type(model)
     own = model.__dict__.get("load_state_dict")
     if cls.load_state_dict is not nn.Module.load_state_dict or (
-        own is not None and not _is_patched(own)
+        own is not None and not is_patched(own)
     ):
         return _TORCH_PLAN
     if C.indices_of(index.tensors, UninitializedTensorMixin):

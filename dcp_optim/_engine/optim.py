@@ -31,7 +31,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .. import errors
 from ..schema import PARAM, PARAM_DEVICE, proxied, schema_for
 from .core import C, context
-from .model import _is_patched, state_dict_fn
+from .own_calls import is_patched, state_dict_fn
 from .pipeline import Prepared, Report
 from .pristine import pristine, pristine_states, template_error
 from .ranklocal import check_rank_local
@@ -54,7 +54,7 @@ def _own_method(optim: _Optimizer, api: str, base: Any, hook_attrs: tuple[str, .
     if getattr(type(optim), api, None) is not base:
         return False
     instance_attr = optim.__dict__.get(api)
-    if instance_attr is not None and not _is_patched(instance_attr):
+    if instance_attr is not None and not is_patched(instance_attr):
         return False
     return not any(getattr(optim, attr, None) for attr in hook_attrs)
 
