@@ -173,7 +173,7 @@ def table_targets(s1: dict[str, Any]) -> str:
     lo, hi = TARGET_SIZES[0], TARGET_SIZES[-1]
     rows = []
     for op, _ in TARGETS:
-        cells = []
+        cells: list[tuple[float, float, float] | None] = []
         for impl in ("dcp_optim", "floor"):
             a, b = _cpu(idx.get((lo, op, impl))), _cpu(idx.get((hi, op, impl)))
             if a and b:
@@ -181,20 +181,20 @@ def table_targets(s1: dict[str, Any]) -> str:
                 cells.append((ua, ub, ub / ua))
             else:
                 cells.append(None)
-        dc, fl = cells
-        if dc is None:
+        ours, base = cells
+        if ours is None:
             rows.append([op, "-", "-", "-", f"<= {PER_TENSOR_GROWTH_LIMIT:.2f}", "not measured", "-"])
             continue
-        verdict = "met" if dc[2] <= PER_TENSOR_GROWTH_LIMIT else "NOT MET"
+        verdict = "met" if ours[2] <= PER_TENSOR_GROWTH_LIMIT else "NOT MET"
         rows.append(
             [
                 op,
-                f"{dc[0]:.2f}",
-                f"{dc[1]:.2f}",
-                f"{dc[2]:.2f}",
+                f"{ours[0]:.2f}",
+                f"{ours[1]:.2f}",
+                f"{ours[2]:.2f}",
                 f"<= {PER_TENSOR_GROWTH_LIMIT:.2f}",
                 verdict,
-                f"{fl[2]:.2f}" if fl else "-",
+                f"{base[2]:.2f}" if base else "-",
             ]
         )
     out += "\n\n" + _grid(
@@ -209,7 +209,7 @@ def table_targets(s1: dict[str, Any]) -> str:
         ],
         rows,
     )
-    floors = {}
+    floors: dict[str, Any] = {}
     for op, _ in TARGETS:
         for n in TARGET_SIZES:
             fl = idx.get((n, op, "floor"))

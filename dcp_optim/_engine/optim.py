@@ -1490,10 +1490,12 @@ class OptimSnapshot:
             if live.keys() != attrs.keys() or any(live[k] is not v for k, v in attrs.items()):
                 live.clear()
                 live.update(attrs)
-        for live, saved in self.dicts:
-            if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
-                live.clear()
-                live.update(saved)
+        for live_dict, saved_dict in self.dicts:
+            if live_dict.keys() != saved_dict.keys() or any(
+                live_dict[k] is not v for k, v in saved_dict.items()
+            ):
+                live_dict.clear()
+                live_dict.update(saved_dict)
         for live_list, saved_list in self.lists:
             if len(live_list) != len(saved_list) or any(a is not b for a, b in zip(live_list, saved_list)):
                 live_list[:] = saved_list

@@ -732,7 +732,7 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
             try:
                 set_grads()
                 if closure:
-                    optimizer.step(zero_loss)  # type: ignore[arg-type]
+                    optimizer.step(zero_loss)
                 else:
                     optimizer.step()
                 if any(bool(s.item()) for s in scalars.values()):
