@@ -43,7 +43,7 @@ from .core import C
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
-_ALIGN = 16  # widest scalar (complex128): every segment offset is a multiple
+_ALIGN = 16  # widest scalar (complex128): the smallest bucket
 
 _PLAN_CACHE: dict[tuple, tuple] = {}
 _PLAN_CACHE_MAX = 65536
@@ -786,18 +786,21 @@ def _split(sstart, dstart, lens, itemsize: int, limit: int):
 
 def _buckets(items: list, limit: int) -> list[tuple[int, list]]:
     """Greedy packing of (tensor, start, lens, dtype, nbytes) items into
-    buckets: [(size, [(offset, item)])]; both sides compute the same."""
+    buckets: [(size, [(offset, item)])]; both sides compute the same.  Each
+    offset is a multiple of its item's element size (so the bytes can be
+    viewed in its dtype): items of one dtype are packed with no gap."""
     out: list[tuple[int, list]] = []
     cur: list = []
-    off = end = 0  # the next aligned offset; the end of the last item
+    end = 0  # the end of the last item
     for item in items:
         n = item[4]
+        size = item[3].itemsize
+        off = (end + size - 1) // size * size
         if cur and off + n > limit:
             out.append((end, cur))
             cur, off = [], 0
         cur.append((off, item))
         end = off + n
-        off = (end + _ALIGN - 1) // _ALIGN * _ALIGN
     if cur:
         out.append((end, cur))
     return out
