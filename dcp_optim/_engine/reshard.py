@@ -702,9 +702,15 @@ def _agree_by_digest(src_leaves: dict, dst_leaves: dict | None, src_desc: dict, 
                      group_ranks: tuple) -> tuple | None:
     """(specs, objects) when the ranks agree by digest (see above), or None
     on every rank: then the gathered agreement decides."""
-    view = _view(src_leaves, dst_leaves, src_desc, dst_desc, rank, limit, group_ranks, local_problem)
-    if view is not None:
-        w0, w1 = _digest_words(view)
+    # whatever goes wrong here only costs this rank its view (the gathered
+    # agreement then reports it): no rank may skip the collectives below
+    try:
+        view = _view(src_leaves, dst_leaves, src_desc, dst_desc, rank, limit, group_ranks, local_problem)
+        words = None if view is None else _digest_words(view)
+    except Exception:  # noqa: BLE001 - see above
+        view = words = None
+    if view is not None and words is not None:
+        w0, w1 = words
         mine = [w0, w1, _WORD - w0, _WORD - w1, rank, 1]
     else:
         mine = [_BIG, _BIG, _BIG, _BIG, _BIG, 0]  # neutral; the last word: someone has no view
@@ -715,12 +721,15 @@ def _agree_by_digest(src_leaves: dict, dst_leaves: dict | None, src_desc: dict, 
         box = [view]
         dist.broadcast_object_list(box, src=root, group=group)
         if view is None:
-            got = box[0]
-            view = (got[0], _intern(got[1]), [
-                e if e[0] == "o" else e[:7] + tuple((lay[0], lay[1], _intern(lay[2])) for lay in e[7:])
-                for e in got[2]
-            ])
-            ok = _fits(view, src_desc, dst_desc, rank, limit, local_problem, group_ranks)
+            try:
+                got = box[0]
+                view = (got[0], _intern(got[1]), [
+                    e if e[0] == "o" else e[:7] + tuple((lay[0], lay[1], _intern(lay[2])) for lay in e[7:])
+                    for e in got[2]
+                ])
+                ok = _fits(view, src_desc, dst_desc, rank, limit, local_problem, group_ranks)
+            except Exception:  # noqa: BLE001 - not fitting: the gathered agreement reports why
+                ok = False
         else:
             ok = True
         (fine,) = _reduce_min([1 if ok else 0], group)
