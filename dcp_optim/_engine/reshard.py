@@ -2,12 +2,16 @@
 
 Three phases, every rank of the process group taking part:
 
-1. **Agreement.**  Each rank describes its leaves (DTensor: dtype, global
-   shape, mesh shape, placements and mesh ranks; plain tensor: dtype and
-   shape; anything else: its value) for the source and the template, and
-   one ``all_gather_object`` brings every rank's description to every rank.
-   The checks then run on the same gathered data everywhere, so a mismatch
-   raises the same error on every rank -- before anything is written.
+1. **Agreement.**  After the bounded arrival, each rank describes its
+   leaves (DTensor: dtype, global shape, mesh shape, placements and mesh
+   ranks; plain tensor: dtype and shape; anything else: its value) for the
+   source and the template, derives from them the layouts all ranks must
+   agree on, and one ``all_reduce`` of a digest of that view settles it
+   (``_agree_by_digest``; ranks without a view get one broadcast).  Only
+   when the ranks disagree does one ``all_gather_object`` bring every
+   rank's description to every rank (``_agree``); the checks then run on
+   the same gathered data everywhere, so a mismatch raises the same error
+   on every rank -- before anything is written.
 2. **Plan.**  For each tensor, the native ``reshard_plan`` (csrc/reshard_plan.c)
    intersects source and destination shard boxes and picks one holder per
    byte (the rank itself when it holds it: a local copy).  Plans are cached
@@ -15,9 +19,11 @@ Three phases, every rank of the process group taking part:
 3. **Transfer.**  Boxes to and from each peer are packed into byte buckets
    of at most ``bucket_bytes`` (larger boxes are split along their outer
    dimensions).  Peers are visited as ring shifts (shift k: send to
-   rank+k, receive from rank-k), one ``batch_isend_irecv`` per bucket, so a
-   rank holds at most one send and one receive bucket at a time; boxes a
-   rank holds itself are copied directly.  Received bytes are written into
+   rank+k, receive from rank-k; shifts without data for the rank are
+   skipped), one ``batch_isend_irecv`` per bucket, so a rank holds at most
+   one send and one receive bucket at a time; a bucket of one contiguous
+   box goes from / into the tensor itself; boxes a rank holds itself are
+   copied directly.  Received bytes are written into
    the template's local tensors (``copy_``: a dtype that differs from the
    source's is cast as ``dcp.load`` casts it).
 """
