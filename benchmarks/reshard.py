@@ -1,4 +1,4 @@
-"""Section 6: in-memory resharding (``dcp_optim.reshard_state_dict``).
+"""Section 7: in-memory resharding (``dcp_optim.reshard_state_dict``).
 
 ``python -m benchmarks --sections 7 [--reshard-mb 100] [--reshard-worlds 2,4]``
 
@@ -21,8 +21,18 @@ Part B, planning cost at scale (one process, no process group): the
 native plan of one rank of W, W up to 16384, for a (16384, 16384) tensor
 moved FSDP2 -> TP and FSDP2 -> FSDP2 on half the ranks: CPU time of
 ``reshard_plan``, peers, and the bytes the rank receives and copies
-locally against the bytes its destination shard needs.  The transfers themselves are not simulated (torch's fake
-process group has no point-to-point operations to time).
+locally against the bytes its destination shard needs.
+
+Part C, the whole call at scale (``fake_call``, one fresh process per W and
+pair): rank W // 3 of W on torch's fake process group runs
+``reshard_state_dict`` end to end -- descriptions, the digest agreement
+(the fake all_reduce leaves this rank's own digest: every rank agrees),
+the plan, the bucket copies and every ``batch_isend_irecv`` (the fake
+group moves no data).  It reports the CPU time of the first call (plans
+built) and of a repeat (plans cached), the collectives, the peers and the
+bytes this rank sends and receives, and checks received + copied locally
+= its destination shard.  Leaving ranks (which get the view in one
+broadcast) are not simulated.
 """
 
 from __future__ import annotations
@@ -190,12 +200,130 @@ def plan_scaling(worlds: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+# --- part C: the whole call on torch's fake process group ---------------------------
+
+FAKE_SHAPE = (16384, 16384)
+
+
+def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
+    """One rank (W // 3) of a world of W on torch's fake process group: the
+    whole ``reshard_state_dict`` call -- descriptions, the agreement (its
+    all_reduce leaves this rank's own digest: every rank agrees), the plan
+    and every ``batch_isend_irecv`` issued on the fake group (which moves
+    nothing; the bucket copies are real).  Two leaves: a (16384, 16384)
+    float32 weight and its (16384,) bias, FSDP2 ``Shard(0)`` at W, moved to
+    TP (weight ``Shard(1)``, bias ``Replicate``) or to FSDP2 on the first
+    W / 2 ranks.  Returns the CPU time of the first call (plans built) and
+    of a repeat (plans cached), the collectives and the bytes this rank
+    sends and receives."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import dcp_optim
+    from dcp_optim._engine import reshard as engine
+    from dcp_optim._engine.core import C
+
+    rank = world // 3
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    half = DeviceMesh("cpu", torch.arange(world // 2)) if pair == "fsdp->fsdp(W/2)" else None
+
+    def dtensor(shape, m, placements, fill):
+        spec = [(1, p.dim, 1) if isinstance(p, Shard) else (0, 0, 1) for p in placements]
+        coord = m.get_coordinate()
+        ((lshape, _),) = C.shard_layouts(list(shape), list(m.shape), spec, [list(coord)])
+        local = torch.full(tuple(lshape), fill, dtype=torch.float32)
+        stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+        return DTensor.from_local(local, m, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+    shapes = {"w": FAKE_SHAPE, "b": FAKE_SHAPE[:1]}
+    src = {k: dtensor(s, mesh, [Shard(0)], 1.0) for k, s in shapes.items()}
+    if half is None:
+        tmpl = {"w": dtensor(shapes["w"], mesh, [Shard(1)], 0.0), "b": dtensor(shapes["b"], mesh, [Replicate()], 0.0)}
+    else:
+        tmpl = {k: dtensor(s, half, [Shard(0)], 0.0) for k, s in shapes.items()}
+    need = sum(v.to_local().numel() * 4 for v in tmpl.values())
+
+    counts = {"sent": 0, "recv": 0, "p2p_batches": 0, "peers": set(), "all_reduce": 0, "broadcast_object_list": 0,
+              "all_gather_object": 0}
+    orig = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_reduce", "broadcast_object_list",
+                                                    "all_gather_object")}
+
+    def batch(ops):
+        counts["p2p_batches"] += 1
+        for op in ops:
+            n = op.tensor.numel() * op.tensor.element_size()
+            counts["sent" if op.op is dist.isend else "recv"] += n
+            counts["peers"].add(op.peer)
+        return orig["batch_isend_irecv"](ops)
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return orig[name](*args, **kwargs)
+        return call
+
+    dist.batch_isend_irecv = batch  # type: ignore[assignment]
+    for name in ("all_reduce", "broadcast_object_list", "all_gather_object"):
+        setattr(dist, name, counted(name))
+    try:
+        times = []
+        for i in range(reps + 1):
+            if i == 1:
+                first = {k: (len(v) if isinstance(v, set) else v) for k, v in counts.items()}
+            t0 = time.process_time()
+            dcp_optim.reshard_state_dict(src, tmpl)
+            times.append(time.process_time() - t0)
+    finally:
+        for name, fn in orig.items():
+            setattr(dist, name, fn)
+    local = 0
+    for key, (loc, _, _) in engine._PLAN_CACHE.items():
+        if key[-1] == rank:
+            for _, _, lens in loc:
+                n = 4
+                for x in lens:
+                    n *= x
+                local += n
+    dist.destroy_process_group()
+    return {
+        "world": world, "pair": pair, "rank": rank, "first_cpu_s": times[0], "repeat_cpu_s": min(times[1:]),
+        "sent_bytes": first["sent"], "recv_bytes": first["recv"], "local_bytes": local, "dst_shard_bytes": need,
+        "peers": first["peers"], "p2p_batches": first["p2p_batches"], "all_reduce": first["all_reduce"],
+        "broadcast_object_list": first["broadcast_object_list"], "all_gather_object": first["all_gather_object"],
+        "agreement": engine.agreement_info(),
+    }
+
+
+def fake_scaling(worlds: list[int], reps: int = 2) -> list[dict[str, Any]]:
+    """``fake_call`` for each W and pair, each in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    out = []
+    for world in worlds:
+        for pair in ("fsdp->tp", "fsdp->fsdp(W/2)"):
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.reshard", "--fake", str(world), pair, str(reps)],
+                capture_output=True, text=True, timeout=1800,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"fake-group simulation W={world} {pair} failed:\n{proc.stderr[-4000:]}")
+            out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
 def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int = 3,
-                bucket_mb: float = 32.0, scale_worlds: tuple[int, ...] = (8, 64, 512, 4096, 16384)) -> dict[str, Any]:
+                bucket_mb: float = 32.0, scale_worlds: tuple[int, ...] = (8, 64, 512, 4096, 16384),
+                fake: bool = True) -> dict[str, Any]:
     cfg = {"mb": mb, "reps": reps, "bucket_bytes": int(bucket_mb * 2**20)}
     gloo = [run_gloo(w, cfg) for w in worlds]
     scaling = plan_scaling(list(scale_worlds))
-    print(f"\n== 6. In-memory resharding: FSDP2 Shard(0) -> TP Shard(1), {gloo[0]['mb']:.0f} MB of float32, "
+    simulated = fake_scaling(list(scale_worlds)) if fake else []
+    print(f"\n== 7. In-memory resharding: FSDP2 Shard(0) -> TP Shard(1), {gloo[0]['mb']:.0f} MB of float32, "
           f"gloo; median of {reps}, slowest rank ==")
     print(f"{'ranks':>5}  {'reshard':>9}  {'gather+slice':>12}  {'dcp shm':>9}  {'vs gather':>9}  {'vs dcp':>7}  identical")
     for g in gloo:
@@ -207,8 +335,26 @@ def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int =
     for s in scaling:
         print(f"{s['world']:>6}  {s['pair']:>16}  {s['plan_cpu_ms']:>7.3f}ms  {s['peers']:>6}  "
               f"{s['recv_bytes'] / 2**20:>8.3f}  {s['local_bytes'] / 2**20:>8.3f}  {s['dst_shard_bytes'] / 2**20:>8.3f}")
-    return {"gloo": gloo, "plan_scaling": scaling}
+    if simulated:
+        print("\n-- the whole call for rank W // 3 of W on torch's fake process group "
+              "((16384, 16384) weight + (16384,) bias) --")
+        print(f"{'W':>6}  {'pair':>16}  {'1st CPU':>9}  {'repeat CPU':>10}  {'peers':>6}  {'p2p':>6}  "
+              f"{'coll':>4}  {'recv MB':>9}  {'sent MB':>9}  {'local MB':>9}  {'shard MB':>9}  recv+local=shard")
+        for s in simulated:
+            coll = s["all_reduce"] + s["broadcast_object_list"] + s["all_gather_object"]
+            print(f"{s['world']:>6}  {s['pair']:>16}  {s['first_cpu_s'] * 1e3:>7.1f}ms  "
+                  f"{s['repeat_cpu_s'] * 1e3:>8.1f}ms  {s['peers']:>6}  {s['p2p_batches']:>6}  {coll:>4}  "
+                  f"{s['recv_bytes'] / 2**20:>9.4f}  {s['sent_bytes'] / 2**20:>9.4f}  "
+                  f"{s['local_bytes'] / 2**20:>9.4f}  {s['dst_shard_bytes'] / 2**20:>9.4f}  "
+                  f"{s['recv_bytes'] + s['local_bytes'] == s['dst_shard_bytes']}")
+    return {"gloo": gloo, "plan_scaling": scaling, "fake_scaling": simulated}
 
 
 if __name__ == "__main__":
-    run_section()
+    import json
+    import sys
+
+    if len(sys.argv) >= 4 and sys.argv[1] == "--fake":
+        print(json.dumps(fake_call(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 2)))
+    else:
+        run_section()

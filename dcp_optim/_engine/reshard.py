@@ -2,12 +2,16 @@
 
 Three phases, every rank of the process group taking part:
 
-1. **Agreement.**  Each rank describes its leaves (DTensor: dtype, global
-   shape, mesh shape, placements and mesh ranks; plain tensor: dtype and
-   shape; anything else: its value) for the source and the template, and
-   one ``all_gather_object`` brings every rank's description to every rank.
-   The checks then run on the same gathered data everywhere, so a mismatch
-   raises the same error on every rank -- before anything is written.
+1. **Agreement.**  After the bounded arrival, each rank describes its
+   leaves (DTensor: dtype, global shape, mesh shape, placements and mesh
+   ranks; plain tensor: dtype and shape; anything else: its value) for the
+   source and the template, derives from them the layouts all ranks must
+   agree on, and one ``all_reduce`` of a digest of that view settles it
+   (``_agree_by_digest``; ranks without a view get one broadcast).  Only
+   when the ranks disagree does one ``all_gather_object`` bring every
+   rank's description to every rank (``_agree``); the checks then run on
+   the same gathered data everywhere, so a mismatch raises the same error
+   on every rank -- before anything is written.
 2. **Plan.**  For each tensor, the native ``reshard_plan`` (csrc/reshard_plan.c)
    intersects source and destination shard boxes and picks one holder per
    byte (the rank itself when it holds it: a local copy).  Plans are cached
@@ -15,9 +19,11 @@ Three phases, every rank of the process group taking part:
 3. **Transfer.**  Boxes to and from each peer are packed into byte buckets
    of at most ``bucket_bytes`` (larger boxes are split along their outer
    dimensions).  Peers are visited as ring shifts (shift k: send to
-   rank+k, receive from rank-k), one ``batch_isend_irecv`` per bucket, so a
-   rank holds at most one send and one receive bucket at a time; boxes a
-   rank holds itself are copied directly.  Received bytes are written into
+   rank+k, receive from rank-k; shifts without data for the rank are
+   skipped), one ``batch_isend_irecv`` per bucket, so a rank holds at most
+   one send and one receive bucket at a time; a bucket of one contiguous
+   box goes from / into the tensor itself; boxes a rank holds itself are
+   copied directly.  Received bytes are written into
    the template's local tensors (``copy_``: a dtype that differs from the
    source's is cast as ``dcp.load`` casts it).
 """
@@ -25,6 +31,8 @@ Three phases, every rank of the process group taking part:
 from __future__ import annotations
 
 import copy
+import hashlib
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,12 +43,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
+from .consistency import await_arrival
 from .core import C
 
-__all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache"]
+__all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
-_ALIGN = 16  # widest scalar (complex128): every segment offset is a multiple
+_ALIGN = 16  # widest scalar (complex128): the smallest bucket
 
 _PLAN_CACHE: dict[tuple, tuple] = {}
 _PLAN_CACHE_MAX = 65536
@@ -50,6 +59,16 @@ _cache_stats = {"hits": 0, "misses": 0}
 def plan_cache_info() -> dict[str, int]:
     """Hits, misses and size of the per-layout-pair plan cache."""
     return {**_cache_stats, "size": len(_PLAN_CACHE)}
+
+
+_agreements = {"digest": 0, "broadcast": 0, "gathered": 0}
+
+
+def agreement_info() -> dict[str, int]:
+    """How the calls of this process agreed on the layouts: by digest
+    alone, by digest and one broadcast (some ranks pass no template or
+    hold no source), or by gathering every rank's descriptions."""
+    return dict(_agreements)
 
 
 def clear_plan_cache() -> None:
@@ -351,7 +370,7 @@ def _layouts(path, sk, dk, holders, descs, s0, d0, fail) -> _Spec | None:
                     f"its placements imply {list(expect)} (unsupported layout)"
                 )
                 return None
-    return _Spec(path, s0[1], s0[2], src, dst)
+    return _Spec(path, s0[1], s0[2], (src[0], src[1], _intern(tuple(src[2]))), (dst[0], dst[1], _intern(tuple(dst[2]))))
 
 
 def _merge_meshes(name: str, side: str, entries: list, fail) -> tuple | None:
@@ -393,11 +412,351 @@ def _coord(index: int, shape: tuple) -> list[int]:
     return coord[::-1]
 
 
+# --- agreement by digest ---------------------------------------------------------
+#
+# The fast path of the agreement.  Each rank derives, from its own leaves
+# alone, the layouts every rank must agree on: per template key (in the
+# gathered path's order) the source dtype, the global shape, the template
+# dtype and both layouts (mesh shape, placements, mesh ranks), or the
+# source's value of a non-tensor leaf; plus the bucket size and the ranks
+# that pass a template.  A rank that cannot (no template, a template key it
+# does not hold in its source, anything the gathered path would report)
+# has no view.  One all_reduce (MIN) of six integers then tells every rank
+# whether the ranks with a view have the same 124-bit digest of it.  If
+# every rank has one and they agree, the layouts are agreed.  If some
+# ranks have none, the lowest rank with a view broadcasts it (its size is
+# O(leaves + mesh ranks), not O(W x leaves)) and each of them checks its
+# own leaves against it; one more all_reduce says whether all did.  Any
+# disagreement falls back to the gathered agreement (``_agree``), which
+# either finds the same layouts (for example a tensor held on only some
+# of the submeshes of a mesh) or raises its error, the same on every rank.
+
+_BIG = 1 << 62
+_WORD = (1 << 62) - 1
+
+# canonical tuples of mesh ranks: id -> tuple (kept alive, so ids are stable)
+_INTERN_BY_ID: dict[int, tuple[tuple, tuple]] = {}
+_INTERN_BY_VALUE: dict[tuple, tuple] = {}
+_RANKS_DIGEST: dict[int, bytes] = {}
+_POSITION: dict[tuple[int, int], int] = {}
+_SUBSET: dict[tuple[int, int], bool] = {}
+_MERGED: dict[Any, tuple | None] = {}
+_TEMPLATE_RANKS: dict[tuple, tuple] = {}
+
+
+def _intern(ranks: tuple) -> tuple:
+    """The canonical object of a tuple of mesh ranks: looked up by identity
+    first (a mesh's cached tuple: no hashing of its W ranks), by value the
+    first time an object is seen.  Plans, digests and positions are keyed
+    by the canonical object's id: it is kept alive here."""
+    hit = _INTERN_BY_ID.get(id(ranks))
+    if hit is not None and hit[0] is ranks:
+        return hit[1]
+    if len(_INTERN_BY_ID) >= 4096:
+        # ids can be reused once the tuples go: what is keyed by them too
+        _INTERN_BY_ID.clear()
+        _INTERN_BY_VALUE.clear()
+        _RANKS_DIGEST.clear()
+        _POSITION.clear()
+        _SUBSET.clear()
+        _TEMPLATE_RANKS.clear()
+        _MERGED.clear()
+        _PLAN_CACHE.clear()
+    canon = _INTERN_BY_VALUE.setdefault(ranks, ranks)
+    _INTERN_BY_ID[id(ranks)] = (ranks, canon)
+    _INTERN_BY_ID[id(canon)] = (canon, canon)
+    return canon
+
+
+def _position(ranks: tuple, rank: int) -> int:
+    """The index of ``rank`` in the canonical ``ranks`` (-1: not there),
+    found once per tuple."""
+    key = (id(ranks), rank)
+    pos = _POSITION.get(key)
+    if pos is None:
+        try:
+            pos = ranks.index(rank)
+        except ValueError:
+            pos = -1
+        _POSITION[key] = pos
+    return pos
+
+
+def _ranks_digest(ranks: tuple) -> bytes:
+    d = _RANKS_DIGEST.get(id(ranks))
+    if d is None:
+        d = _RANKS_DIGEST[id(ranks)] = hashlib.blake2b(repr(ranks).encode(), digest_size=16).digest()
+    return d
+
+
+def _merged_layout(mesh: Any, placements: tuple) -> tuple | None:
+    """The layout of a DTensor on ``mesh`` held on every submesh of its
+    root mesh that has the same mesh dimensions (FSDP's data-parallel
+    submeshes of a 2-D mesh): a Replicate dimension in front, submeshes
+    ordered by their lowest rank, as ``_merge_meshes`` builds it.  None
+    where the root cannot be cut that way."""
+    key = (mesh, placements)
+    if key in _MERGED:
+        return _MERGED[key]
+    out = None
+    root = mesh._get_root_mesh()
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if names and root_names and all(n in root_names for n in names) and len(set(names)) == len(names):
+        sub = [root_names.index(n) for n in names]
+        rest = [i for i in range(root.mesh.dim()) if i not in sub]
+        rows = root.mesh.permute(rest + sub).reshape(-1, *tuple(mesh.shape))
+        mine = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+        flat = [tuple(int(r) for r in row.reshape(-1).tolist()) for row in rows]
+        if mine in flat:
+            flat.sort(key=min)
+            ranks = tuple(r for row in flat for r in row)
+            out = ((len(flat),) + tuple(mesh.shape), ((0, 0, 1),) + placements, _intern(ranks))
+    if len(_MERGED) >= 1024:
+        _MERGED.clear()
+    _MERGED[key] = out
+    return out
+
+
+def _own_layout(value: Any, desc: tuple, rank: int, plain: tuple) -> tuple | None:
+    """One side's layout of a tensor leaf as this rank sees it, or None;
+    the rank's own local shard must be the one the layout implies."""
+    if desc[0] == "t":
+        return ((len(plain),), ((0, 0, 1),), plain)
+    lay: tuple | None = (desc[3], desc[4], _intern(desc[5]))
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        if mesh._get_root_mesh() is not mesh:
+            lay = _merged_layout(mesh, desc[4])
+            if lay is None:
+                return None
+    if not _local_shape_fits(desc, lay, rank):  # type: ignore[arg-type]
+        return None
+    return lay
+
+
+def _local_shape_fits(desc: tuple, lay: tuple, rank: int) -> bool:
+    """Whether this rank's local shard of a DTensor leaf has the shape the
+    layout implies (a holder off the mesh, as in the gathered path, holds
+    nothing of it)."""
+    mesh_shape, placements, ranks = lay
+    index = _position(ranks, rank)
+    if desc[6] is None or index < 0:
+        return True
+    try:
+        ((expect, _),) = C.shard_layouts(list(desc[2]), list(mesh_shape), list(placements),
+                                         [_coord(index, mesh_shape)])
+    except ValueError:
+        return False
+    return tuple(expect) == tuple(desc[6])
+
+
+def _within(ranks: tuple, group_ranks: tuple) -> bool:
+    key = (id(ranks), id(group_ranks))
+    hit = _SUBSET.get(key)
+    if hit is None:
+        hit = _SUBSET[key] = set(group_ranks).issuperset(ranks)
+    return hit
+
+
+def _template_ranks(dst_layouts: list[tuple], group_ranks: tuple) -> tuple:
+    """The ranks assumed to pass a template: every rank of the template's
+    DTensor meshes (all of the group where it has none)."""
+    distinct = {id(lay[2]): lay[2] for lay in dst_layouts}
+    if not distinct:
+        return group_ranks
+    key = tuple(sorted(distinct))
+    hit = _TEMPLATE_RANKS.get(key)
+    if hit is None:
+        if len(_TEMPLATE_RANKS) >= 256:
+            _TEMPLATE_RANKS.clear()
+        members: set[int] = set()
+        for ranks in distinct.values():
+            members.update(ranks)
+        hit = _TEMPLATE_RANKS[key] = _intern(tuple(sorted(members)))
+    return hit
+
+
+def _view(src_leaves: dict, dst_leaves: dict | None, src_desc: dict, dst_desc: dict | None, rank: int,
+          limit: int, group_ranks: tuple, local_problem: str | None) -> tuple | None:
+    """This rank's account of the agreed layouts (see above), or None.
+    Entries: ("o", path, value) or ("t", path, source dtype, global shape,
+    template dtype, source kind, template kind, source layout, template
+    layout)."""
+    if local_problem is not None or dst_desc is None or dst_leaves is None:
+        return None
+    entries: list[tuple] = []
+    plain_dst: list[int] = []
+    dst_layouts: list[tuple] = []
+    for path in sorted(dst_desc, key=repr):
+        d, s = dst_desc[path], src_desc.get(path)
+        if s is None or s[0] == "bad" or d[0] == "bad":
+            return None
+        if s[0] == "o" or d[0] == "o":
+            if s[0] != d[0]:
+                return None
+            entries.append(("o", path, s[1]))
+            continue
+        if s[2] != d[2]:
+            return None
+        src = _own_layout(src_leaves[path], s, rank, group_ranks)
+        dst = _own_layout(dst_leaves[path], d, rank, group_ranks) if d[0] != "t" else None
+        if src is None or (d[0] != "t" and dst is None):
+            return None
+        if not _within(src[2], group_ranks) or (dst is not None and not _within(dst[2], group_ranks)):
+            return None
+        if dst is None:
+            plain_dst.append(len(entries))
+        else:
+            dst_layouts.append(dst)
+        entries.append(("t", path, s[1], s[2], d[1], s[0], d[0], src, dst))
+    tmpl = _template_ranks(dst_layouts, group_ranks)
+    if _position(tmpl, rank) < 0:
+        return None
+    plain = ((len(tmpl),), ((0, 0, 1),), tmpl)
+    for i in plain_dst:
+        entries[i] = entries[i][:8] + (plain,)
+    return (limit, tmpl, entries)
+
+
+def _digest_words(view: tuple) -> tuple[int, int]:
+    """124 bits of a digest of a view: the W ranks of a mesh are hashed
+    once per mesh, not once per leaf."""
+    limit, tmpl, entries = view
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(limit).encode())
+    h.update(_ranks_digest(tmpl))
+    for e in entries:
+        if e[0] == "o":
+            h.update(b"o" + repr(e[1]).encode())
+            h.update(_object_bytes(e[2]))
+            continue
+        h.update(repr(e[:7]).encode())
+        for lay in e[7:]:
+            h.update(repr(lay[:2]).encode())
+            h.update(_ranks_digest(lay[2]))
+    raw = h.digest()
+    return int.from_bytes(raw[:8], "little") & _WORD, int.from_bytes(raw[8:], "little") & _WORD
+
+
+def _object_bytes(value: Any) -> bytes:
+    try:
+        return pickle.dumps(value, protocol=4)
+    except Exception:  # noqa: BLE001 - an unpicklable value: its repr
+        return repr(value).encode()
+
+
+def _reduce_min(values: list[int], group: Any) -> list[int]:
+    buf = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
+    return buf.tolist()
+
+
+def _fits(view: tuple, src_desc: dict, dst_desc: dict | None, rank: int, limit: int,
+          local_problem: str | None, group_ranks: tuple) -> bool:
+    """Whether this rank's own leaves agree with another rank's view
+    (interned): what the gathered path would check of them."""
+    vlimit, tmpl, entries = view
+    if local_problem is not None or vlimit != limit or (dst_desc is not None) != (_position(tmpl, rank) >= 0):
+        return False
+    if dst_desc is not None and len(dst_desc) != len(entries):
+        return False
+    for e in entries:
+        path = e[1]
+        s = src_desc.get(path)
+        d = None if dst_desc is None else dst_desc.get(path)
+        if dst_desc is not None and (d is None or (e[0] == "o") != (d[0] == "o")):
+            return False
+        if e[0] == "o":
+            if s is not None and (s[0] != "o" or _object_bytes(s[1]) != _object_bytes(e[2])):
+                return False
+            continue
+        _, _, sdtype, shape, ddtype, skind, dkind, src, dst = e
+        if d is not None and (d[0] != dkind or d[1] != ddtype or d[2] != shape):
+            return False
+        if d is not None and dkind == "dt" and not _on_layout(d, dst, rank):
+            return False
+        holds = s is not None
+        if holds and (s[0] != skind or s[1] != sdtype or s[2] != shape):
+            return False
+        if (_position(src[2], rank) >= 0) != holds:
+            return False
+        if holds and skind == "dt" and not _on_layout(s, src, rank):
+            return False
+    return True
+
+
+def _on_layout(desc: tuple, lay: tuple, rank: int) -> bool:
+    """A DTensor leaf of this rank against an agreed layout: its mesh is
+    the agreed one or one of its rows (the submeshes a Replicate dimension
+    was put in front of), and its local shard has the implied shape."""
+    mesh_shape, placements, ranks = lay
+    mine = tuple(desc[5])
+    if (tuple(desc[3]), tuple(desc[4])) == (tuple(mesh_shape), tuple(placements)):
+        if mine != ranks:
+            return False
+    elif (tuple(desc[3]), tuple(desc[4])) == (tuple(mesh_shape[1:]), tuple(placements[1:])):
+        n = len(mine)
+        if mine not in {ranks[i:i + n] for i in range(0, len(ranks), n)}:
+            return False
+    else:
+        return False
+    return _local_shape_fits(desc, lay, rank)
+
+
+def _agree_by_digest(src_leaves: dict, dst_leaves: dict | None, src_desc: dict, dst_desc: dict | None,
+                     rank: int, group: Any, local_problem: str | None, limit: int,
+                     group_ranks: tuple) -> tuple | None:
+    """(specs, objects) when the ranks agree by digest (see above), or None
+    on every rank: then the gathered agreement decides."""
+    # whatever goes wrong here only costs this rank its view (the gathered
+    # agreement then reports it): no rank may skip the collectives below
+    try:
+        view = _view(src_leaves, dst_leaves, src_desc, dst_desc, rank, limit, group_ranks, local_problem)
+        words = None if view is None else _digest_words(view)
+    except Exception:  # noqa: BLE001 - see above
+        view = words = None
+    if view is not None and words is not None:
+        w0, w1 = words
+        mine = [w0, w1, _WORD - w0, _WORD - w1, rank, 1]
+    else:
+        mine = [_BIG, _BIG, _BIG, _BIG, _BIG, 0]  # neutral; the last word: someone has no view
+    lo0, lo1, hi0, hi1, root, everyone = _reduce_min(mine, group)
+    if root == _BIG or (lo0, lo1) != (_WORD - hi0, _WORD - hi1):
+        return None
+    if not everyone:
+        box = [view]
+        dist.broadcast_object_list(box, src=root, group=group)
+        if view is None:
+            try:
+                got = box[0]
+                view = (got[0], _intern(got[1]), [
+                    e if e[0] == "o" else e[:7] + tuple((lay[0], lay[1], _intern(lay[2])) for lay in e[7:])
+                    for e in got[2]
+                ])
+                ok = _fits(view, src_desc, dst_desc, rank, limit, local_problem, group_ranks)
+            except Exception:  # noqa: BLE001 - not fitting: the gathered agreement reports why
+                ok = False
+        else:
+            ok = True
+        (fine,) = _reduce_min([1 if ok else 0], group)
+        if not fine:
+            return None
+        _agreements["broadcast"] += 1
+    else:
+        _agreements["digest"] += 1
+    specs = [_Spec(e[1], e[2], e[3], e[7], e[8]) for e in view[2] if e[0] == "t"]
+    objects = {e[1]: e[2] for e in view[2] if e[0] == "o"}
+    return specs, objects
+
+
 # --- plan ------------------------------------------------------------------------
 
 
 def _plan(spec: _Spec, rank: int) -> tuple:
-    key = (spec.shape, spec.src, spec.dst, rank)
+    # the mesh ranks are canonical objects (_intern): keyed by identity,
+    # their W ranks are not hashed on every call
+    src, dst = spec.src, spec.dst
+    key = (spec.shape, src[0], src[1], id(src[2]), dst[0], dst[1], id(dst[2]), rank)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         _cache_stats["hits"] += 1
@@ -442,18 +801,21 @@ def _split(sstart, dstart, lens, itemsize: int, limit: int):
 
 def _buckets(items: list, limit: int) -> list[tuple[int, list]]:
     """Greedy packing of (tensor, start, lens, dtype, nbytes) items into
-    buckets: [(size, [(offset, item)])]; both sides compute the same."""
+    buckets: [(size, [(offset, item)])]; both sides compute the same.  Each
+    offset is a multiple of its item's element size (so the bytes can be
+    viewed in its dtype): items of one dtype are packed with no gap."""
     out: list[tuple[int, list]] = []
     cur: list = []
-    off = end = 0  # the next aligned offset; the end of the last item
+    end = 0  # the end of the last item
     for item in items:
         n = item[4]
+        size = item[3].itemsize
+        off = (end + size - 1) // size * size
         if cur and off + n > limit:
             out.append((end, cur))
             cur, off = [], 0
         cur.append((off, item))
         end = off + n
-        off = (end + _ALIGN - 1) // _ALIGN * _ALIGN
     if cur:
         out.append((end, cur))
     return out
@@ -470,7 +832,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     if limit < _ALIGN:
         raise errors.StateDictValueError(f"bucket_bytes must be at least {_ALIGN}, got {limit}")
     rank = dist.get_rank()
-    group_ranks = sorted(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    group_ranks = _group_ranks(group)
     if source is None:
         source = {}
     # Anything wrong on this rank alone is reported through the agreement
@@ -494,7 +856,16 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         local_problem = f"{type(exc).__name__}: {exc}"
         src_desc, dst_desc = {}, None
-    specs, objects = _agree(src_desc, dst_desc, rank, group, local_problem, limit, group_ranks)
+    # a rank that never comes (crashed, or elsewhere) is reported within
+    # the package's bound instead of the process group's timeout
+    await_arrival(None if len(group_ranks) == dist.get_world_size() else _RanksMesh(group_ranks),
+                  "reshard_state_dict")
+    agreed = _agree_by_digest(src_leaves, dst_leaves, src_desc, dst_desc, rank, group, local_problem, limit,
+                              group_ranks)
+    if agreed is None:
+        _agreements["gathered"] += 1
+        agreed = _agree(src_desc, dst_desc, rank, group, local_problem, limit, list(group_ranks))
+    specs, objects = agreed
 
     # this rank's boxes: locals, and per peer the ordered send / recv items
     locals_: list[tuple] = []
@@ -517,41 +888,98 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
             for s, _d, ln in _split(sstart, dstart, lens, itemsize, limit):
                 sends.setdefault(peer, []).append((src_t, s, ln, dtype, _nbytes(ln, itemsize)))
 
-    ranks = group_ranks
-    me = ranks.index(rank)
-    device = _buffer_device(group)
-    world = len(ranks)
-    send_buf: torch.Tensor | None = None
-    recv_buf: torch.Tensor | None = None
-    for k in range(1, world):
-        to, frm = ranks[(me + k) % world], ranks[(me - k) % world]
-        sb = _buckets(sends.get(to, []), limit)
-        rb = _buckets(recvs.get(frm, []), limit)
-        for t in range(max(len(sb), len(rb))):
-            ops = []
-            if t < len(sb):
-                size, entries = sb[t]
-                if send_buf is None or send_buf.numel() < size:
-                    send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
-                for off, (tensor, start, lens, dtype, n) in entries:
-                    _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
-                ops.append(dist.P2POp(dist.isend, send_buf[:size], to, group))
-            if t < len(rb):
-                size, _ = rb[t]
-                if recv_buf is None or recv_buf.numel() < size:
-                    recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
-                ops.append(dist.P2POp(dist.irecv, recv_buf[:size], frm, group))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            if t < len(rb):
-                for off, (tensor, start, lens, dtype, n) in rb[t][1]:
-                    tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+    _transfer(sends, recvs, group_ranks, rank, group, limit)
     for src_t, sstart, dst_t, dstart, lens in locals_:
         dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
 
     if template is None:
         return None
     return _rebuild(template, (), objects)
+
+
+def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, limit: int) -> None:
+    """The ring shifts that carry data for this rank, in increasing order
+    (shift k: send to rank+k, receive from rank-k); shifts with no peer
+    are skipped.  Every rank goes through its shifts in the same order,
+    and the sender and receiver of a pair pack the same buckets, so each
+    ``batch_isend_irecv`` meets its peer's.  A bucket of one contiguous
+    box is sent from, or received into, the tensor itself (no bucket
+    copy; a received box only where the template holds the source's
+    dtype)."""
+    me = _position(ranks, rank)
+    world = len(ranks)
+    shifts = sorted({(_position(ranks, p) - me) % world for p in sends}
+                    | {(me - _position(ranks, p)) % world for p in recvs})
+    device = _buffer_device(group)
+    send_buf: torch.Tensor | None = None
+    recv_buf: torch.Tensor | None = None
+    for k in shifts:
+        if k == 0:
+            continue
+        to, frm = ranks[(me + k) % world], ranks[(me - k) % world]
+        sb = _buckets(sends.get(to, []), limit)
+        rb = _buckets(recvs.get(frm, []), limit)
+        for t in range(max(len(sb), len(rb))):
+            ops = []
+            direct = None
+            if t < len(sb):
+                size, entries = sb[t]
+                whole = _whole(entries, device, None)
+                if whole is None:
+                    if send_buf is None or send_buf.numel() < size:
+                        send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                    for off, (tensor, start, lens, dtype, n) in entries:
+                        _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
+                    whole = send_buf[:size]
+                ops.append(dist.P2POp(dist.isend, whole, to, group))
+            if t < len(rb):
+                size, entries = rb[t]
+                direct = _whole(entries, device, entries[0][1][3])
+                if direct is None:
+                    if recv_buf is None or recv_buf.numel() < size:
+                        recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                ops.append(dist.P2POp(dist.irecv, direct if direct is not None else recv_buf[:size], frm, group))
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            if t < len(rb) and direct is None:
+                for off, (tensor, start, lens, dtype, n) in rb[t][1]:
+                    tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+
+
+def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The bytes of a bucket's only box, where it is contiguous in its
+    tensor (on the buckets' device; of ``dtype`` where given), or None."""
+    if len(entries) != 1:
+        return None
+    tensor, start, lens, _, n = entries[0][1]
+    if tensor.device != device or (dtype is not None and tensor.dtype != dtype) or n == 0:
+        return None
+    box = tensor[_box(start, lens)]
+    if not box.is_contiguous():
+        return None
+    return box.detach().reshape(-1).view(torch.uint8)
+
+
+class _RanksMesh:
+    """What ``await_arrival`` reads of a mesh (its rank tensor), for a
+    process group over some of the ranks."""
+
+    def __init__(self, ranks: tuple) -> None:
+        self.mesh = torch.tensor(ranks)
+
+
+_GROUP_RANKS: dict[Any, tuple] = {}
+
+
+def _group_ranks(group: Any) -> tuple:
+    """The sorted global ranks of ``group`` (None: the world), canonical
+    (``_intern``), read once per group."""
+    key = group if group is not None else ("world", dist.get_world_size())
+    ranks = _GROUP_RANKS.get(key)
+    if ranks is None or _INTERN_BY_ID.get(id(ranks), (None,))[0] is not ranks:
+        got = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        ranks = _GROUP_RANKS[key] = _intern(tuple(sorted(got)))
+    return ranks
 
 
 def _buffer_device(group: Any) -> torch.device:

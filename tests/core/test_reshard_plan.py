@@ -141,7 +141,11 @@ def test_boxes_split_and_buckets_stay_within_the_limit():
     assert [s for s, _, _ in pieces][:2] == [(1, 0), (3, 0)] and pieces[0][1] == (0, 2)
     # a single row larger than the limit splits along the next dimension
     assert all(engine._nbytes(ln, 8) <= 16 for _, _, ln in engine._split((0, 0), (0, 0), (1, 5), 8, 16))
-    items = [(None, None, None, None, n) for n in (48, 48, 8, 40, 50)]
-    buckets = engine._buckets(items, 64)
-    assert [[off for off, _ in entries] for _, entries in buckets] == [[0], [0, 48], [0], [0]]
-    assert [size for size, _ in buckets] == [48, 56, 40, 50]  # never above the limit
+    # each segment at a multiple of its own element size: no gap between
+    # items of one dtype, padding only before a wider one
+    f32, f64, u8, c128 = torch.float32, torch.float64, torch.uint8, torch.complex128
+    kinds = [(f32, 48), (f32, 12), (u8, 3), (f64, 8), (f32, 4), (c128, 16), (f32, 40)]
+    buckets = engine._buckets([(None, None, None, dt, n) for dt, n in kinds], 64)
+    assert [[off for off, _ in entries] for _, entries in buckets] == [[0, 48, 60], [0, 8, 16], [0]]
+    assert [size for size, _ in buckets] == [63, 32, 40]  # never above the limit
+    assert all(off % item[3].itemsize == 0 for _, entries in buckets for off, item in entries)

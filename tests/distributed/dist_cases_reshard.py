@@ -164,7 +164,13 @@ def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KI
             _, _, expected = template(dst_kind, ws, flatten)
             dcp.load(expected, checkpoint_id=ckpt)
             _, _, tmpl = template(dst_kind, ws, flatten)
+            agreed = engine.agreement_info()
             got = dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+            # every rank passes both dicts and the layouts agree: the
+            # digest alone agrees them (no rank's descriptions gathered)
+            assert engine.agreement_info() == {**agreed, "digest": agreed["digest"] + 1}, (
+                f"rank {rank}: {src_kind} -> {dst_kind}: {agreed} -> {engine.agreement_info()}"
+            )
             try:
                 assert_same_tree(_local_tree(expected), _local_tree(got))
             except AssertionError as exc:
@@ -272,6 +278,20 @@ def errors_case(rank: int, ws: int) -> list[str]:
     attempt(fresh, "buckets", bucket_bytes=1024 + 16 * rank)
     # the template shares memory with the source
     attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": src["b"]}, "alias")
+    # a rank that leaves (no template) holds a source tensor of another
+    # shape: the others' view does not fit it, the gathered agreement says so
+    attempt({"b": torch.zeros(3)} if rank != ws - 1 else None, "leaver",
+            source={"b": torch.ones(3 if rank != ws - 1 else 4)})
+    assert engine.agreement_info()["digest"] == 0  # every error above was found by the gathered agreement
+    # a plain tensor that only rank 0 holds: no view fits every rank, the
+    # gathered agreement finds its one holder
+    before = engine.agreement_info()
+    only0 = {"w": src["w"], **({"b": torch.full((3,), 7.0)} if rank == 0 else {})}
+    out = dcp_optim.reshard_state_dict(
+        only0, {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(3)}
+    )
+    assert torch.equal(out["b"], torch.full((3,), 7.0)) and torch.equal(out["w"].full_tensor(), full)
+    assert engine.agreement_info()["gathered"] == before["gathered"] + 1
     # and one that works: Shard(0) -> Shard(1), Replicate, dtype cast
     out = dcp_optim.reshard_state_dict(
         src, {"w": distribute_tensor(torch.zeros(6, 4, dtype=torch.float64), mesh, [Shard(1)]), "b": torch.zeros(3)}
@@ -284,6 +304,9 @@ def errors_case(rank: int, ws: int) -> list[str]:
         src, {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(3)}
     )
     assert engine.plan_cache_info()["hits"] > info["hits"]  # the same pair of layouts: cached
+    # the layouts agree: the digest alone agreed them, nothing gathered
+    assert engine.agreement_info()["gathered"] == before["gathered"] + 1
+    assert engine.agreement_info()["digest"] == before["digest"] + 2
     return seen
 
 
@@ -297,7 +320,10 @@ def subworld_case(rank: int, ws: int, path: str, flatten: bool) -> list[str]:
     kinds = ("fsdp2", "tp")
     if rank >= half:
         for _ in kinds:
+            before = engine.agreement_info()
             assert dcp_optim.reshard_state_dict(src, None) is None
+            # agreed by digest and the view of the lowest rank with a template
+            assert engine.agreement_info() == {**before, "broadcast": before["broadcast"] + 1}
         dist.barrier()
         return ["left"]
     pg = sub.get_group()
@@ -321,7 +347,9 @@ def subworld_case(rank: int, ws: int, path: str, flatten: bool) -> list[str]:
                 dcp.load(tmpl, checkpoint_id=path, process_group=pg)
                 results.append(_local_tree(tmpl))
             else:
+                before = engine.agreement_info()
                 results.append(_local_tree(dcp_optim.reshard_state_dict(src, tmpl)))
+                assert engine.agreement_info() == {**before, "broadcast": before["broadcast"] + 1}
         assert_same_tree(results[0], results[1])
         done.append(kind)
     dist.barrier()
