@@ -246,7 +246,7 @@ def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
         tmpl = {k: dtensor(s, half, [Shard(0)], 0.0) for k, s in shapes.items()}
     need = sum(v.to_local().numel() * 4 for v in tmpl.values())
 
-    counts = {"sent": 0, "recv": 0, "p2p_batches": 0, "peers": set(), "all_reduce": 0, "broadcast_object_list": 0,
+    counts: dict[str, Any] = {"sent": 0, "recv": 0, "p2p_batches": 0, "peers": set(), "all_reduce": 0, "broadcast_object_list": 0,
               "all_gather_object": 0}
     orig = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_reduce", "broadcast_object_list",
                                                     "all_gather_object")}
@@ -265,7 +265,7 @@ def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
             return orig[name](*args, **kwargs)
         return call
 
-    dist.batch_isend_irecv = batch  # type: ignore[assignment]
+    dist.batch_isend_irecv = batch
     for name in ("all_reduce", "broadcast_object_list", "all_gather_object"):
         setattr(dist, name, counted(name))
     try:

@@ -676,11 +676,11 @@ def _fits(view: tuple, src_desc: dict, dst_desc: dict | None, rank: int, limit: 
         if d is not None and dkind == "dt" and not _on_layout(d, dst, rank):
             return False
         holds = s is not None
-        if holds and (s[0] != skind or s[1] != sdtype or s[2] != shape):
+        if s is not None and (s[0] != skind or s[1] != sdtype or s[2] != shape):
             return False
         if (_position(src[2], rank) >= 0) != holds:
             return False
-        if holds and skind == "dt" and not _on_layout(s, src, rank):
+        if s is not None and skind == "dt" and not _on_layout(s, src, rank):
             return False
     return True
 
@@ -728,7 +728,7 @@ def _agree_by_digest(src_leaves: dict, dst_leaves: dict | None, src_desc: dict, 
         dist.broadcast_object_list(box, src=root, group=group)
         if view is None:
             try:
-                got = box[0]
+                got: Any = box[0]  # None from a root without a view: TypeError, caught
                 view = (got[0], _intern(got[1]), [
                     e if e[0] == "o" else e[:7] + tuple((lay[0], lay[1], _intern(lay[2])) for lay in e[7:])
                     for e in got[2]
@@ -744,6 +744,7 @@ def _agree_by_digest(src_leaves: dict, dst_leaves: dict | None, src_desc: dict, 
         _agreements["broadcast"] += 1
     else:
         _agreements["digest"] += 1
+    assert view is not None  # the root's, received, or this rank's own
     specs = [_Spec(e[1], e[2], e[3], e[7], e[8]) for e in view[2] if e[0] == "t"]
     objects = {e[1]: e[2] for e in view[2] if e[0] == "o"}
     return specs, objects
@@ -938,7 +939,12 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
                 if direct is None:
                     if recv_buf is None or recv_buf.numel() < size:
                         recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
-                ops.append(dist.P2POp(dist.irecv, direct if direct is not None else recv_buf[:size], frm, group))
+                if direct is None:
+                    assert recv_buf is not None  # allocated just above
+                    direct_or_staged = recv_buf[:size]
+                else:
+                    direct_or_staged = direct
+                ops.append(dist.P2POp(dist.irecv, direct_or_staged, frm, group))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             if t < len(rb) and direct is None:
