@@ -658,12 +658,7 @@ def _commit(
         try:
             agreement.agree(error)
         except BaseException:
-            # the snapshots hold what the commits found, after an in-place
-            # move wrote the loaded values: that move's undo log goes last
-            for committed in done:
-                committed.rollback()
-            for each in parts:
-                each.abort()
+            _put_back(done, parts)
             raise
     return reports
 
@@ -682,12 +677,19 @@ def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None]) -> dic
             done.append(part)
             reports[part.name] = part.commit(ready)
     except BaseException:
-        for committed in done:
-            committed.rollback()
-        for each in parts:
-            each.abort()
+        _put_back(done, parts)
         raise
     return reports
+
+
+def _put_back(committed: list[LoadPart], parts: list[LoadPart]) -> None:
+    """Undo a failed commit: every committed part back to its snapshot,
+    then every in-place move's undo log -- last, because the snapshots hold
+    what the commits found after such a move wrote the loaded values."""
+    for part in committed:
+        part.rollback()
+    for each in parts:
+        each.abort()
 
 
 def _distributed() -> bool:

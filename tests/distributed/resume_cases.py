@@ -41,6 +41,8 @@ import torch.nn as nn
 
 import dcp_optim
 
+from ..support.models import sharpness_aware_step
+
 # dcp.save/dcp.load raise CheckpointException, a BaseException
 _ERRORS = (Exception, dcp.api.CheckpointException)
 
@@ -156,18 +158,7 @@ def _step(model, opt, i: int, mode: str | None) -> None:
 
         opt.step(closure)
     elif mode in ("sam", "gsam"):
-        # sharpness-aware: gradients first, then a closure that clears and
-        # recomputes them (GSAM's returns (outputs, loss))
-        model(x).backward()
-
-        def closure():
-            opt.zero_grad()
-            with torch.enable_grad():
-                loss = model(x)
-            loss.backward()
-            return (None, loss.detach()) if mode == "gsam" else loss
-
-        opt.step(closure)
+        sharpness_aware_step(model, opt, x, gsam=mode == "gsam")
     elif mode == "loss":
         loss = model(x)
         loss.backward()

@@ -338,3 +338,19 @@ def generated_cases(n: int, base_seed: int = 0) -> list[Case]:
             )
         )
     return cases
+
+
+def sharpness_aware_step(model: Any, opt: Any, x: Any, gsam: bool) -> None:
+    """One step of a sharpness-aware optimizer (pytorch-optimizer's SAM
+    family): gradients first, then ``step`` with a closure that clears and
+    recomputes them (GSAM's closure returns ``(outputs, loss)``)."""
+    model(x).backward()
+
+    def closure() -> Any:
+        opt.zero_grad()
+        with torch.enable_grad():
+            loss = model(x)
+        loss.backward()
+        return (None, loss.detach()) if gsam else loss
+
+    opt.step(closure)

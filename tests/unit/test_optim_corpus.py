@@ -43,6 +43,7 @@ from torch.optim.optimizer import (
 
 import dcp_optim
 
+from ..support.models import sharpness_aware_step
 from ..support.oracle import assert_same_tree
 
 po = pytest.importorskip("pytorch_optimizer")
@@ -240,17 +241,7 @@ def _step(model, opt, i, dtype=torch.float32):
 
         opt.step(closure)
     elif mode in ("sam", "gsam"):
-        x = _x(i, dtype)
-        model(x).backward()
-
-        def closure():
-            opt.zero_grad()
-            with torch.enable_grad():
-                loss = model(x)
-            loss.backward()
-            return (None, loss.detach()) if mode == "gsam" else loss
-
-        opt.step(closure)
+        sharpness_aware_step(model, opt, _x(i, dtype), gsam=mode == "gsam")
     elif mode == "loss":
         loss = model(_x(i, dtype))
         loss.backward()
