@@ -644,7 +644,13 @@ def _commit(
             continue
         if not fallible & bit:  # the model, staged for the optimizers' outcome
             part.stage()
-            reports[part.name] = part.commit(ready)
+            try:
+                # FSDP1's own load hooks gather here: a peer that died
+                # in them, or their own failure, raises on this rank
+                reports[part.name] = part.commit(ready)
+            except BaseException:
+                _put_back([part], parts)
+                raise
             done.append(part)
             continue
         error = None

@@ -21,6 +21,8 @@ Hybrid sharding (HSDP) keeps going through FSDP's own APIs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -48,7 +50,30 @@ __all__ = [
     "load_via_fsdp",
     "localize_fsdp1_view",
     "native_supported",
+    "resharded_on_failure",
 ]
+
+
+@contextlib.contextmanager
+def resharded_on_failure(info: Any) -> Iterator[None]:
+    """Around FSDP's own state_dict / load_state_dict: where it raises (a
+    peer that died in its gathers, its own code failing), the FSDP modules
+    whose parameters its pre-hook had already unsharded are resharded
+    (FSDP's post-hook, which does that, never ran): the model is left with
+    its flat parameters' shards, as before the call.  Local: resharding
+    makes no collectives."""
+    try:
+        yield
+    except BaseException:
+        for module in info.fsdp_modules:
+            entered = getattr(module, "_unshard_params_ctx", None)
+            if not entered:
+                continue
+            for key, ctx in list(entered.items()):
+                entered.pop(key, None)
+                with contextlib.suppress(Exception):  # the one whose unshard failed: already closed
+                    ctx.__exit__(None, None, None)
+        raise
 
 
 def fsdp_process_group(model: nn.Module, info: Any):
@@ -744,14 +769,27 @@ def native_supported(info: Any) -> bool:
     return _native_supported(info)
 
 
-def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) -> None:
-    _load_via_fsdp(model, optimizers, osd, info)
+def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) -> Callable[[], None]:
+    """FSDP's own optimizer load (hybrid sharding, non-contiguous flat
+    parameters): the conversion (``FSDP.optim_state_dict_to_load``, which
+    makes collectives across the FSDP group) runs here, in the load's move,
+    before the ranks' last agreement; returns the install, which only runs
+    each optimizer's ``load_state_dict`` on the converted dicts (no
+    collectives at commit)."""
+    converted = _convert_via_fsdp(model, optimizers, osd, info)
+
+    def install() -> None:
+        for optim, split in zip(optimizers, converted):
+            state_dict_fn(optim, "load_state_dict")(state_dict=split)
+
+    return install
 
 
-def _load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any):
+def _convert_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint import state_dict as upstream
 
     ctx = context()
+    converted: list[dict[str, Any]] = []
     for optim in optimizers:
         # upstream's OptimizerStateType: {"state": {fqn: {...}}, "param_groups": [{...}]}
         split: dict[str, Any] = {}
@@ -780,8 +818,8 @@ def _load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any)
             split = FSDP.optim_state_dict_to_load(
                 model, optim, split, group=fsdp_process_group(model, info)
             )
-        state_dict_fn(optim, "load_state_dict")(state_dict=split)
-    return None
+        converted.append(split)
+    return converted
 
 
 def _compat_info(model: nn.Module, info: Any):

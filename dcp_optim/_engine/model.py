@@ -41,8 +41,13 @@ def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
         from .fsdp1 import check_before_fsdp, getter_options
 
         check_before_fsdp(model, info, "FSDP1 model state dict", getter_options(info))
-    with info.fsdp_context():
-        state_dict = state_dict_fn(model, "state_dict")()
+        from .fsdp1 import resharded_on_failure
+
+        with resharded_on_failure(info), info.fsdp_context():
+            state_dict = state_dict_fn(model, "state_dict")()
+    else:
+        with info.fsdp_context():
+            state_dict = state_dict_fn(model, "state_dict")()
     if not _keys_are_canonical(info.index, state_dict):
         C.canonicalize_model_keys(context(), model, state_dict, info.dsd_fqn_modifiers)
     if info.submodule_prefixes:
@@ -293,6 +298,14 @@ class ModelLoad:
 
 
 def _torch_load(model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool) -> _IncompatibleKeys:
+    if info.fsdp_modules:  # FSDP's load hooks unshard (gather) its flat parameters
+        from .fsdp1 import resharded_on_failure
+
+        with resharded_on_failure(info), info.fsdp_context():
+            return cast(
+                _IncompatibleKeys,
+                state_dict_fn(model, "load_state_dict")(state_dict=load_sd, strict=info.strict, assign=assign),
+            )
     with info.fsdp_context():
         return cast(
             _IncompatibleKeys,

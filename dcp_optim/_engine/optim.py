@@ -1325,6 +1325,7 @@ class OptimLoad:
         self.osd = osd
         self.info = info
         self.direct: Prepared | None = None  # an early exit's install
+        self.via_fsdp: Callable[[], Callable[[], None]] | None = None  # FSDP's own load: conversion, then install
         self.fsdp1 = False
         self.view: tuple = ()
         self.localize: Any = None  # distribute.OptimLocalize
@@ -1349,7 +1350,10 @@ class OptimLoad:
             from .fsdp1 import load_via_fsdp, native_supported
 
             if not native_supported(info):
-                self.direct = Prepared(functools.partial(load_via_fsdp, model, optimizers, osd, info))
+                # FSDP's own load: its conversion makes collectives, so it
+                # runs at move (before the last agreement), not at commit
+                self.direct = Prepared(_nothing)
+                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, osd, info)
                 return None
         if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
             self.direct = Prepared(
@@ -1395,6 +1399,8 @@ class OptimLoad:
             self.localize.validate(source_meta)
 
     def move(self) -> Prepared:
+        if self.via_fsdp is not None:
+            return Prepared(self.via_fsdp())
         if self.direct is not None:
             return self.direct
         optimizers, info = self.optimizers, self.info

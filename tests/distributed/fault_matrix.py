@@ -68,15 +68,15 @@ PATHS = {
     "fsdp1-mesh-sharded": "FSDP1 with a device mesh: sharded set_state_dict (DTensors)",
     "fsdp1-hsdp-sharded": "FSDP1 hybrid sharding (1 x 2 mesh): sharded set_state_dict (FSDP's own optimizer load)",
 }
-FSDP1_FAULTS = ("options", "never", "kill-before", "kill-commit", "optim-load")
+FSDP1_FAULTS = ("options", "never", "kill-before", "kill-mid", "kill-agree", "kill-commit", "optim-load")
 # cells that do not apply (a getter has no commit nor load hook; sharded
 # and full loads make fewer than three collectives: nothing is in transit)
 SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("optim-load", "get-full"),
         ("kill-mid", "sharded"), ("kill-mid", "full"), ("kill-mid", "flat"),
-        ("kill-commit", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full")}
+        ("kill-commit", "fsdp1-get-full"), ("kill-agree", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full")}
 # FSDP1 (flat parameters, nested wrapping) runs the faults that do not
-# depend on FSDP2 models (Hooked, TwoParams) or on the FSDP2 paths'
-# collective counts
+# depend on FSDP2 models (Hooked, TwoParams); its loads all exchange data
+# (FSDP1's sharded move exchanges shards), so kill-mid applies to each
 SKIP |= {(f, p) for f in FAULTS for p in PATHS if p.startswith("fsdp1") and f not in FSDP1_FAULTS}
 
 
@@ -219,8 +219,9 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
             setattr(dist, name, wrapped)
     if fault == "kill-agree" and rank == 1:
         # the last agreement of the load: the first of a sharded load, the
-        # one after the data moved of full (second) and broadcast (third)
-        # loads; upstream has none: its last collective before installing
+        # one after the data moved of full and FSDP1 sharded (second) and
+        # broadcast (third) loads; upstream has none: its last collective
+        # before installing
         last = 1 if path == "sharded" else (3 if bcast else 2)
         if impl == "dcp_optim":
             import dcp_optim.state_dict as ours
