@@ -54,6 +54,8 @@ FAULTS = {
     "kill-commit": "rank 1 SIGKILLed after the last agreement, as its commit starts",
     "hook": "a module's load hook raises on rank 1 only",
     "optim-load": "the optimizer's own load_state_dict raises on rank 1 only (after the model's commit)",
+    "kill-fsdp-commit": "rank 1 SIGKILLed in its first collective after the last agreement (FSDP1's own gathers at commit)",
+    "fsdp-commit-raises": "FSDP1's own load code raises on rank 1 only, in its first collective at commit",
 }
 PATHS = {
     "get-full": "full getter (get_state_dict, full_state_dict)",
@@ -68,7 +70,10 @@ PATHS = {
     "fsdp1-mesh-sharded": "FSDP1 with a device mesh: sharded set_state_dict (DTensors)",
     "fsdp1-hsdp-sharded": "FSDP1 hybrid sharding (1 x 2 mesh): sharded set_state_dict (FSDP's own optimizer load)",
 }
-FSDP1_FAULTS = ("options", "never", "kill-before", "kill-mid", "kill-agree", "kill-commit", "optim-load")
+FSDP1_FAULTS = ("options", "never", "kill-before", "kill-mid", "kill-agree", "kill-commit", "optim-load",
+                "kill-fsdp-commit", "fsdp-commit-raises")
+# faults in FSDP1's own commit: its set paths only
+FSDP1_ONLY = ("kill-fsdp-commit", "fsdp-commit-raises")
 # cells that do not apply (a getter has no commit nor load hook; sharded
 # and full loads make fewer than three collectives: nothing is in transit)
 SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("optim-load", "get-full"),
@@ -78,6 +83,30 @@ SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-f
 # depend on FSDP2 models (Hooked, TwoParams); its loads all exchange data
 # (FSDP1's sharded move exchanges shards), so kill-mid applies to each
 SKIP |= {(f, p) for f in FAULTS for p in PATHS if p.startswith("fsdp1") and f not in FSDP1_FAULTS}
+SKIP |= {(f, p) for f in FSDP1_ONLY for p in PATHS if not p.startswith("fsdp1") or p.endswith("get-full")}
+COLLECTIVES = ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
+               "all_reduce", "scatter", "all_to_all_single", "reduce_scatter_tensor", "_all_gather_base")
+
+
+def _on_collective(nth: int, action: Any) -> None:
+    """From now on, this rank's ``nth`` collective runs ``action`` first."""
+    count = [0]
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, **k):
+            count[0] += 1
+            if count[0] == nth:
+                action()
+            return _fn(*a, **k)
+
+        setattr(dist, name, wrapped)
+
+
+def _fsdp_fails() -> None:
+    raise RuntimeError("FSDP1's own load fails on rank 1")
 
 
 def _snapshot(model: Any, optim: Any) -> Any:
@@ -203,20 +232,29 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     # of the source (built on the same mesh, so sharded alike)
     loaded = None if path.endswith("get-full") else _snapshot(src, src_optim)
     if fault == "kill-mid" and rank == 0:
-        count = [0]
-        for name in ("broadcast", "all_gather_into_tensor", "all_gather_single", "all_gather", "gather",
-                     "all_reduce", "scatter", "all_to_all_single", "reduce_scatter_tensor"):
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
+        _on_collective(3, _die)
+    if fault in FSDP1_ONLY and rank == 1:
+        # armed as the commit starts: its first collective is one of
+        # FSDP's own (the gathers of its load hooks) where it makes any
+        action = _die if fault == "kill-fsdp-commit" else _fsdp_fails
+        if impl == "dcp_optim":
+            import dcp_optim.state_dict as ours
 
-            def wrapped(*a, _fn=fn, **k):
-                count[0] += 1
-                if count[0] == 3:
-                    _die()
-                return _fn(*a, **k)
+            real_commit = ours._commit
 
-            setattr(dist, name, wrapped)
+            def armed_commit(*a, **k):
+                _on_collective(1, action)
+                return real_commit(*a, **k)
+
+            ours._commit = armed_commit  # type: ignore[assignment]
+        else:
+            real_load = model.load_state_dict
+
+            def armed_load(*a, **k):
+                _on_collective(1, action)
+                return real_load(*a, **k)
+
+            model.load_state_dict = armed_load  # type: ignore[method-assign]
     if fault == "kill-agree" and rank == 1:
         # the last agreement of the load: the first of a sharded load, the
         # one after the data moved of full and FSDP1 sharded (second) and
@@ -259,6 +297,10 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     t0 = time.monotonic()
     result = _outcome(call)
     seconds = round(time.monotonic() - t0, 1)
+    if fault == "fsdp-commit-raises" and rank == 1:
+        # the failing rank lives on (as a training job's would): its
+        # peers are not told by a closed connection
+        time.sleep(PG_TIMEOUT_S + 2)
     return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), loaded)}
 
 
