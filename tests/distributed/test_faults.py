@@ -192,3 +192,25 @@ def test_fsdp1_paths_raise_the_same_error_within_the_bound(fault, path):
     assert records[0]["result"].startswith(("StateDictRuntimeError", "RuntimeError: optimizer refuses")), records
     assert all(rec["seconds"] < PG_TIMEOUT_S for rec in records), records
     assert_safe(records)
+
+
+@pytest.mark.parametrize("fault, path", [
+    ("kill-mid", "fsdp1-get-full"),            # FSDP's own gathers lose a peer: unsharded flat parameters resharded
+    ("kill-agree", "fsdp1-broadcast"),         # the stream wrote, nothing installed
+    ("kill-fsdp-commit", "fsdp1-mesh-sharded"),  # FSDP's own gathers at commit: the model put back
+])
+def test_fsdp1_survivor_of_a_dead_peer_is_unchanged(fault, path):
+    """A peer SIGKILLed mid-transfer, before the last agreement, or in
+    FSDP's own collectives at commit (after the last agreement): the
+    survivor raises the backend's error at once (gloo: a closed
+    connection) with its model and optimizer as before the call -- its
+    flat parameters sharded again where FSDP's pre-hook had unsharded
+    them."""
+    from .fault_matrix import PG_TIMEOUT_S, run_cell
+
+    records = run_cell(fault, path, "dcp_optim")
+    assert [rec["result"] for rec in records].count("killed") == 1, records
+    survivor = next(rec for rec in records if rec["result"] != "killed")
+    assert survivor["result"].startswith("RuntimeError:") and "gloo" in survivor["result"], records
+    assert survivor["seconds"] < PG_TIMEOUT_S, records
+    assert_safe(records)
