@@ -7,16 +7,25 @@ on).  If the digests differ, a second exchange -- only on this error path
 -- carries the details, so that every rank raises the same error naming
 the first differing key and the ranks involved, before any data moves.
 
-The digest travels as a fixed-size byte tensor (one all-gather, no
-pickling: ``all_gather_object`` costs two collectives, sizes then
-payload); a one-byte per-rank flag rides along, which callers use to learn
-which ranks want the data (the rank-0-only gathers of ``cpu_offload``).
+The digest travels in a fixed-size record of int64 words, and the ranks
+learn, per word, its minimum and maximum over the ranks in one
+all-reduce (MIN of the words and of their negations; no pickling, no
+per-rank data): the bytes and the work per rank do not depend on the
+number of ranks.  Where a word's minimum and maximum differ, the ranks
+disagree, and only then (the error path) does an exchange of every rank's
+details follow.  A per-rank flag byte rides along, which callers use to
+learn which ranks want the data (the rank-0-only gathers of
+``cpu_offload``): the first rank's flags (the minimum of words tagged
+with the rank's mesh index) and those of the other ranks, where those
+agree (the usual case: one source or keeper, the others alike); where
+they do not, one all-gather of every rank's flag bytes follows.
 
-Every such record has the same size (``RECORD_BYTES``), a getter's gather
+Every such record has the same size (``RECORD_WORDS``), a getter's gather
 check as well as a load's agreement (``Agreement``: options, the full
-dicts' structure, the rank's verdict on its own checks), so that ranks
-that reached different ones still complete the exchange and raise the
-same error instead of aborting in the backend; the error paths exchange
+dicts' structure, the rank's verdict on its own checks) and the sharded
+getter's rank-local check, each tagged with its kind, so that ranks that
+reached different ones still complete the exchange and raise the same
+error instead of aborting in the backend; the error paths exchange
 tagged payloads through ``all_gather_object`` (sizes first, then the
 payload: the same two collectives on every rank).
 """
@@ -261,7 +270,7 @@ def _all_equal(rows: torch.Tensor) -> bool:
 # raise instead of aborting in the backend ("Received data size doesn't
 # match").  RECORD_BYTES is the size of the error paths' fixed rows.
 RECORD_BYTES = 64
-RECORD_WORDS = 40
+RECORD_WORDS = 16
 
 _DIGEST_BYTES = 20  # sha1
 _WORD_BYTES = 5  # a digest travels as 40-bit words: -w never overflows
@@ -416,13 +425,29 @@ def flagged(per_rank: list[int]) -> tuple[int, int | None]:
     return per_rank.flagged()
 
 
+_FLAG_WORDS = 2  # up to 8 flags of one byte, 4 to a word
+_FLAG_SHIFT = 32  # the first rank's words carry the mesh index above the flags
+
+
+def _pack_flags(flags: list[int]) -> list[int]:
+    padded = bytes(flags).ljust(4 * _FLAG_WORDS, b"\0")
+    return [int.from_bytes(padded[4 * i : 4 * i + 4], "little") for i in range(_FLAG_WORDS)]
+
+
+def _unpack_flags(words: list[int], k: int) -> tuple[int, ...]:
+    packed = b"".join((w & 0xFFFFFFFF).to_bytes(4, "little") for w in words)
+    return tuple(packed[:k])
+
+
 def _put_flags(record: _Record, index: int, flags: list[int]) -> tuple[int, int, int]:
-    """Flags (0-255 each) on ``record``: every rank's (min and max), the
-    first rank's (min over index-tagged values) and those of every rank
-    but the first (min and max).  Returns the three offsets."""
-    every = record.put(flags)
-    first = record.put_min([(index << 8) | f for f in flags])
-    rest = record.skip(len(flags)) if index == 0 else record.put(flags)
+    """Flags (0-255 each, at most 8) on ``record``, packed: every rank's
+    (min and max), the first rank's (the minimum of index-tagged words) and
+    those of every rank but the first (min and max).  Returns the three
+    offsets."""
+    packed = _pack_flags(flags)
+    every = record.put(packed)
+    first = record.put_min([(index << _FLAG_SHIFT) | w for w in packed])
+    rest = record.skip(_FLAG_WORDS) if index == 0 else record.put(packed)
     return every, first, rest
 
 
@@ -432,12 +457,15 @@ def _flags_learnt(
     """(first rank's flags, every other rank's) where the reduced words
     determine them, else None (some ranks past the first differ)."""
     every, first, rest = at
-    if _same(lo, hi, every, k):
-        value = tuple(lo[every : every + k])
+    if _same(lo, hi, every, _FLAG_WORDS):
+        value = _unpack_flags(lo[every : every + _FLAG_WORDS], k)
         return value, value
-    if not _same(lo, hi, rest, k):
+    if not _same(lo, hi, rest, _FLAG_WORDS):
         return None
-    return tuple(v & 0xFF for v in lo[first : first + k]), tuple(lo[rest : rest + k])
+    return (
+        _unpack_flags(lo[first : first + _FLAG_WORDS], k),
+        _unpack_flags(lo[rest : rest + _FLAG_WORDS], k),
+    )
 
 
 def check_agreement(
@@ -530,12 +558,13 @@ def _describe_difference(what: str, details: list[Any], ranks: list[int]) -> str
 # A load is a sequence of steps, each either local (checks, planning) or
 # collective (metadata exchange, data stream).  Before every collective
 # step, and before anything is installed, the ranks of the load's mesh
-# exchange one fixed-size record -- 20-byte digest of the call's options,
-# a failed byte, 8 flag bytes -- whatever their options or outcome, so
-# that the exchange itself always matches.  If every digest agrees and no
-# rank failed, the load goes on; otherwise (error path only) every rank
-# contributes its option details and its exception to one object
-# all-gather, and every rank raises the same exception.
+# reduce one fixed-size record -- the digests of the call's options and
+# of the dicts' structure, a failed word, up to 8 flag bytes -- whatever
+# their options or outcome, so that the exchange itself always matches.
+# If every digest agrees and no rank failed, the load goes on; otherwise
+# (error path only) every rank contributes its option details and its
+# exception to one object all-gather, and every rank raises the same
+# exception (the lowest failing rank's).
 
 _FLAG_BYTES = 8
 _AGREEMENT_TAG = b"load"
@@ -601,7 +630,7 @@ class Agreement:
         same_structure = _same(lo, hi, struct_at, _DIGEST_WORDS)
         failed = bool(hi[failed_at])
         problem = None
-        uniform = _same(lo, hi, flags_at[0], len(flags))
+        uniform = _same(lo, hi, flags_at[0], _FLAG_WORDS)
         per_rank: RankFlags | None = None
         if same_options:
             learnt = _flags_learnt(lo, hi, flags_at, len(flags), n)
