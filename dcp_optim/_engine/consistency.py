@@ -115,19 +115,33 @@ def _mesh_ranks(mesh: Any | None) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
+# per mesh (None: the default group, by its size), its ranks and the
+# digest naming its meetings: computed once per mesh, not per call
+_groups: dict[Any, tuple[tuple[int, ...], str]] = {}
+
+
+def _meeting_group(mesh: Any | None) -> tuple[tuple[int, ...], str]:
+    key = ("world", dist.get_world_size()) if mesh is None else mesh
+    found = _groups.get(key)
+    if found is None:
+        ranks = _mesh_ranks(mesh)
+        found = (ranks, hashlib.sha1(repr(ranks).encode()).hexdigest()[:16])
+        _groups[key] = found
+    return found
+
+
 def await_arrival(mesh: Any | None, what: str) -> None:
     """Meet every rank of ``mesh`` (None: the default group) on the
     process group's store, waiting at most ``arrival_bound()`` seconds;
     raise StateDictRuntimeError naming the ranks that did not arrive."""
     bound = arrival_bound()
-    ranks = _mesh_ranks(mesh)
-    if bound is None or len(ranks) < 2 or dist.get_backend() == "fake":
+    if bound is None or _mesh_size(mesh) < 2 or dist.get_backend() == "fake":
         # torch's fake process group (one process simulating a rank of a
         # large world, benchmarks/scale.py) has a store that implements
         # nothing, and no other rank to wait for
         return
     store = dist.distributed_c10d._get_default_store()
-    group = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+    ranks, group = _meeting_group(mesh)
     seq = _meetings.get(group, 0) + 1
     _meetings[group] = seq
     base = f"{_ARRIVE}/{group}/{seq}"
