@@ -589,6 +589,11 @@ class Case:
             return m.get_model_state_dict, (self.model,), {"options": full}
         if op == "full_get_optim":
             return m.get_optimizer_state_dict, (self.model, self.optim), {"options": full}
+        if op in ("offload_get_model", "offload_get_optim"):  # opt-in (--ops): rank 0 keeps the result
+            offload = m.StateDictOptions(full_state_dict=True, cpu_offload=True)
+            if op == "offload_get_model":
+                return m.get_model_state_dict, (self.model,), {"options": offload}
+            return m.get_optimizer_state_dict, (self.model, self.optim), {"options": offload}
         if op == "sharded_get_model":
             return m.get_model_state_dict, (self.model,), {}
         if op == "sharded_get_optim":

@@ -9,7 +9,6 @@ result.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Iterable
 from typing import Any, cast, no_type_check
 
@@ -482,7 +481,7 @@ def _run_load(
                 # (its stream is a collective the others wait in)
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
                 _agree_or_abort(parts, agreement, error)
-            fallible_somewhere = functools.reduce(operator.or_, (f[2] for f in per_rank), 0)
+            fallible_somewhere = _fallible_somewhere(per_rank)
             reports = _commit(parts, prepared, agreement if fallible_somewhere else None, fallible_somewhere)
         finally:
             torch.set_grad_enabled(grad)
@@ -591,6 +590,14 @@ def _agree_or_abort(parts: list[LoadPart], agreement: Any, error: Exception | No
         for part in parts:
             part.abort()
         raise
+
+
+def _fallible_somewhere(per_rank: list[tuple[int, ...]]) -> int:
+    """The OR over the ranks of their ``fallible`` flags (the third),
+    without a pass over the ranks (consistency.RankFlags)."""
+    from ._engine.consistency import flags_union
+
+    return flags_union(per_rank, 2) if per_rank else 0
 
 
 def _flags_check(api: str, info: Any) -> Any:

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
-from .consistency import all_gather_flat, check_agreement
+from .consistency import all_gather_flat, check_agreement, flagged
 from .core import C
 
 __all__ = ["bucket_bytes", "bucket_setting", "set_bucket_bytes", "gather_full_tensors"]
@@ -164,9 +164,9 @@ def gather_full_tensors(
             lambda: _details(signature, leaf_indices, names, options_key, budget),
             flag=1 if keep else 0,
         )
-        keepers = [i for i, f in enumerate(flags) if f]
-        if plan.buckets and keepers:
-            root = keepers[0] if len(keepers) == 1 else None
+        count, first = flagged(flags)  # no pass over the ranks
+        if plan.buckets and count:
+            root = first if count == 1 else None
             work.append((mesh, plan, root))
     for mesh, plan, root in work:
         _gather_mesh(mesh, plan, root, keep, results, offload)

@@ -7,16 +7,25 @@ on).  If the digests differ, a second exchange -- only on this error path
 -- carries the details, so that every rank raises the same error naming
 the first differing key and the ranks involved, before any data moves.
 
-The digest travels as a fixed-size byte tensor (one all-gather, no
-pickling: ``all_gather_object`` costs two collectives, sizes then
-payload); a one-byte per-rank flag rides along, which callers use to learn
-which ranks want the data (the rank-0-only gathers of ``cpu_offload``).
+The digest travels in a fixed-size record of int64 words, and the ranks
+learn, per word, its minimum and maximum over the ranks in one
+all-reduce (MIN of the words and of their negations; no pickling, no
+per-rank data): the bytes and the work per rank do not depend on the
+number of ranks.  Where a word's minimum and maximum differ, the ranks
+disagree, and only then (the error path) does an exchange of every rank's
+details follow.  A per-rank flag byte rides along, which callers use to
+learn which ranks want the data (the rank-0-only gathers of
+``cpu_offload``): the first rank's flags (the minimum of words tagged
+with the rank's mesh index) and those of the other ranks, where those
+agree (the usual case: one source or keeper, the others alike); where
+they do not, one all-gather of every rank's flag bytes follows.
 
-Every such record has the same size (``RECORD_BYTES``), a getter's gather
+Every such record has the same size (``RECORD_WORDS``), a getter's gather
 check as well as a load's agreement (``Agreement``: options, the full
-dicts' structure, the rank's verdict on its own checks), so that ranks
-that reached different ones still complete the exchange and raise the
-same error instead of aborting in the backend; the error paths exchange
+dicts' structure, the rank's verdict on its own checks) and the sharded
+getter's rank-local check, each tagged with its kind, so that ranks that
+reached different ones still complete the exchange and raise the same
+error instead of aborting in the backend; the error paths exchange
 tagged payloads through ``all_gather_object`` (sizes first, then the
 payload: the same two collectives on every rank).
 """
@@ -39,6 +48,8 @@ __all__ = [
     "mesh_all_gather_bytes",
     "mesh_all_gather_rows",
     "check_agreement",
+    "flags_union",
+    "flagged",
     "await_arrival",
     "arrival_bound",
 ]
@@ -104,19 +115,33 @@ def _mesh_ranks(mesh: Any | None) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
+# per mesh (None: the default group, by its size), its ranks and the
+# digest naming its meetings: computed once per mesh, not per call
+_groups: dict[Any, tuple[tuple[int, ...], str]] = {}
+
+
+def _meeting_group(mesh: Any | None) -> tuple[tuple[int, ...], str]:
+    key = ("world", dist.get_world_size()) if mesh is None else mesh
+    found = _groups.get(key)
+    if found is None:
+        ranks = _mesh_ranks(mesh)
+        found = (ranks, hashlib.sha1(repr(ranks).encode()).hexdigest()[:16])
+        _groups[key] = found
+    return found
+
+
 def await_arrival(mesh: Any | None, what: str) -> None:
     """Meet every rank of ``mesh`` (None: the default group) on the
     process group's store, waiting at most ``arrival_bound()`` seconds;
     raise StateDictRuntimeError naming the ranks that did not arrive."""
     bound = arrival_bound()
-    ranks = _mesh_ranks(mesh)
-    if bound is None or len(ranks) < 2 or dist.get_backend() == "fake":
+    if bound is None or _mesh_size(mesh) < 2 or dist.get_backend() == "fake":
         # torch's fake process group (one process simulating a rank of a
         # large world, benchmarks/scale.py) has a store that implements
         # nothing, and no other rank to wait for
         return
     store = dist.distributed_c10d._get_default_store()
-    group = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+    ranks, group = _meeting_group(mesh)
     seq = _meetings.get(group, 0) + 1
     _meetings[group] = seq
     base = f"{_ARRIVE}/{group}/{seq}"
@@ -252,18 +277,209 @@ def _all_equal(rows: torch.Tensor) -> bool:
 
 
 # Every fixed-size exchange of dcp_optim (a getter's gather check, a
-# load's agreement) has this size, so that ranks that reached different
-# ones -- ranks that disagree on which call or which options -- still
-# complete the exchange, see records that differ, and raise instead of
-# aborting in the backend ("Received data size doesn't match").
+# load's agreement, the sharded getter's rank-local check) is one
+# all-reduce of a record of this many int64 words, so that ranks that
+# reached different ones -- ranks that disagree on which call or which
+# options -- still complete the exchange, see records that differ, and
+# raise instead of aborting in the backend ("Received data size doesn't
+# match").  RECORD_BYTES is the size of the error paths' fixed rows.
 RECORD_BYTES = 64
-
+RECORD_WORDS = 16
 
 _DIGEST_BYTES = 20  # sha1
+_WORD_BYTES = 5  # a digest travels as 40-bit words: -w never overflows
+_DIGEST_WORDS = _DIGEST_BYTES // _WORD_BYTES
+_BIG = 1 << 62  # what a rank contributes to a word it has no value for
+
+# record kinds (word 0): records of different kinds differ
+_KIND_GATHER, _KIND_LOAD, _KIND_RANKLOCAL = 1, 2, 3
 
 
 def _digest(value: Any) -> bytes:
     return hashlib.sha1(repr(value).encode()).digest()
+
+
+def _digest_words(digest: bytes) -> list[int]:
+    return [
+        int.from_bytes(digest[i : i + _WORD_BYTES], "little")
+        for i in range(0, _DIGEST_BYTES, _WORD_BYTES)
+    ]
+
+
+def _mesh_index(mesh: Any | None) -> int:
+    """This rank's row-major position in ``mesh`` (None: the default
+    group), from its coordinate: no list of the mesh's ranks."""
+    if mesh is None:
+        return dist.get_rank()
+    coord = mesh.get_coordinate()
+    index = 0
+    for c, n in zip(coord, mesh.shape):
+        index = index * n + c
+    return index
+
+
+def _mesh_size(mesh: Any | None) -> int:
+    return dist.get_world_size() if mesh is None else int(mesh.size())
+
+
+def mesh_all_reduce_min(mesh: Any | None, words: list[int]) -> list[int]:
+    """The elementwise minimum over the ranks of ``mesh`` (None: the
+    default group) of ``words`` (int64, the same length on every rank):
+    one all-reduce on the default group when the mesh spans the world,
+    else one per mesh dimension of size > 1.  The bytes and work per rank
+    do not depend on the number of ranks."""
+    mine = torch.tensor(words, dtype=torch.int64)
+    if mesh is None or mesh.size() == dist.get_world_size():
+        device = torch.device(dist.distributed_c10d._get_object_coll_device())
+        payload = mine.to(device)
+        dist.all_reduce(payload, op=dist.ReduceOp.MIN)
+        return payload.cpu().tolist()
+    payload = mine.to(torch.device(mesh.device_type))
+    for d in range(mesh.ndim):
+        if mesh.size(d) > 1:
+            dist.all_reduce(payload, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
+    return payload.cpu().tolist()
+
+
+class _Record:
+    """One rank's fixed-size agreement record: per word, the minimum and
+    the maximum over the ranks travel in one all-reduce (MIN of the words
+    and of their negations).  A word a rank has no value for is neutral
+    (its minimum +BIG, its maximum -BIG)."""
+
+    def __init__(self, kind: int) -> None:
+        self.lo = [_BIG] * RECORD_WORDS
+        self.hi = [-_BIG] * RECORD_WORDS
+        self.at = 0
+        self.put([kind])
+
+    def put(self, values: list[int]) -> int:
+        """Words compared between ranks (min and max); their offset."""
+        at = self.at
+        for i, v in enumerate(values):
+            self.lo[at + i] = self.hi[at + i] = v
+        self.at += len(values)
+        return at
+
+    def put_min(self, values: list[int]) -> int:
+        """Words of which only the minimum is learnt."""
+        at = self.at
+        for i, v in enumerate(values):
+            self.lo[at + i] = v
+        self.at += len(values)
+        return at
+
+    def skip(self, n: int) -> int:
+        """Neutral words (a rank without a value for them)."""
+        at = self.at
+        self.at += n
+        return at
+
+    def reduce(self, mesh: Any | None) -> tuple[list[int], list[int]]:
+        out = mesh_all_reduce_min(mesh, self.lo + [-h for h in self.hi])
+        return out[:RECORD_WORDS], [-h for h in out[RECORD_WORDS:]]
+
+
+def _same(lo: list[int], hi: list[int], at: int, n: int) -> bool:
+    return lo[at : at + n] == hi[at : at + n]
+
+
+class RankFlags(list):
+    """The per-rank flags an agreement returns (row-major mesh order),
+    learnt from reduced words where every rank but the mesh's first holds
+    the same value (``first``, ``rest``: what the list holds, so that a
+    caller needs no pass over the ranks); from a gather otherwise
+    (``rest`` None)."""
+
+    first: Any = None
+    rest: Any = None
+
+    @classmethod
+    def of(cls, first: Any, rest: Any, n: int) -> RankFlags:
+        out = cls([first])
+        if n > 1:
+            out.extend([rest] * (n - 1))  # one pointer fill, no object per rank
+        out.first, out.rest = first, rest if n > 1 else first
+        return out
+
+    def union(self, i: int | None = None) -> int:
+        """The bitwise OR over the ranks of flag ``i`` (None: of the
+        flags themselves, ints)."""
+        if self.rest is not None:
+            pick = (lambda f: f) if i is None else (lambda f: f[i])
+            return int(pick(self.first) | pick(self.rest))
+        total = 0
+        for f in self:
+            total |= f if i is None else f[i]
+        return total
+
+    def flagged(self) -> tuple[int, int | None]:
+        """(how many ranks have a non-zero flag, the first of them) for
+        int flags."""
+        if self.rest is not None:
+            n = len(self)
+            count = (1 if self.first else 0) + ((n - 1) if self.rest else 0)
+            first = 0 if self.first else (1 if self.rest and n > 1 else None)
+            return count, first
+        marked = [i for i, f in enumerate(self) if f]
+        return len(marked), (marked[0] if marked else None)
+
+
+def flags_union(per_rank: list[Any], i: int | None = None) -> int:
+    """``RankFlags.union`` of an agreement's flags (a plain list too)."""
+    if not isinstance(per_rank, RankFlags):
+        per_rank = RankFlags(per_rank)
+    return per_rank.union(i)
+
+
+def flagged(per_rank: list[int]) -> tuple[int, int | None]:
+    """``RankFlags.flagged`` of a gather check's flags (a plain list too)."""
+    if not isinstance(per_rank, RankFlags):
+        per_rank = RankFlags(per_rank)
+    return per_rank.flagged()
+
+
+_FLAG_WORDS = 2  # up to 8 flags of one byte, 4 to a word
+_FLAG_SHIFT = 32  # the first rank's words carry the mesh index above the flags
+
+
+def _pack_flags(flags: list[int]) -> list[int]:
+    padded = bytes(flags).ljust(4 * _FLAG_WORDS, b"\0")
+    return [int.from_bytes(padded[4 * i : 4 * i + 4], "little") for i in range(_FLAG_WORDS)]
+
+
+def _unpack_flags(words: list[int], k: int) -> tuple[int, ...]:
+    packed = b"".join((w & 0xFFFFFFFF).to_bytes(4, "little") for w in words)
+    return tuple(packed[:k])
+
+
+def _put_flags(record: _Record, index: int, flags: list[int]) -> tuple[int, int, int]:
+    """Flags (0-255 each, at most 8) on ``record``, packed: every rank's
+    (min and max), the first rank's (the minimum of index-tagged words) and
+    those of every rank but the first (min and max).  Returns the three
+    offsets."""
+    packed = _pack_flags(flags)
+    every = record.put(packed)
+    first = record.put_min([(index << _FLAG_SHIFT) | w for w in packed])
+    rest = record.skip(_FLAG_WORDS) if index == 0 else record.put(packed)
+    return every, first, rest
+
+
+def _flags_learnt(
+    lo: list[int], hi: list[int], at: tuple[int, int, int], k: int, n: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(first rank's flags, every other rank's) where the reduced words
+    determine them, else None (some ranks past the first differ)."""
+    every, first, rest = at
+    if _same(lo, hi, every, _FLAG_WORDS):
+        value = _unpack_flags(lo[every : every + _FLAG_WORDS], k)
+        return value, value
+    if not _same(lo, hi, rest, _FLAG_WORDS):
+        return None
+    return (
+        _unpack_flags(lo[first : first + _FLAG_WORDS], k),
+        _unpack_flags(lo[rest : rest + _FLAG_WORDS], k),
+    )
 
 
 def check_agreement(
@@ -273,14 +489,27 @@ def check_agreement(
     their ``summary`` values differ.  ``details_fn()`` returns a list of
     (name, description) pairs that locate the difference; it runs only on
     that error path.  ``flag`` (0-255) is not compared: the flags of every
-    mesh rank, in row-major mesh order, are returned."""
+    mesh rank, in row-major mesh order, are returned (a ``RankFlags``).
+
+    The common case is one all-reduce of a fixed-size record (per word
+    the minimum and maximum over the ranks): equal digests, and flags that
+    every rank but the first shares.  Only where the digests differ does
+    an exchange of every rank's details follow (the error), and only where
+    the flags of the ranks past the first differ one of every rank's flag
+    byte."""
     await_arrival(mesh, what)
-    record = (_digest(summary) + bytes((flag,))).ljust(RECORD_BYTES, b"\0")
-    rows, ranks = mesh_all_gather_rows(mesh, record)
-    flag_at = _DIGEST_BYTES  # record: digest, flag, padding
-    if _all_equal(rows[:, :flag_at]) and _all_equal(rows[:, flag_at + 1 :]):
-        return rows[:, flag_at].tolist()  # small ints: no object per rank
-    ranks = list(ranks)
+    n = _mesh_size(mesh)
+    record = _Record(_KIND_GATHER)
+    dig = record.put(_digest_words(_digest(summary)))
+    at = _put_flags(record, _mesh_index(mesh), [flag])
+    lo, hi = record.reduce(mesh)
+    if _same(lo, hi, 0, dig + _DIGEST_WORDS):
+        learnt = _flags_learnt(lo, hi, at, 1, n)
+        if learnt is not None:
+            return RankFlags.of(learnt[0][0], learnt[1][0], n)
+        rows, _ = mesh_all_gather_rows(mesh, bytes((flag,)))
+        return RankFlags(rows[:, 0].tolist())
+    ranks = list(_mesh_ranks(mesh))
     details, _ = mesh_all_gather_object(mesh, ("gather", what, details_fn()))
     _check_same_call(details, ranks)
     message = _describe_difference(what, [d[2] for d in details], ranks)
@@ -343,12 +572,13 @@ def _describe_difference(what: str, details: list[Any], ranks: list[int]) -> str
 # A load is a sequence of steps, each either local (checks, planning) or
 # collective (metadata exchange, data stream).  Before every collective
 # step, and before anything is installed, the ranks of the load's mesh
-# exchange one fixed-size record -- 20-byte digest of the call's options,
-# a failed byte, 8 flag bytes -- whatever their options or outcome, so
-# that the exchange itself always matches.  If every digest agrees and no
-# rank failed, the load goes on; otherwise (error path only) every rank
-# contributes its option details and its exception to one object
-# all-gather, and every rank raises the same exception.
+# reduce one fixed-size record -- the digests of the call's options and
+# of the dicts' structure, a failed word, up to 8 flag bytes -- whatever
+# their options or outcome, so that the exchange itself always matches.
+# If every digest agrees and no rank failed, the load goes on; otherwise
+# (error path only) every rank contributes its option details and its
+# exception to one object all-gather, and every rank raises the same
+# exception (the lowest failing rank's).
 
 _FLAG_BYTES = 8
 _AGREEMENT_TAG = b"load"
@@ -402,28 +632,33 @@ class Agreement:
         if not self.arrived:
             await_arrival(self.mesh, self.what)
             self.arrived = True
-        record = self.digest + bytes((error is not None,)) + bytes(flags).ljust(_FLAG_BYTES, b"\0")
-        record = (record + _AGREEMENT_TAG).ljust(RECORD_BYTES, b"\0")
-        rows, ranks = mesh_all_gather_rows(self.mesh, record)
-        # record: options digest, structure digest, failed byte, flags, tag
-        struct_at, failed_at = _DIGEST_BYTES, 2 * _DIGEST_BYTES
-        flags_at = failed_at + 1
-        flag_rows = rows[:, flags_at : flags_at + len(flags)]
-        if _all_equal(flag_rows):
-            # the usual case: one tuple shared by every rank's entry
-            per_rank = [tuple(flag_rows[0].tolist())] * rows.shape[0]
-        else:
-            per_rank = [tuple(r) for r in flag_rows.tolist()]
-        same_options = _all_equal(rows[:, :struct_at])
-        same_structure = _all_equal(rows[:, struct_at:failed_at])
-        failed = bool(rows[:, failed_at].any())
+        n = _mesh_size(self.mesh)
+        record = _Record(_KIND_LOAD)
+        options_at = record.put(_digest_words(self.digest[:_DIGEST_BYTES]))
+        struct_at = record.put(_digest_words(self.digest[_DIGEST_BYTES:]))
+        failed_at = record.put([int(error is not None)])
+        flags_at = _put_flags(record, _mesh_index(self.mesh), list(flags))
+        lo, hi = record.reduce(self.mesh)
+        # the kind word joins the options: ranks in another call differ there
+        same_options = _same(lo, hi, 0, options_at + _DIGEST_WORDS)
+        same_structure = _same(lo, hi, struct_at, _DIGEST_WORDS)
+        failed = bool(hi[failed_at])
         problem = None
-        if same_options and flags_check is not None:
-            problem = flags_check(per_rank, ranks)
+        uniform = _same(lo, hi, flags_at[0], _FLAG_WORDS)
+        per_rank: RankFlags | None = None
+        if same_options:
+            learnt = _flags_learnt(lo, hi, flags_at, len(flags), n)
+            if learnt is not None:
+                per_rank = RankFlags.of(learnt[0], learnt[1], n)
+            else:  # ranks past the first differ: every rank's flag bytes
+                rows, _ = mesh_all_gather_rows(self.mesh, bytes(flags).ljust(_FLAG_BYTES, b"\0"))
+                per_rank = RankFlags(tuple(r[: len(flags)]) for r in rows.tolist())
+            if flags_check is not None and not uniform:
+                problem = flags_check(per_rank, _mesh_ranks(self.mesh))
         if same_options and same_structure and not failed and problem is None:
+            assert per_rank is not None
             return per_rank
         # Error path: every rank is here (the records say so on every rank).
-        ranks = list(ranks)
         mine = (
             "load",
             self.what,

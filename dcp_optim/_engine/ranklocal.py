@@ -13,8 +13,9 @@ ranks -- silently.  Upstream's getter returns such values as they are.
 The sharded getter therefore agrees, on the mesh of the optimizer's
 DTensor parameters, on one digest of every value of the returned dict that
 is not a tensor (state entries and param-group values): one fixed-size
-all-gather of a 64-byte record per mesh (consistency.RECORD_BYTES, after
-the bounded arrival), whatever the world size.  Only where the digests
+all-reduce of a fixed-size record per mesh (consistency.RECORD_WORDS,
+the per-word minimum and maximum over the ranks, after the bounded
+arrival), whatever the world size.  Only where the digests
 differ (the error path) do ranks exchange per-entry digests, and every
 rank raises ``RankLocalStateError`` naming the first differing entry and
 the ranks per value.  ``DCP_OPTIM_RANK_LOCAL_CHECK=0`` turns the check off.
@@ -33,15 +34,17 @@ from torch.distributed.tensor import DTensor
 
 from .. import errors
 from .consistency import (
-    RECORD_BYTES,
+    _DIGEST_WORDS,
+    _KIND_RANKLOCAL,
     _check_same_call,
+    _digest_words,
+    _Record,
+    _same,
     await_arrival,
     mesh_all_gather_object,
-    mesh_all_gather_rows,
 )
 
 CHECK_ENV = "DCP_OPTIM_RANK_LOCAL_CHECK"
-_TAG = b"ranklocal"
 _WHAT = "the optimizer state's non-tensor values (sharded get)"
 
 
@@ -138,9 +141,10 @@ def _agree(mesh: Any, mine: list[tuple[str, Any]], osd: dict[str, Any]) -> None:
         total.update(path.encode())
         total.update(d)
     await_arrival(mesh, _WHAT)
-    record = (_TAG + total.digest()).ljust(RECORD_BYTES, b"\0")
-    rows, ranks = mesh_all_gather_rows(mesh, record)
-    if bool((rows == rows[:1]).all()):
+    record = _Record(_KIND_RANKLOCAL)
+    at = record.put(_digest_words(total.digest()))
+    lo, hi = record.reduce(mesh)
+    if _same(lo, hi, 0, at + _DIGEST_WORDS):
         return
     # error path only: every rank's per-entry digests
     details, ranks = mesh_all_gather_object(

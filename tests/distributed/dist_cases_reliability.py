@@ -310,7 +310,7 @@ class CollectiveRecorder(CollectiveCounter):
         inp = None
         if name in ("all_gather_into_tensor", "all_gather_single"):
             inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
-        elif name == "broadcast":
+        elif name in ("broadcast", "all_reduce"):
             inp = args[0] if args else kwargs.get("tensor")
         size = inp.numel() * inp.element_size() if isinstance(inp, torch.Tensor) else None
         self.calls.append((name, size))
@@ -626,9 +626,9 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
         if where == "stream":
             _distribute.Route.broadcast = die
         elif where == "hang":  # alive, but late by more than the timeout
-            _consistency.mesh_all_gather_rows = lambda *a, **k: time.sleep(8)
+            _consistency.mesh_all_reduce_min = lambda *a, **k: time.sleep(8)
         else:
-            _consistency.mesh_all_gather_rows = die
+            _consistency.mesh_all_reduce_min = die
     t0 = time.monotonic()
     if where == "getter":  # rank 0 gets a full dict, rank 1 a sharded one
         full = rank == 0

@@ -118,15 +118,20 @@ def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
 
 @pytest.mark.parametrize("mode", ["sharded", "full", "broadcast"])
 def test_load_collectives_are_the_readmes(reliability, mode):
-    """The README's cost line: all-gathers of one 64-byte record per load
-    (sharded: one, full: two, broadcast: three), plus, on broadcast loads,
-    the metadata broadcast and the data broadcasts; nothing else."""
+    """The README's cost line: all-reduces of one fixed-size record per
+    load (consistency.RECORD_WORDS int64 words, each with its negation:
+    sharded: one, full: two, broadcast: three -- the same bytes at any
+    world size), plus, on broadcast loads, the metadata broadcast and the
+    data broadcasts; nothing else (no all-gather: the flags of the ranks
+    past the source agree)."""
+    from dcp_optim._engine.consistency import RECORD_WORDS
+
     calls = [r[f"collectives[{mode}]"]["dcp_optim"] for r in reliability]
     assert calls[0] == calls[1], calls
     result, calls = calls[0]
     assert result == "ok", result
-    gathers = [c for c in calls if c[0] in ("all_gather_single", "all_gather_into_tensor")]
-    assert [size for _, size in gathers] == [64] * {"sharded": 1, "full": 2, "broadcast": 3}[mode], calls
+    gathers = [c for c in calls if c[0] == "all_reduce"]
+    assert [size for _, size in gathers] == [2 * RECORD_WORDS * 8] * {"sharded": 1, "full": 2, "broadcast": 3}[mode], calls
     others = [c for c in calls if c not in gathers]
     if mode != "broadcast":
         assert others == [], calls
