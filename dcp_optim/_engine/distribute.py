@@ -84,14 +84,16 @@ class Route:
         self.source = int(grid[(0,) * mesh.ndim])
         self.is_source = all(c == 0 for c in coord)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
+        """Broadcast ``tensor`` along the route, in place.  With
+        ``async_op`` (one-stage routes only) the broadcast is left in
+        flight and its work returned (else None)."""
+        if async_op:
+            group, src = self.stages[0]
+            return dist.broadcast(tensor, src=src, group=group, async_op=True)
         for group, src in self.stages:
             dist.broadcast(tensor, src=src, group=group)
-
-    def broadcast_async(self, tensor: torch.Tensor) -> Any:
-        """The broadcast of a one-stage route, in flight (its work)."""
-        group, src = self.stages[0]
-        return dist.broadcast(tensor, src=src, group=group, async_op=True)
+        return None
 
     def broadcast_object(self, obj: Any) -> Any:
         for group, src in self.stages:
@@ -171,7 +173,7 @@ def run_full_load(
                         data = _direct_bytes(run, buf.device)
                         if data is None:
                             _pack_rows(buf, run)
-                    pending.append((route.broadcast_async(view if data is None else data), run, data))
+                    pending.append((route.broadcast(view if data is None else data, async_op=True), run, data))
                 for work, run, data in pending:
                     work.wait()
                     if undo is not None:
