@@ -9,7 +9,10 @@ Two modes, both planned natively (``plan_full_load``):
   (large tensors in row chunks), and each rank keeps only its shard of
   each bucket before the next one arrives.  Peak memory on a receiving
   rank is its local shards plus one bucket (adaptive budget, see
-  ``collectives``: 16 MiB unless a tensor is larger).
+  ``collectives``: 16 MiB unless a tensor is larger).  Within a bucket, a
+  tensor or row chunk of 1 MiB or more is its own broadcast, sent from the
+  source's tensor itself where contiguous; the bucket's broadcasts are in
+  flight together, each unpacked as it arrives.
 
 The "rank 0" of a broadcast is the first rank of the model's device mesh
 (global rank 0 whenever the mesh spans all ranks; D18 in docs/differences.md): for a model
