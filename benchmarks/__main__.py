@@ -24,7 +24,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="which sections to run: 1 bookkeeping, 2 distributed (FSDP2), 3 scaling (from 1), "
                    "4 distributed FSDP1 (flat parameters), 5 scale simulation (fake process group), "
                    "6 (or 'templates') the template of a never-stepped optimizer by route, "
-                   "7 (opt-in, or 'reshard') in-memory resharding against gather+slice and DCP save+load")
+                   "7 (opt-in, or 'reshard') in-memory resharding against gather+slice and DCP save+load, "
+                   "8 (opt-in, or 'transport') full gets and broadcast loads against the raw collective "
+                   "moving the same bytes")
     p.add_argument("--tmpl-layers", type=int, default=100,
                    help="section 6: Linear(dim, dim) layers (default 100: 100M parameters at dim 1000)")
     p.add_argument("--tmpl-dim", type=int, default=1000, help="section 6: layer width (default 1000)")
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         sections.add("6")
     if "reshard" in sections:
         sections.add("7")
+    if "transport" in sections:
+        sections.add("8")
     if args.sizes:
         sizes = [int(float(x)) for x in args.sizes.split(",") if x.strip()]
     else:
@@ -162,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         from .reshard import run_section
 
         out["reshard"] = run_section(mb=args.reshard_mb, worlds=(2, 4), reps=2 if args.quick else 3)
+    if "8" in sections:  # transport limit (benchmarks/transport.py); prints its own table
+        from .transport import run_section as run_transport
+
+        out["transport"] = run_transport(reps=2 if args.quick else 5)
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 

@@ -9,7 +9,10 @@ Two modes, both planned natively (``plan_full_load``):
   (large tensors in row chunks), and each rank keeps only its shard of
   each bucket before the next one arrives.  Peak memory on a receiving
   rank is its local shards plus one bucket (adaptive budget, see
-  ``collectives``: 16 MiB unless a tensor is larger).
+  ``collectives``: 16 MiB unless a tensor is larger).  Within a bucket, a
+  tensor or row chunk of 1 MiB or more is its own broadcast, sent from the
+  source's tensor itself where contiguous; the bucket's broadcasts are in
+  flight together, each unpacked as it arrives.
 
 The "rank 0" of a broadcast is the first rank of the model's device mesh
 (global rank 0 whenever the mesh spans all ranks; D18 in docs/differences.md): for a model
@@ -84,9 +87,16 @@ class Route:
         self.source = int(grid[(0,) * mesh.ndim])
         self.is_source = all(c == 0 for c in coord)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
+        """Broadcast ``tensor`` along the route, in place.  With
+        ``async_op`` (one-stage routes only) the broadcast is left in
+        flight and its work returned (else None)."""
+        if async_op:
+            group, src = self.stages[0]
+            return dist.broadcast(tensor, src=src, group=group, async_op=True)
         for group, src in self.stages:
             dist.broadcast(tensor, src=src, group=group)
+        return None
 
     def broadcast_object(self, obj: Any) -> Any:
         for group, src in self.stages:
@@ -145,12 +155,34 @@ def run_full_load(
             for b, nbytes in enumerate(plan.bucket_bytes):
                 buf = storage[:nbytes]
                 chunks = plan.chunks(b)
-                if route.is_source:
-                    _pack_rows(buf, chunks)
-                route.broadcast(buf)
-                if undo is not None:
-                    undo.save(chunks)
-                _extract_rows(buf, chunks)
+                if len(route.stages) != 1:
+                    if route.is_source:
+                        _pack_rows(buf, chunks)
+                    route.broadcast(buf)
+                    if undo is not None:
+                        undo.save(chunks)
+                    _extract_rows(buf, chunks)
+                    continue
+                # One collective per run of small chunks (packed) and per
+                # large chunk (sent from the source's own tensor where its
+                # bytes are contiguous, no copy), all in flight at once:
+                # each run is unpacked as soon as it has arrived, while
+                # the next ones travel.  The runs follow from the plan
+                # alone, so every rank issues the same collectives.
+                pending = []
+                for run in _runs(chunks):
+                    view, data = _run_view(buf, run), None
+                    if route.is_source:
+                        data = _direct_bytes(run, buf.device)
+                        if data is None:
+                            _pack_rows(buf, run)
+                    pending.append((route.broadcast(view if data is None else data, async_op=True), run, data))
+                for work, run, data in pending:
+                    work.wait()
+                    if undo is not None:
+                        undo.save(run)
+                    _extract_rows(buf, run, data)
+                del pending
         except BaseException:
             # a peer died (or the backend failed) mid-stream: what the
             # buckets so far wrote into live tensors is put back
@@ -231,14 +263,62 @@ def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
             buf[offset : offset + n].copy_(data)
 
 
-def _extract_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
+# A chunk of at least this many bytes travels on its own (from the
+# source's own tensor where it can); smaller neighbours share one packed
+# collective.
+_DIRECT_BYTES = 1 << 20
+
+
+def _runs(chunks: list[tuple]) -> list[list[tuple]]:
+    """A bucket's chunks as consecutive runs of one collective each: every
+    large row chunk alone, the chunks between them together (empty runs
+    dropped).  Depends only on the plan, the same on every rank."""
+    out: list[list[tuple]] = []
+    packed: list[tuple] = []
+    for chunk in chunks:
+        if chunk[4] >= _DIRECT_BYTES and chunk[1] >= 0:
+            if packed:
+                out.append(packed)
+                packed = []
+            out.append([chunk])
+        else:
+            packed.append(chunk)
+    if packed:
+        out.append(packed)
+    return [run for run in out if run[-1][3] + run[-1][4] > run[0][3]]
+
+
+def _run_view(buf: torch.Tensor, run: list[tuple]) -> torch.Tensor:
+    """The bytes of ``buf`` a run spans."""
+    return buf[run[0][3] : run[-1][3] + run[-1][4]]
+
+
+def _direct_bytes(run: list[tuple], device: torch.device) -> torch.Tensor | None:
+    """Source side: the bytes of a one-chunk run straight from its full
+    value, when they are contiguous there and on the stream's device
+    (else None: the run is packed)."""
+    if len(run) != 1:
+        return None
+    value, row_start, rows = run[0][:3]
+    if row_start < 0 or not isinstance(value, torch.Tensor) or value.device != device:
+        return None
+    part = value[row_start : row_start + rows]
+    if not part.is_contiguous():
+        return None
+    return part.detach().reshape(-1).view(torch.uint8)
+
+
+def _extract_rows(buf: torch.Tensor, chunks: list[tuple], data: torch.Tensor | None = None) -> None:
     """Every rank's side of a stream bucket: each row chunk into its job's
     destination -- the same rows of a full tensor, or the blocks of this
-    rank's shard clipped to the rows (jobs not needed here are skipped)."""
+    rank's shard clipped to the rows (jobs not needed here are skipped).
+    ``data``: the bytes of a one-chunk run where they are not in ``buf``
+    (the source sent them from the tensor itself)."""
     for _, row_start, rows, offset, nbytes, dtype, shape, dest, blocks in chunks:
         if nbytes == 0 or dest is None:
             continue
-        chunk = buf[offset : offset + nbytes].view(dtype).view(shape)
+        raw = buf[offset : offset + nbytes] if data is None else data
+        chunk = raw.view(dtype).view(shape)
         if blocks is not None:
             C.copy_blocks(dest, chunk, blocks, 1, None if row_start < 0 else (row_start, rows))
         elif row_start < 0:

@@ -259,11 +259,11 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
         sent = [0]
         original = _distribute.Route.broadcast
 
-        def dying(self, tensor):
+        def dying(self, tensor, *args, **kwargs):
             sent[0] += 1
             if sent[0] == 8:
                 os.kill(os.getpid(), signal.SIGKILL)
-            original(self, tensor)
+            return original(self, tensor, *args, **kwargs)
 
         _distribute.Route.broadcast = dying  # type: ignore[method-assign]
     bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

@@ -121,3 +121,14 @@ def test_broadcast_optimizer_load_writes_into_held_state(capsys):
         assert shape and r["names"][1] in shape and "exp_avg" in shape, shape
         assert missing and missing.startswith("MissingOptimizerStateError") and r["names"][2] in missing
     assert r1["peak_delta"] <= r1["bucket_bytes"] + 8 * mb
+
+
+@pytest.mark.parametrize("ws,bucket_mb", [(2, None), (3, 1.5)])
+def test_broadcast_load_sends_large_tensors_directly(ws, bucket_mb):
+    """Large tensors (or row chunks of them) travel as their own
+    broadcasts, from the source's tensor where it is contiguous; the loads
+    match upstream's bit for bit, at even and uneven shards."""
+    from . import dist_cases_transport
+
+    results = run_ranks(ws, dist_cases_transport.direct_broadcast_case, bucket_mb, timeout=300)
+    assert results == [["model", "optim"]] * ws
