@@ -437,7 +437,7 @@ def _run_load(
        its only one (except into FSDP1 models, whose sharded move
        exchanges shards: after it, as above).
 
-    Agreements are fixed-size all-gathers (``_engine.consistency.Agreement``)
+    Agreements are fixed-size all-reduces (``_engine.consistency.Agreement``)
     among the ranks of the model's mesh (FSDP1: its device mesh or process
     group), made whenever the load communicates or the model holds
     sharded tensors; a plain model's
