@@ -70,6 +70,7 @@ import os
 import pickle
 import re
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -668,6 +669,12 @@ class _TorchrunSession:
             return
         # Every rank has printed its report before any exits: torchrun
         # terminates the other ranks as soon as one exits with an error.
+        # Flushed first: torchrun's redirected stdout is a file, so the
+        # report (the terminal summary) sits in this process's buffer until
+        # exit, and a rank terminated after its peer exited would lose it.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
         with contextlib.suppress(Exception):
             gather_objects(None, what="end of session", timeout=60)
         if self.created:
