@@ -361,4 +361,36 @@ def fsdp1_hook_case(rank: int, ws: int) -> dict[str, Any]:
             "changed": classify(fresh, ours[1], None) != "unchanged",
         }
     dist.barrier()
+    out["fsdp_own"] = _fsdp1_own_code_fails(rank)
     return out
+
+
+def _fsdp1_own_code_fails(rank: int) -> dict[str, Any]:
+    """Last (it leaves the ranks apart): a model whose hooks raise nowhere
+    (its commit can fail, so the ranks would agree on its outcome), and
+    FSDP's own load code raising on rank 1 in its first gather at commit:
+    rank 1 raises that error at once, without entering the agreement that
+    rank 0, waiting in the gather, would never reach; rank 0 raises the
+    backend's timeout (5 s here).  Both unchanged."""
+    import dcp_optim.state_dict as ours
+
+    from .fault_matrix import _fsdp_fails, _on_collective, _snapshot, classify
+
+    model, optim = fsdp1_hooked(0, bad_rank=-1)
+    src, src_optim = fsdp1_hooked(3, bad_rank=-1)
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+    before = _snapshot(model, optim)
+    if rank == 1:
+        real_commit = ours._commit
+
+        def armed_commit(*a, **k):
+            _on_collective(1, _fsdp_fails)
+            return real_commit(*a, **k)
+
+        ours._commit = armed_commit  # type: ignore[assignment]
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5))
+    result, seconds = _timed(_fsdp1_hook_call(dcp_optim, "set_state_dict", "full", rank, model, optim, msd, osd))
+    if rank == 1:
+        time.sleep(8)  # lives on: rank 0 is not told by a closed connection
+    return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}
