@@ -360,6 +360,20 @@ def fsdp1_hook_case(rank: int, ws: int) -> dict[str, Any]:
             "same_as_torch": classify(theirs[1], ours[1], None) == "unchanged",
             "changed": classify(fresh, ours[1], None) != "unchanged",
         }
+    # a load post-hook (register_load_state_dict_post_hook) instead
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+    model, optim = fsdp1_hooked(0, bad_rank=-1)
+
+    def post_hook(module, incompatible_keys):
+        if dist.get_rank() == 1:
+            raise ValueError("post-hook refuses the load on rank 1")
+
+    model.module.layers[0].module.down.register_load_state_dict_post_hook(post_hook)
+    before = _snapshot(model, optim)
+    dist.barrier()
+    result, seconds = _timed(_fsdp1_hook_call(dcp_optim, "set_state_dict", "full", rank, model, optim, msd, osd))
+    out["post_hook"] = {"result": result, "seconds": seconds,
+                        "state": classify(before, _snapshot(model, optim), None)}
     dist.barrier()
     out["fsdp_own"] = _fsdp1_own_code_fails(rank)
     return out

@@ -238,6 +238,16 @@ def test_fsdp1_module_hook_raising_on_one_rank_changes_nothing_anywhere(fsdp1_ho
     assert all(rec["state"] == "unchanged" for rec in records), records
 
 
+def test_fsdp1_module_post_hook_raising_on_one_rank_changes_nothing_anywhere(fsdp1_hook):
+    """The same with a load post-hook (it runs after the unit's submodules
+    loaded, before FSDP's post-hook reshards): its type survives."""
+    records = [r["post_hook"] for r in fsdp1_hook]
+    assert records[0]["result"] == records[1]["result"], records
+    assert records[0]["result"].startswith("ValueError: post-hook refuses the load on rank 1 [raised on rank 1;"), records
+    assert all(rec["seconds"] < 10 for rec in records), records
+    assert all(rec["state"] == "unchanged" for rec in records), records
+
+
 @pytest.mark.parametrize("mode", cases.FSDP1_HOOK_MODES)
 def test_fsdp1_module_hook_raising_nowhere_loads_as_upstream(fsdp1_hook, mode):
     for r in fsdp1_hook:
