@@ -81,7 +81,8 @@ SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-f
         ("kill-commit", "fsdp1-get-full"), ("kill-agree", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full"),
         ("hook", "fsdp1-get-full")}
 # FSDP1 (flat parameters, nested wrapping) runs the faults that do not
-# depend on FSDP2 models (Hooked, TwoParams); its loads all exchange data
+# depend on FSDP2 models (TwoParams; "hook" puts its load pre-hook on the
+# first block's inner layer, dist_cases_faults.refuse_load_on); its loads all exchange data
 # (FSDP1's sharded move exchanges shards), so kill-mid applies to each
 SKIP |= {(f, p) for f in FAULTS for p in PATHS if p.startswith("fsdp1") and f not in FSDP1_FAULTS}
 SKIP |= {(f, p) for f in FSDP1_ONLY for p in PATHS if not p.startswith("fsdp1") or p.endswith("get-full")}
