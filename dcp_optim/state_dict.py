@@ -668,6 +668,11 @@ def _commit(
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
             part.rollback()
+            if any(exc is each for each in getattr(part, "fatal", ())):
+                # FSDP1's own hooks failed (a peer that died in their
+                # gathers): the ranks are not all where the agreement meets
+                _put_back(done, parts)
+                raise
         try:
             agreement.agree(error)
         except BaseException:

@@ -7,9 +7,10 @@ full state dict -- runs in the C core; this module sequences it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import CodeType
 from typing import Any, NamedTuple, cast
 
@@ -194,6 +195,10 @@ class ModelLoad:
         # hooks): its commit can fail, on some ranks only
         self.can_fail = False
         self.snapshot: _Snapshot | None = None
+        # FSDP1: an error of torch's load that did not come from a module's
+        # own load code (FSDP's hooks, a peer that died in their gathers):
+        # the ranks are not all where an agreement meets, it propagates
+        self.fatal: list[BaseException] = []
 
     def plan(self) -> Any:
         if self.noop:
@@ -213,7 +218,10 @@ class ModelLoad:
         # Load rules only the modules' own code knows (rules.torch_path): no
         # up-front key check; torch's load decides at commit.
         native_checks = self.native_checks = not info.fsdp_modules and not rules.torch_path
-        self.can_fail = not info.fsdp_modules and rules.torch_path
+        # FSDP1: FSDP's own load hooks alone send every model down torch's
+        # path, and make their collectives on every rank alike; only the
+        # modules' own load code can fail on some ranks only
+        self.can_fail = rules.torch_path and (not info.fsdp_modules or _has_own_load_code(model))
         if full_path:
             device, self.assign = _load_device(info, local, rules.lazy)
             # Where the model load's checks can run before any data moves, the
@@ -259,7 +267,7 @@ class ModelLoad:
             # before the optimizer, and what it wrote is put back if it
             # raises here, or if it raised on another rank (rollback).
             return Prepared(functools.partial(self._staged_load, load_sd))
-        return Prepared(functools.partial(_torch_load, model, load_sd, info, self.assign))
+        return Prepared(functools.partial(_torch_load, model, load_sd, info, self.assign, self.fatal))
 
     def commit(self, prepared: Prepared) -> _IncompatibleKeys:
         return cast(_IncompatibleKeys, prepared.install())
@@ -278,7 +286,7 @@ class ModelLoad:
         if self.snapshot is None:
             self.snapshot = _Snapshot(self.model)
         try:
-            return _torch_load(self.model, load_sd, self.info, self.assign)
+            return _torch_load(self.model, load_sd, self.info, self.assign, self.fatal)
         except BaseException:
             self.rollback()
             raise
@@ -297,15 +305,27 @@ class ModelLoad:
             snapshot.restore()
 
 
-def _torch_load(model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool) -> _IncompatibleKeys:
+def _torch_load(
+    model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bool,
+    fatal: list[BaseException] | None = None,
+) -> _IncompatibleKeys:
     if info.fsdp_modules:  # FSDP's load hooks unshard (gather) its flat parameters
         from .fsdp1 import resharded_on_failure
 
-        with resharded_on_failure(info), info.fsdp_context():
-            return cast(
-                _IncompatibleKeys,
-                state_dict_fn(model, "load_state_dict")(state_dict=load_sd, strict=info.strict, assign=assign),
-            )
+        with resharded_on_failure(info), info.fsdp_context(), _holding_own_errors(model) as held:
+            try:
+                report = state_dict_fn(model, "load_state_dict")(
+                    state_dict=load_sd, strict=info.strict, assign=assign
+                )
+            except BaseException as exc:
+                if held.errors:
+                    raise held.errors[0]  # noqa: B904 - the module's own error, as raised
+                if not held.completed and fatal is not None:
+                    fatal.append(exc)
+                raise
+            if held.errors:
+                raise held.errors[0]
+            return cast(_IncompatibleKeys, report)
     with info.fsdp_context():
         return cast(
             _IncompatibleKeys,
@@ -313,6 +333,133 @@ def _torch_load(model: nn.Module, load_sd: dict[str, Any], info: Any, assign: bo
                 state_dict=load_sd, strict=info.strict, assign=assign
             ),
         )
+
+
+class _Held:
+    """What ``_holding_own_errors`` caught, and whether torch's recursion
+    over the modules ran to its end (its strict check, which makes no
+    collective, comes after)."""
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+        self.completed = False
+
+
+_POST_HOOK_RETURNED = (
+    "Hooks registered with ``register_load_state_dict_post_hook`` are not "
+    "expected to return new values, if incompatible_keys need to be modified, "
+    "it should be done inplace."
+)
+
+
+def _runs_own_load(module: nn.Module) -> bool:
+    """Whether a module's ``_load_from_state_dict`` runs code of its own:
+    an override, load pre-hooks (which it runs), set_extra_state."""
+    tp = type(module)
+    return (
+        tp._load_from_state_dict is not _MODULE_LOAD
+        or "_load_from_state_dict" in module.__dict__
+        or bool(module._load_state_dict_pre_hooks)
+        or tp.set_extra_state is not nn.Module.set_extra_state
+    )
+
+
+def _fsdp1_class() -> type:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _has_own_load_code(model: nn.Module) -> bool:
+    """FSDP1 models: whether a module other than FSDP's own instances
+    decides its own load (load_plan's tests, FSDP's hooks left out): its
+    commit can then fail on some ranks only."""
+    fsdp = _fsdp1_class()
+    for module in model.modules():
+        if isinstance(module, fsdp):
+            continue
+        tp = type(module)
+        if _has_own_hooks(module) or "_load_from_state_dict" in module.__dict__:
+            return True
+        if tp._load_from_state_dict not in (_MODULE_LOAD, _NORM_LOAD):
+            return True
+        if (tp.get_extra_state is not nn.Module.get_extra_state
+                or tp.set_extra_state is not nn.Module.set_extra_state):
+            return True
+        if any(t is not None and is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values())):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _holding_own_errors(model: nn.Module) -> Iterator[_Held]:
+    """Around torch's load of an FSDP1 model: what the modules' own load
+    code raises -- a module's ``_load_from_state_dict`` (with its load
+    pre-hooks) and its load post-hooks, FSDP instances left out -- is held
+    (``_Held.errors``, in order) instead of leaving the recursion, so that
+    every FSDP unit's hooks, and their gathers, run on every rank as on
+    the others; the caller raises the first.  FSDP's own hooks are not
+    wrapped: a peer that died in their gathers raises at once.  Temporary:
+    instance attributes shadow the modules' ``_load_from_state_dict`` and
+    the post-hook entries are wrapped until the load returns."""
+    held = _Held()
+    fsdp = _fsdp1_class()
+    shadowed: list[tuple[nn.Module, Any]] = []
+    wrapped: list[tuple[dict[Any, Any], Any, Any, Any]] = []
+
+    def holding_load(load: Callable[..., Any]) -> Callable[..., None]:
+        def call(*args: Any, **kwargs: Any) -> None:
+            try:
+                load(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - held, raised after the load
+                held.errors.append(exc)
+        return call
+
+    def holding_post(hook: Any) -> Callable[[nn.Module, Any], None]:
+        def call(module: nn.Module, incompatible_keys: Any) -> None:
+            try:
+                out = hook(module, incompatible_keys)
+            except Exception as exc:  # noqa: BLE001 - held, raised after the load
+                held.errors.append(exc)
+                return
+            if out is not None:
+                held.errors.append(AssertionError(_POST_HOOK_RETURNED))
+        return call
+
+    def completed(module: nn.Module, incompatible_keys: Any) -> None:
+        held.completed = True
+
+    done = None
+    try:
+        for module in model.modules():
+            if isinstance(module, fsdp):
+                continue
+            if _runs_own_load(module):
+                own = module.__dict__.get("_load_from_state_dict", _ABSENT)
+                load = module._load_from_state_dict
+                shadowed.append((module, own))
+                module.__dict__["_load_from_state_dict"] = holding_load(load)
+            hooks = module._load_state_dict_post_hooks
+            for key, hook in list(hooks.items()):
+                wrapper = holding_post(hook)
+                wrapped.append((hooks, key, hook, wrapper))
+                hooks[key] = wrapper
+        done = model.register_load_state_dict_post_hook(completed)  # the last to run
+        yield held
+    finally:
+        if done is not None:
+            done.remove()
+        for hooks, key, hook, wrapper in wrapped:
+            if hooks.get(key) is wrapper:
+                hooks[key] = hook
+        for module, own in shadowed:
+            if own is _ABSENT:
+                module.__dict__.pop("_load_from_state_dict", None)
+            else:
+                module.__dict__["_load_from_state_dict"] = own
+
+
+_ABSENT = object()
 
 
 def aliased_commit(

@@ -276,3 +276,135 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
     result, seconds = _timed(call)
     return {"result": result, "seconds": seconds,
             "unchanged": _same(before, _local_snapshot(model, optim))}
+
+
+def refuse_load_on(module: nn.Module, bad_rank: int) -> None:
+    """A load pre-hook on ``module`` (``_register_load_state_dict_pre_hook``)
+    that raises on ``bad_rank``."""
+
+    def hook(state_dict, prefix, *args):
+        if dist.get_rank() == bad_rank:
+            raise RuntimeError(f"pre-hook refuses the load of {prefix!r} on rank {dist.get_rank()}")
+
+    module._register_load_state_dict_pre_hook(hook)
+
+
+def fsdp1_hooked(seed: int, bad_rank: int, mesh=None):
+    """FSDP1 (root and both blocks wrapped: three units) whose first
+    block's inner ``up`` layer refuses the load on ``bad_rank``: the
+    second block's unit gathers after it.  Trained two steps."""
+    from .dist_cases import train
+    from .dist_cases_fsdp1 import fsdp1_model
+
+    model = fsdp1_model(seed, orig=False, wrap="nested", mesh=mesh)
+    refuse_load_on(model.module.layers[0].module.up, bad_rank)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optim, steps=2, seed=seed)
+    return model, optim
+
+
+FSDP1_HOOK_MODES = ("full", "broadcast", "sharded")
+
+
+def _fsdp1_hook_call(mod, api: str, mode: str, rank: int, model, optim, msd, osd):
+    opts = mod.StateDictOptions(full_state_dict=mode != "sharded", broadcast_from_rank0=mode == "broadcast")
+    if mode == "broadcast" and rank != 0:
+        msd, osd = {}, {}
+    if api == "set_model_state_dict":
+        return lambda: mod.set_model_state_dict(model, msd, options=opts)
+    return lambda: mod.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=opts)
+
+
+def fsdp1_hook_case(rank: int, ws: int) -> dict[str, Any]:
+    """An FSDP1 model whose inner module's load pre-hook raises on rank 1
+    only, for full, broadcast and sharded loads through set_state_dict and
+    set_model_state_dict: per case, the result, the seconds it took (the
+    group's timeout is 20 s: a rank left waiting in a later unit's gather
+    would take that long) and what it left (fault_matrix.classify: this
+    rank's flat-parameter shards, optimizer state and hyperparameters).
+    Then the same models with hooks that raise nowhere: what dcp_optim's
+    load leaves is bit for bit what upstream's leaves (for broadcast: its
+    full load of the same dict)."""
+    from .dist_cases import _betas_to_tuples
+    from .fault_matrix import _snapshot, classify
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=20))
+    out: dict[str, Any] = {"faults": {}, "clean": {}}
+    fresh = _snapshot(*fsdp1_hooked(0, bad_rank=-1))  # before any load
+    src, src_optim = fsdp1_hooked(3, bad_rank=-1)
+    for mode in FSDP1_HOOK_MODES:
+        get_opts = dcp_optim.StateDictOptions(full_state_dict=mode != "sharded")
+        msd, osd = dcp_optim.get_state_dict(src, src_optim, options=get_opts)
+        for api in ("set_state_dict", "set_model_state_dict"):
+            model, optim = fsdp1_hooked(0, bad_rank=1)
+            before = _snapshot(model, optim)
+            dist.barrier()
+            result, seconds = _timed(_fsdp1_hook_call(dcp_optim, api, mode, rank, model, optim, msd, osd))
+            out["faults"][f"{api} {mode}"] = {
+                "result": result, "seconds": seconds,
+                "state": classify(before, _snapshot(model, optim), None),
+            }
+        loads = {}
+        for impl, mod in (("dcp_optim", dcp_optim), ("torch", upstream)):
+            model, optim = fsdp1_hooked(0, bad_rank=-1)
+            dist.barrier()
+            # upstream's broadcast load of FSDP1 models mismatches
+            # collectives: its oracle is its full load of the same dict
+            how = "full" if impl == "torch" and mode == "broadcast" else mode
+            result = _outcome(_fsdp1_hook_call(mod, "set_state_dict", how, rank, model, optim, msd, osd))
+            _betas_to_tuples(optim)  # upstream's full load makes lists of them
+            loads[impl] = (result, _snapshot(model, optim))
+        ours, theirs = loads["dcp_optim"], loads["torch"]
+        out["clean"][mode] = {
+            "result": ours[0], "torch": theirs[0],
+            "same_as_torch": classify(theirs[1], ours[1], None) == "unchanged",
+            "changed": classify(fresh, ours[1], None) != "unchanged",
+        }
+    # a load post-hook (register_load_state_dict_post_hook) instead
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+    model, optim = fsdp1_hooked(0, bad_rank=-1)
+
+    def post_hook(module, incompatible_keys):
+        if dist.get_rank() == 1:
+            raise ValueError("post-hook refuses the load on rank 1")
+
+    model.module.layers[0].module.down.register_load_state_dict_post_hook(post_hook)
+    before = _snapshot(model, optim)
+    dist.barrier()
+    result, seconds = _timed(_fsdp1_hook_call(dcp_optim, "set_state_dict", "full", rank, model, optim, msd, osd))
+    out["post_hook"] = {"result": result, "seconds": seconds,
+                        "state": classify(before, _snapshot(model, optim), None)}
+    dist.barrier()
+    out["fsdp_own"] = _fsdp1_own_code_fails(rank)
+    return out
+
+
+def _fsdp1_own_code_fails(rank: int) -> dict[str, Any]:
+    """Last (it leaves the ranks apart): a model whose hooks raise nowhere
+    (its commit can fail, so the ranks would agree on its outcome), and
+    FSDP's own load code raising on rank 1 in its first gather at commit:
+    rank 1 raises that error at once, without entering the agreement that
+    rank 0, waiting in the gather, would never reach; rank 0 raises the
+    backend's timeout (5 s here).  Both unchanged."""
+    import dcp_optim.state_dict as ours
+
+    from .fault_matrix import _fsdp_fails, _on_collective, _snapshot, classify
+
+    model, optim = fsdp1_hooked(0, bad_rank=-1)
+    src, src_optim = fsdp1_hooked(3, bad_rank=-1)
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+    before = _snapshot(model, optim)
+    if rank == 1:
+        real_commit = ours._commit
+
+        def armed_commit(*a, **k):
+            _on_collective(1, _fsdp_fails)
+            return real_commit(*a, **k)
+
+        ours._commit = armed_commit  # type: ignore[assignment]
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5))
+    result, seconds = _timed(_fsdp1_hook_call(dcp_optim, "set_state_dict", "full", rank, model, optim, msd, osd))
+    if rank == 1:
+        time.sleep(8)  # lives on: rank 0 is not told by a closed connection
+    return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}

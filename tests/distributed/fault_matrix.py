@@ -70,7 +70,7 @@ PATHS = {
     "fsdp1-mesh-sharded": "FSDP1 with a device mesh: sharded set_state_dict (DTensors)",
     "fsdp1-hsdp-sharded": "FSDP1 hybrid sharding (1 x 2 mesh): sharded set_state_dict (FSDP's own optimizer load)",
 }
-FSDP1_FAULTS = ("options", "never", "kill-before", "kill-mid", "kill-agree", "kill-commit", "optim-load",
+FSDP1_FAULTS = ("options", "never", "kill-before", "kill-mid", "kill-agree", "kill-commit", "hook", "optim-load",
                 "kill-fsdp-commit", "fsdp-commit-raises")
 # faults in FSDP1's own commit: its set paths only
 FSDP1_ONLY = ("kill-fsdp-commit", "fsdp-commit-raises")
@@ -78,9 +78,11 @@ FSDP1_ONLY = ("kill-fsdp-commit", "fsdp-commit-raises")
 # and full loads make fewer than three collectives: nothing is in transit)
 SKIP = {("kill-commit", "get-full"), ("kill-agree", "get-full"), ("hook", "get-full"), ("optim-load", "get-full"),
         ("kill-mid", "sharded"), ("kill-mid", "full"), ("kill-mid", "flat"),
-        ("kill-commit", "fsdp1-get-full"), ("kill-agree", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full")}
+        ("kill-commit", "fsdp1-get-full"), ("kill-agree", "fsdp1-get-full"), ("optim-load", "fsdp1-get-full"),
+        ("hook", "fsdp1-get-full")}
 # FSDP1 (flat parameters, nested wrapping) runs the faults that do not
-# depend on FSDP2 models (Hooked, TwoParams); its loads all exchange data
+# depend on FSDP2 models (TwoParams; "hook" puts its load pre-hook on the
+# first block's inner layer, dist_cases_faults.refuse_load_on); its loads all exchange data
 # (FSDP1's sharded move exchanges shards), so kill-mid applies to each
 SKIP |= {(f, p) for f in FAULTS for p in PATHS if p.startswith("fsdp1") and f not in FSDP1_FAULTS}
 SKIP |= {(f, p) for f in FSDP1_ONLY for p in PATHS if not p.startswith("fsdp1") or p.endswith("get-full")}
@@ -181,6 +183,12 @@ def _build(mesh, fault: str, rank: int, seed: int, path: str = ""):
                          sharding_strategy=ShardingStrategy.HYBRID_SHARD)
         else:
             model = fsdp1_model(seed, orig=False, wrap="nested", mesh=mesh if "mesh" in path else None)
+        if fault == "hook":  # the first block's inner layer (FSDP1 nested: a later unit gathers after it)
+            from tests.distributed.dist_cases_faults import refuse_load_on
+
+            up = next(m for name, m in model.named_modules() if name.endswith("layers.0._fsdp_wrapped_module.up")
+                      or name.endswith("layers.0.up"))
+            refuse_load_on(up, bad_rank=1 if seed == 0 else -1)
         optim = torch.optim.Adam(model.parameters(), lr=0.01)
         train(model, optim, steps=2, seed=seed)
         if fault == "optim-load":
@@ -297,7 +305,7 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     t0 = time.monotonic()
     result = _outcome(call)
     seconds = round(time.monotonic() - t0, 1)
-    if fault == "fsdp-commit-raises" and rank == 1:
+    if rank == 1 and (fault == "fsdp-commit-raises" or (fault == "hook" and path.startswith("fsdp1"))):
         # the failing rank lives on (as a training job's would): its
         # peers are not told by a closed connection
         time.sleep(PG_TIMEOUT_S + 2)
