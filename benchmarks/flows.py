@@ -23,11 +23,15 @@ Part 1, first call and fixed cost (tiny model, Adam):
     the implementation's module imported (``import_s``), the first
     ``get_state_dict`` and the first ``set_state_dict`` (loading what the
     get returned) are timed; then ``--first-reps`` more of each, whose
-    median is the fixed cost per call.  Then one more call of each counted
-    by ``benchmarks.distributed.count_collectives``: ``colls`` = the
+    median is the fixed cost per call, beside the same number of lone
+    one-element ``all_reduce`` calls (``1 coll``: what one blocking
+    collective costs behind the barrier on the host).  Then one more call
+    of each counted by ``benchmarks.distributed.count_collectives``:
+    ``colls`` = the
     collectives reaching the c10d dispatcher per rank, barriers included
     (every agreement exchange is one).  The launches alternate
-    implementations (upstream first), so neither warms the other.
+    implementations (upstream first), so neither warms the other; a
+    further launch per form runs dcp_optim's first calls under cProfile.
 Part 2, trainers (one process pair per client, both models, both
 implementations):
     ``fabric``: Lightning Fabric's ``ModelParallelStrategy`` (FSDP2), Adam;
@@ -275,10 +279,17 @@ def first_call(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         msd, osd = copy_containers(box["sd"])
         mod.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=opts)
 
+    if cfg.get("profile_first"):  # a launch of its own: the first calls under cProfile
+        return {"first_get_profile": _profile(rank, get, cfg["profile_top"]),
+                "first_set_profile": _profile(rank, load, cfg["profile_top"])}
     out: dict[str, Any] = {"import_s": import_s, "first_get_s": _timed(get), "first_set_s": _timed(load)}
     gc.freeze()
     out["get_s"] = [_timed(get) for _ in range(cfg["reps"])]
     out["set_s"] = [_timed(load) for _ in range(cfg["reps"])]
+    # the floor of one blocking collective behind the same barrier: a
+    # one-element all_reduce (what one agreement exchange is on the wire)
+    one = torch.zeros(1, dtype=torch.int64)
+    out["coll_s"] = [_timed(lambda: torch.distributed.all_reduce(one)) for _ in range(cfg["reps"])]
     for op, fn in (("get", get), ("set", load)):
         counters = _Counters()
         gc.collect()
@@ -309,6 +320,13 @@ def run_first_calls(reps: int, forms: tuple[str, ...] = FORMS, profile_top: int 
                 row[f"{op}_colls"] = max(c["wire_total"] + c["barriers"] for c in colls)
                 row[f"{op}_colls_detail"] = colls[0]
                 row[f"{op}_profile"] = res[0].get(f"{op}_profile")
+            row["coll_s"] = statistics.median(max(r["coll_s"][i] for r in res) for i in range(reps))
+            if impl == "dcp_optim" and profile_top:
+                log(f"[flows] first call: {impl}, {form}, profiled")
+                prof = launch("first_call", {"impl": impl, "form": form, "reps": reps, "profile_top": profile_top,
+                                             "profile_first": True})
+                row["first_get_profile"] = prof[0]["first_get_profile"]
+                row["first_set_profile"] = prof[0]["first_set_profile"]
             per_impl[impl] = row
             rows.append(row)
         for row in per_impl.values():
@@ -548,10 +566,13 @@ def report(first: list[dict], trainers: list[dict], *, first_reps: int, show_pro
                      f"{first_reps} later calls; slowest rank ==")
         lines.append("   colls = collectives per call per rank at the c10d dispatcher, barriers included "
                      "(agreement exchanges are among them)")
+        lines.append("   1 coll = one blocking one-element all_reduce behind the same barrier (the floor of "
+                     "a call with a collective on this host)")
         lines.append("   ratio = dcp_optim / upstream for the first calls and the steady calls (get/set), "
                      "beside the aim: no slower")
         lines.append(f"{'form':>8}  {'impl':>9}  {'import':>8}  {'1st get':>9}  {'1st set':>9}  "
-                     f"{'get':>9}  {'set':>9}  {'colls get/set':>13}  {'ratio 1st':>11}  {'ratio steady':>12}  target")
+                     f"{'get':>9}  {'set':>9}  {'1 coll':>8}  {'colls get/set':>13}  {'ratio 1st':>11}  "
+                     f"{'ratio steady':>12}  target")
         for r in first:
             tail = ""
             if r["impl"] == "dcp_optim":
@@ -561,16 +582,17 @@ def report(first: list[dict], trainers: list[dict], *, first_reps: int, show_pro
                         + ("met" if max(st.values()) <= 1.0 else "MISSED"))
             lines.append(f"{r['form']:>8}  {r['impl']:>9}  {r['import_s'] * 1e3:>6.1f}ms  "
                          f"{r['first_get_s'] * 1e3:>7.2f}ms  {r['first_set_s'] * 1e3:>7.2f}ms  "
-                         f"{r['get_s'] * 1e3:>7.2f}ms  {r['set_s'] * 1e3:>7.2f}ms  "
+                         f"{r['get_s'] * 1e3:>7.2f}ms  {r['set_s'] * 1e3:>7.2f}ms  {r['coll_s'] * 1e3:>6.2f}ms  "
                          f"{r['get_colls']:>6}/{r['set_colls']:<6}  {tail}")
-        missed = [(r, op) for r in first if r["impl"] == "dcp_optim" for op in ("get", "set")
-                  if r["steady_ratio"][op] > 1.0 and r.get(f"{op}_profile")]
+        missed = [(r, kind, op) for r in first if r["impl"] == "dcp_optim" for kind in ("first", "steady")
+                  for op in ("get", "set")
+                  if r[f"{kind}_ratio"][op] > 1.0 and r.get(f"{'first_' if kind == 'first' else ''}{op}_profile")]
         if show_profiles and missed:
-            lines.append("\n-- profiles of the missed steady targets (one extra dcp_optim call, rank 0, cProfile, "
-                         "by cumulative time) --")
-            for r, op in missed:
-                lines.append(f"\n{r['form']} {op}_state_dict:")
-                lines.append(r[f"{op}_profile"])
+            lines.append("\n-- profiles of the missed aims (dcp_optim, rank 0, cProfile, by cumulative time; "
+                         "first calls: in a launch of their own) --")
+            for r, kind, op in missed:
+                lines.append(f"\n{r['form']} {op}_state_dict, {kind} call:")
+                lines.append(r[f"{'first_' if kind == 'first' else ''}{op}_profile"])
     if trainers:
         reps = sorted({r["reps"] for r in trainers})
         lines.append(f"\n== 9b. Trainers' save and load, 2 gloo ranks, dcp_optim (patched) vs upstream, "
