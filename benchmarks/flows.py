@@ -95,7 +95,16 @@ TARGETS = {"tiny": ("<=", 1.0), "50mb": ("<", 1.0)}
 # --- process launch ------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, store_path: str, fn_name: str, cfg: dict[str, Any], out_path: str) -> None:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, store_path: str, port: int, fn_name: str, cfg: dict[str, Any],
+            out_path: str) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     result: dict[str, Any]
@@ -107,8 +116,12 @@ def _worker(rank: int, world: int, store_path: str, fn_name: str, cfg: dict[str,
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.get("timeout_s", 300)))
+        timeout = datetime.timedelta(seconds=cfg.get("timeout_s", 300))
+        # the rendezvous store torchrun gives its ranks (dcp_optim's bounded
+        # arrival meets on the group's store), or a FileStore
+        store: Any = (dist.FileStore(store_path, world) if cfg.get("store") == "file" else
+                      dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             result = globals()[fn_name](rank, world, cfg)
         finally:
@@ -127,11 +140,12 @@ def launch(fn_name: str, cfg: dict[str, Any], world: int = 2, timeout_s: float =
     with tempfile.TemporaryDirectory(prefix="dcp-flows-") as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
+        port = _free_port()
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            procs = [ctx.Process(target=_worker, args=(r, world, store, fn_name, cfg, outs[r]), daemon=True)
+            procs = [ctx.Process(target=_worker, args=(r, world, store, port, fn_name, cfg, outs[r]), daemon=True)
                      for r in range(world)]
             for p in procs:
                 p.start()
@@ -302,14 +316,15 @@ def first_call(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_first_calls(reps: int, forms: tuple[str, ...] = FORMS, profile_top: int = 12,
+def run_first_calls(reps: int, forms: tuple[str, ...] = FORMS, profile_top: int = 12, store: str = "tcp",
                     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> list[dict]:
     rows = []
     for form in forms:
         per_impl = {}
         for impl in IMPLS:
             log(f"[flows] first call: {impl}, {form}")
-            res = launch("first_call", {"impl": impl, "form": form, "reps": reps, "profile_top": profile_top})
+            res = launch("first_call", {"impl": impl, "form": form, "reps": reps, "profile_top": profile_top,
+                                        "store": store})
             row: dict[str, Any] = {"form": form, "impl": impl,
                                    "import_s": max(r["import_s"] for r in res),
                                    "first_get_s": max(r["first_get_s"] for r in res),
@@ -324,7 +339,7 @@ def run_first_calls(reps: int, forms: tuple[str, ...] = FORMS, profile_top: int 
             if impl == "dcp_optim" and profile_top:
                 log(f"[flows] first call: {impl}, {form}, profiled")
                 prof = launch("first_call", {"impl": impl, "form": form, "reps": reps, "profile_top": profile_top,
-                                             "profile_first": True})
+                                             "profile_first": True, "store": store})
                 row["first_get_profile"] = prof[0]["first_get_profile"]
                 row["first_set_profile"] = prof[0]["first_set_profile"]
             per_impl[impl] = row
@@ -506,10 +521,10 @@ def torchtune_flows(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
 
 
 def run_trainers(sizes: tuple[str, ...], reps: dict[str, int], clients: tuple[str, ...] = CLIENTS,
-                 forms: tuple[str, ...] = FORMS, profile_top: int = 12,
+                 forms: tuple[str, ...] = FORMS, profile_top: int = 12, store: str = "tcp",
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> list[dict]:
     results: dict[str, Any] = {}
-    base = {"sizes": list(sizes), "reps": reps, "profile_top": profile_top}
+    base = {"sizes": list(sizes), "reps": reps, "profile_top": profile_top, "store": store}
     if "fabric" in clients:
         log("[flows] Lightning Fabric save/load")
         results.update(_merge(launch("fabric_flows", {**base, "forms": list(forms)})))
@@ -558,8 +573,9 @@ def _load_avg() -> str:
         return "n/a"
 
 
-def report(first: list[dict], trainers: list[dict], *, first_reps: int, show_profiles: bool = True) -> str:
-    lines = []
+def report(first: list[dict], trainers: list[dict], *, first_reps: int, show_profiles: bool = True,
+           store: str = "tcp") -> str:
+    lines = [f"\n(section 9: rendezvous store of the process groups: {'TCPStore' if store == 'tcp' else 'FileStore'})"]
     if first:
         lines.append(f"\n== 9a. First call and fixed cost: tiny FSDP2 model (2 x Linear(8, 8)) + Adam, 2 gloo "
                      f"ranks; first call in a fresh process pair per (implementation, form), steady = median of "
@@ -616,13 +632,14 @@ def report(first: list[dict], trainers: list[dict], *, first_reps: int, show_pro
 
 def run_section(*, sizes: tuple[str, ...] = ("tiny", "50mb"), first_reps: int = 20,
                 reps: dict[str, int] | None = None, clients: tuple[str, ...] = CLIENTS,
-                forms: tuple[str, ...] = FORMS, first: bool = True, profile_top: int = 12) -> dict[str, Any]:
+                forms: tuple[str, ...] = FORMS, first: bool = True, profile_top: int = 12,
+                store: str = "tcp") -> dict[str, Any]:
     reps = reps or {"tiny": 7, "50mb": 5}
     t0 = time.perf_counter()
     load_before = _load_avg()
-    first_rows = run_first_calls(first_reps, forms) if first else []
-    trainer_rows = run_trainers(sizes, reps, clients, forms, profile_top) if clients else []
-    text = report(first_rows, trainer_rows, first_reps=first_reps)
+    first_rows = run_first_calls(first_reps, forms, profile_top, store) if first else []
+    trainer_rows = run_trainers(sizes, reps, clients, forms, profile_top, store) if clients else []
+    text = report(first_rows, trainer_rows, first_reps=first_reps, store=store)
     print(text, flush=True)
     return {"first_call": first_rows, "trainers": trainer_rows, "load_avg_before": load_before,
             "load_avg_after": _load_avg(), "wall_s": time.perf_counter() - t0}
@@ -638,13 +655,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", default="7,5", help="timed rounds of the trainer flows: tiny,50mb (default 7,5)")
     p.add_argument("--first-reps", type=int, default=20, help="part 1: steady calls after the first (default 20)")
     p.add_argument("--no-first", action="store_true", help="skip part 1")
+    p.add_argument("--store", choices=("tcp", "file"), default="tcp",
+                   help="rendezvous store of the process groups: TCPStore as under torchrun (default), FileStore")
     p.add_argument("--json", dest="json_path", help="write the results here")
     args = p.parse_args(argv)
     tiny_reps, big_reps = (int(x) for x in args.reps.split(","))
     out = run_section(sizes=tuple(s for s in args.sizes.split(",") if s), first_reps=args.first_reps,
                       reps={"tiny": tiny_reps, "50mb": big_reps},
                       clients=tuple(c for c in args.clients.split(",") if c),
-                      forms=tuple(f for f in args.forms.split(",") if f), first=not args.no_first)
+                      forms=tuple(f for f in args.forms.split(",") if f), first=not args.no_first,
+                      store=args.store)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(out, f, indent=1, default=str)
