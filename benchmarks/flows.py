@@ -20,9 +20,10 @@ Part 1, first call and fixed cost (tiny model, Adam):
     one fresh process pair per (implementation, form), forms ``sharded``
     (default options) and ``full`` (``full_state_dict=True``; the load
     gets the full dict on every rank).  In it, after the model is built and
-    the implementation's module imported (``import_s``), the first
-    ``get_state_dict`` and the first ``set_state_dict`` (loading what the
-    get returned) are timed; then ``--first-reps`` more of each, whose
+    the implementation's module imported (``import_s``; dcp_optim's
+    bytecode is written first, as an install does: ``compile_bytecode``),
+    the first ``get_state_dict`` and the first ``set_state_dict`` (loading
+    what the get returned) are timed; then ``--first-reps`` more of each, whose
     median is the fixed cost per call, beside the same number of lone
     one-element ``all_reduce`` calls (``1 coll``: what one blocking
     collective costs behind the barrier on the host).  Then one more call
@@ -316,8 +317,22 @@ def first_call(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def compile_bytecode() -> None:
+    """Writes the bytecode of dcp_optim's modules, as ``pip install`` does
+    for an installed package (torch's own modules in site-packages have
+    theirs): where ``PYTHONDONTWRITEBYTECODE`` is set and the tree is a
+    checkout, every fresh process would otherwise compile dcp_optim from
+    source inside its import and its first calls (their lazy imports)."""
+    import compileall
+
+    import dcp_optim
+
+    compileall.compile_dir(os.path.dirname(os.path.abspath(dcp_optim.__file__)), quiet=1)
+
+
 def run_first_calls(reps: int, forms: tuple[str, ...] = FORMS, profile_top: int = 12, store: str = "tcp",
                     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> list[dict]:
+    compile_bytecode()
     rows = []
     for form in forms:
         per_impl = {}
@@ -523,6 +538,7 @@ def torchtune_flows(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
 def run_trainers(sizes: tuple[str, ...], reps: dict[str, int], clients: tuple[str, ...] = CLIENTS,
                  forms: tuple[str, ...] = FORMS, profile_top: int = 12, store: str = "tcp",
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> list[dict]:
+    compile_bytecode()
     results: dict[str, Any] = {}
     base = {"sizes": list(sizes), "reps": reps, "profile_top": profile_top, "store": store}
     if "fabric" in clients:
