@@ -473,7 +473,7 @@ def fabric_flows(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def torchtune_flows(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn as nn
-    import torchtune.training._distributed as ttd
+    import torchtune.training._distributed as ttd  # type: ignore[import-untyped]
     from torchtune import training
 
     cpu = torch.device("cpu")
@@ -635,11 +635,11 @@ def report(first: list[dict], trainers: list[dict], *, first_reps: int, show_pro
             lines.append(f"{r['client']:>13}  {r['form']:>7}  {r['size']:>5}  {r['op']:>4}  "
                          f"{r['upstream_s'] * 1e3:>8.1f}ms  {r['dcp_optim_s'] * 1e3:>8.1f}ms  {r['ratio']:>5.2f}x  "
                          f"{r['target']}  {'met' if r['met'] else 'MISSED'}")
-        missed = [r for r in trainers if not r["met"] and r.get("profile")]
-        if show_profiles and missed:
+        missed_rows = [r for r in trainers if not r["met"] and r.get("profile")]
+        if show_profiles and missed_rows:
             lines.append("\n-- profiles of the missed targets (one extra dcp_optim call, rank 0, cProfile, "
                          "by cumulative time) --")
-            for r in missed:
+            for r in missed_rows:
                 lines.append(f"\n{r['client']} {r['form']} {r['size']} {r['op']}:")
                 lines.append(r["profile"])
     lines.append(f"\nload average (1, 5, 15 min) at the end: {_load_avg()}")
