@@ -119,8 +119,10 @@ test-torchrun-20x: build
 	trap 'kill $$b1 $$b2' EXIT; \
 	for i in $$(seq 20); do echo "== run $$i of 20"; $(MAKE) --no-print-directory test-torchrun || exit 1; done
 
+# BENCH_ARGS: e.g. "--sections 9" for the opt-in real flows (benchmarks/flows.py).
+BENCH_ARGS ?=
 bench: build
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 # The CUDA suite (tests/gpu) on cuda:0 with this virtualenv's torch, after
 # the CPU-side checks (tests/unit/test_device_rules.py, the suite's bodies on

@@ -26,7 +26,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "6 (or 'templates') the template of a never-stepped optimizer by route, "
                    "7 (opt-in, or 'reshard') in-memory resharding against gather+slice and DCP save+load, "
                    "8 (opt-in, or 'transport') full gets and broadcast loads against the raw collective "
-                   "moving the same bytes")
+                   "moving the same bytes, 9 (opt-in, or 'flows') real flows: the first call and the fixed "
+                   "cost per call, Lightning Fabric's and torchtune's save and load at 2 ranks")
     p.add_argument("--tmpl-layers", type=int, default=100,
                    help="section 6: Linear(dim, dim) layers (default 100: 100M parameters at dim 1000)")
     p.add_argument("--tmpl-dim", type=int, default=1000, help="section 6: layer width (default 1000)")
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         sections.add("7")
     if "transport" in sections:
         sections.add("8")
+    if "flows" in sections:
+        sections.add("9")
     if args.sizes:
         sizes = [int(float(x)) for x in args.sizes.split(",") if x.strip()]
     else:
@@ -170,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         from .transport import run_section as run_transport
 
         out["transport"] = run_transport(reps=2 if args.quick else 5)
+    if "9" in sections:  # real flows (benchmarks/flows.py); prints its own tables
+        from .flows import run_section as run_flows
+
+        out["flows"] = run_flows(first_reps=5 if args.quick else 20,
+                                 reps={"tiny": 3, "50mb": 2} if args.quick else None)
     out["findings"] = report.findings(s1, s2)
     out["wall_s"] = time.perf_counter() - t0
 
