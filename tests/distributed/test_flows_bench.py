@@ -2,8 +2,11 @@
 row of the real-flows section at the smallest settings (tiny model, one
 steady call, one timed round) -- that it runs and reports, not timing.
 
-Six launches of 2 gloo processes: part 1's fresh pair per (implementation,
-form), then one pair each for Lightning Fabric and torchtune.
+Four launches of 2 gloo processes (a subset, to keep ``make test`` short:
+the other forms and clients run the same code with other arguments): part
+1's fresh pair per implementation for the full form, then one pair each
+for Lightning Fabric (sharded checkpoints) and torchtune (its state-dict
+API switch on, so the loads reach dcp_optim).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ def _positive(x: float) -> bool:
 
 
 def test_flows_section_reports_every_row():
-    first = flows.run_first_calls(1, flows.FORMS, profile_top=12)
-    assert [(r["form"], r["impl"]) for r in first] == [(f, i) for f in flows.FORMS for i in flows.IMPLS]
+    first = flows.run_first_calls(1, ("full",), profile_top=12)
+    assert [(r["form"], r["impl"]) for r in first] == [("full", i) for i in flows.IMPLS]
     for r in first:
         for key in ("import_s", "first_get_s", "first_set_s", "get_s", "set_s", "coll_s"):
             assert _positive(r[key]), (r["form"], r["impl"], key)
@@ -41,9 +44,10 @@ def test_flows_section_reports_every_row():
     full_ours = next(r for r in first if r["form"] == "full" and r["impl"] == "dcp_optim")
     assert full_ours["get_colls"] >= 1 and full_ours["set_colls"] >= 1
 
-    trainers = flows.run_trainers(("tiny",), {"tiny": 1}, profile_top=12)
-    expected = [("fabric", form, op) for form in flows.FORMS for op in ("save", "load")]
-    expected += [(client, "-", op) for client in ("torchtune", "torchtune-dsd") for op in ("save", "load")]
+    trainers = flows.run_trainers(("tiny",), {"tiny": 1}, clients=("fabric", "torchtune-dsd"), forms=("sharded",),
+                                  profile_top=12)
+    expected = [("fabric", "sharded", op) for op in ("save", "load")]
+    expected += [("torchtune-dsd", "-", op) for op in ("save", "load")]
     assert [(r["client"], r["form"], r["op"]) for r in trainers] == expected
     for r in trainers:
         assert r["size"] == "tiny" and r["reps"] == 1 and r["target"] == "<= 1.0"
@@ -55,7 +59,6 @@ def test_flows_section_reports_every_row():
     # the state-dict calls reached dcp_optim's forwarders
     by = {(r["client"], r["form"], r["op"]): r["profile"] for r in trainers}
     assert "fabric.py" in by[("fabric", "sharded", "save")]
-    assert "gather_cpu_state_dict" in by[("torchtune", "-", "save")]
     assert "dcp_optim" in by[("torchtune-dsd", "-", "load")]
 
     text = flows.report(first, trainers, first_reps=1)
