@@ -265,3 +265,47 @@ def measure_interleaved(
             t.min = min(t.samples)
             t.reps = len(t.samples)
     return out
+
+
+def adam_after_one_step(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """An Adam optimizer of ``model`` after one real step, its gradients set
+    directly (ones, sharded like their parameters) instead of by a backward
+    pass -- FSDP2's backward on gloo costs seconds of setup per process
+    pair, and the state-dict paths only need every parameter's Adam state."""
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return optim
+
+
+def spawn_ranks(target: Callable[..., None], rank_args: list[tuple], env: dict[str, str],
+                timeout_s: float) -> tuple[list[Any], list[Any]]:
+    """One fresh ``spawn`` process per entry of ``rank_args`` running
+    ``target(*args)``, with ``env`` set while they start (restored after);
+    waits for all of them until ``timeout_s`` and kills the ones still
+    alive.  Returns (the processes, the ones killed)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        procs = [ctx.Process(target=target, args=args, daemon=True) for args in rank_args]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(5)
+    return procs, hung

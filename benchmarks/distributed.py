@@ -282,16 +282,9 @@ def _build(cfg: dict[str, Any]):
         for layer in layered:
             fully_shard(layer, mesh=mesh)
         fully_shard(layered, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    # One real optimizer step.  The gradients are set directly (sharded like
-    # their parameters) instead of by a backward pass: FSDP2's backward on
-    # gloo costs ~7 s of setup per process pair here, and state dicts only
-    # care that every parameter has its Adam state.
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
+    from .common import adam_after_one_step
+
+    return model, adam_after_one_step(model)
 
 
 def _impl(name: str) -> Any:
@@ -548,32 +541,10 @@ def _memory(jobs, cfg, result, status) -> None:
 
 
 def _spawn(cfg: dict[str, Any], world: int, out_dir: str, env: dict[str, str], timeout_s: float) -> list[dict]:
-    import multiprocessing as mp
+    from .common import spawn_ranks
 
-    ctx = mp.get_context("spawn")
     store_path = tempfile.mktemp(prefix="store-", dir=out_dir)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, store_path, cfg, out_dir), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(5)
+    procs, hung = spawn_ranks(_worker, [(r, world, store_path, cfg, out_dir) for r in range(world)], env, timeout_s)
     results = []
     for r in range(world):
         path = os.path.join(out_dir, f"{cfg['mode']}-{cfg['tag']}-rank{r}.json")

@@ -73,7 +73,6 @@ import datetime
 import gc
 import io
 import json
-import multiprocessing as mp
 import os
 import pstats
 import shutil
@@ -137,32 +136,14 @@ def _worker(rank: int, world: int, store_path: str, port: int, fn_name: str, cfg
 def launch(fn_name: str, cfg: dict[str, Any], world: int = 2, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """Runs ``fn_name(rank, world, cfg)`` of this module on ``world`` fresh
     gloo processes; returns every rank's result (raises if one failed)."""
-    ctx = mp.get_context("spawn")
+    from .common import spawn_ranks
+
     with tempfile.TemporaryDirectory(prefix="dcp-flows-") as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
         port = _free_port()
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            procs = [ctx.Process(target=_worker, args=(r, world, store, port, fn_name, cfg, outs[r]), daemon=True)
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        procs, _ = spawn_ranks(_worker, [(r, world, store, port, fn_name, cfg, outs[r]) for r in range(world)],
+                               {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, timeout_s)
         results = []
         for r, path in enumerate(outs):
             try:

@@ -481,12 +481,9 @@ def build(model_name: str, layout: str, world: int):
         )
     else:
         raise ValueError(layout)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
+    from .common import adam_after_one_step
+
+    return model, adam_after_one_step(model)
 
 
 def full_bytes(model_name: str) -> int:

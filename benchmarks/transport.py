@@ -61,12 +61,9 @@ def _build(name: str, world: int):
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
+    from .common import adam_after_one_step
+
+    return model, adam_after_one_step(model)
 
 
 def _tensor_bytes(tree: Any) -> int:
