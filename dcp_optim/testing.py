@@ -127,6 +127,10 @@ class RankFailure(AssertionError):
 # environment and process group
 
 
+# how long a torchrun session's group waits for every rank to connect
+_SETUP_TIMEOUT_S = 300.0
+
+
 def launched_by_torchrun() -> bool:
     """True when the ``env://`` variables torchrun sets are all present."""
     return all(k in os.environ for k in _ENV)
@@ -148,9 +152,17 @@ def init_from_env(timeout: float = _DEFAULT_PG_TIMEOUT_S) -> bool:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"
+    # The group's setup (gloo connects every pair through the store) waits
+    # with the timeout it is created with: on a loaded machine one rank can
+    # start seconds after its peers (importing torch), which a short test
+    # timeout must not turn into a failed start.  Created with a setup bound
+    # of at least _SETUP_TIMEOUT_S, then given ``timeout`` for collectives.
+    setup = max(timeout, _SETUP_TIMEOUT_S)
     dist.init_process_group(
-        backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
+        backend, init_method="env://", timeout=datetime.timedelta(seconds=setup)
     )
+    if setup != timeout:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     return True
 
 
