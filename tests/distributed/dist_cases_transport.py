@@ -10,10 +10,11 @@ import torch
 import torch.distributed.checkpoint.state_dict as upstream
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dcp_optim
 from dcp_optim._engine import collectives as _collectives
+
+from ..support.models import fsdp2_with_adam_step
 
 
 def _model(ws: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -22,14 +23,7 @@ def _model(ws: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     # 1027 rows: uneven shards at 2 and 3 ranks; 2 MiB+ weights beside
     # small biases and a 64-row layer
     model = nn.Sequential(nn.Linear(512, 1027), nn.Linear(1027, 64), nn.Linear(64, 1027, bias=False))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
+    optim = fsdp2_with_adam_step(model, mesh)
     return model, optim
 
 

@@ -155,13 +155,13 @@ def gather_memory_case(rank: int, ws: int) -> dict[str, Any]:
     import torch.distributed.checkpoint.state_dict as upstream
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     import dcp_optim
     from dcp_optim._engine import collectives as _collectives
     from dcp_optim._engine.core import C
 
+    from ..support.models import fsdp2_with_adam_step
     from ..support.oracle import assert_same_tree
     from .dist_cases import CollectiveCounter, _count_functional_collectives
 
@@ -172,14 +172,7 @@ def gather_memory_case(rank: int, ws: int) -> dict[str, Any]:
     # 38 MB of parameters, 76 MB of Adam state: several 16 MiB buckets.
     layers = [nn.Linear(768, 769) if i % 2 == 0 else nn.Linear(769, 768) for i in range(16)]
     model = nn.Sequential(*layers)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
+    optim = fsdp2_with_adam_step(model, mesh)
 
     def plan_of(leaves):
         plans = C.plan_gather(

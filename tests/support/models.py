@@ -354,3 +354,21 @@ def sharpness_aware_step(model: Any, opt: Any, x: Any, gsam: bool) -> None:
         return (None, loss.detach()) if gsam else loss
 
     opt.step(closure)
+
+
+def fsdp2_with_adam_step(model: nn.Sequential, mesh: Any) -> torch.optim.Optimizer:
+    """``model``'s layers, then ``model``, ``fully_shard``-ed on ``mesh``;
+    returns an Adam optimizer after one step whose gradients were set to
+    ones directly (no backward pass: FSDP2's backward on gloo costs seconds
+    of setup, and the state-dict paths only need every parameter's state)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return optim
