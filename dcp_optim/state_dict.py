@@ -482,7 +482,8 @@ def _run_load(
                 prepared, error = _phase(lambda p: p.move(), parts, error, every=bcast)
                 _agree_or_abort(parts, agreement, error)
             fallible_somewhere = _fallible_somewhere(per_rank)
-            reports = _commit(parts, prepared, agreement if fallible_somewhere else None, fallible_somewhere)
+            reports = _commit(parts, prepared, agreement if fallible_somewhere else None, fallible_somewhere,
+                              relay=agreement)
         finally:
             torch.set_grad_enabled(grad)
     model_report = reports.get("model") or _IncompatibleKeys({}, {})
@@ -626,7 +627,8 @@ _FALLIBLE = {"model": 1, "optim": 2}
 
 
 def _commit(
-    parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any, fallible: int = 0
+    parts: list[LoadPart], prepared: list[Prepared | None], agreement: Any, fallible: int = 0,
+    relay: Any = None,
 ) -> dict[str, Any]:
     """Install every part, the model first: a model whose modules decide
     their own load rules is loaded by torch at its commit, before the
@@ -638,16 +640,24 @@ def _commit(
     fail; the ranks agree on the outcome of each part that can fail, and
     where any rank failed, every rank puts back every part it committed
     (the model too, where the optimizer failed) and raises that rank's
-    error."""
+    error.  A failure inside collectives of torch's own code (FSDP1's load
+    hooks, ``LoadPart.fatal``) raises the first failing rank's error on
+    every rank, relayed through the store of ``relay`` (the call's
+    agreement, also where no commit can fail)."""
     reports: dict[str, Any] = {}
     done: list[LoadPart] = []
     if agreement is None and any(p.can_fail for p in parts if p.name == "optim"):
-        return _commit_alone(parts, prepared)
+        return _commit_alone(parts, prepared, relay)
     for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
         assert ready is not None  # a failed move was agreed on and raised
         bit = _FALLIBLE[part.name]
         if agreement is None or not (fallible & bit or part.name == "model"):
-            reports[part.name] = part.commit(ready)
+            try:
+                reports[part.name] = part.commit(ready)
+            except BaseException as exc:
+                if relay is not None:
+                    _raise_relayed(part, exc, relay)
+                raise
             continue
         if not fallible & bit:  # the model, staged for the optimizers' outcome
             part.stage()
@@ -655,8 +665,9 @@ def _commit(
                 # FSDP1's own load hooks gather here: a peer that died
                 # in them, or their own failure, raises on this rank
                 reports[part.name] = part.commit(ready)
-            except BaseException:
+            except BaseException as exc:
                 _put_back([part], parts)
+                _raise_relayed(part, exc, agreement)
                 raise
             done.append(part)
             continue
@@ -668,10 +679,11 @@ def _commit(
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
             part.rollback()
-            if any(exc is each for each in getattr(part, "fatal", ())):
+            if any(exc is each for each in part.fatal):
                 # FSDP1's own hooks failed (a peer that died in their
                 # gathers): the ranks are not all where the agreement meets
                 _put_back(done, parts)
+                _raise_relayed(part, exc, agreement)
                 raise
         try:
             agreement.agree(error)
@@ -681,7 +693,21 @@ def _commit(
     return reports
 
 
-def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None]) -> dict[str, Any]:
+def _raise_relayed(part: LoadPart, exc: BaseException, agreement: Any) -> None:
+    """Where ``exc`` came from collectives of torch's own code in the
+    part's commit (``part.fatal``: FSDP1's load hooks), raise the error
+    every rank raises for it: the first failing rank's, relayed through
+    the store (``consistency.relay_failure``); otherwise return."""
+    if not any(exc is each for each in part.fatal):
+        return
+    from ._engine.consistency import relay_failure
+
+    relayed = relay_failure(agreement.mesh, agreement.what, exc)
+    if relayed is not exc:
+        raise relayed from exc
+
+
+def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None], relay: Any = None) -> dict[str, Any]:
     """``_commit`` of a load that runs alone whose optimizers' own
     ``load_state_dict`` can fail: the model is committed first, so it is
     staged too, and put back (with what an in-place move wrote) if the
@@ -694,8 +720,10 @@ def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None]) -> dic
             part.stage()
             done.append(part)
             reports[part.name] = part.commit(ready)
-    except BaseException:
+    except BaseException as exc:
         _put_back(done, parts)
+        if relay is not None and done:
+            _raise_relayed(done[-1], exc, relay)
         raise
     return reports
 

@@ -52,6 +52,7 @@ __all__ = [
     "flagged",
     "await_arrival",
     "arrival_bound",
+    "relay_failure",
 ]
 
 # --- bounded arrival ----------------------------------------------------------------
@@ -171,6 +172,56 @@ def await_arrival(mesh: Any | None, what: str) -> None:
             f"{_ARRIVAL_MAX_DEFAULT:g} s; 0 turns it off)."
         )
     _delete(store, mine)
+
+
+# --- failures inside torch's own collectives --------------------------------------
+#
+# A commit that runs torch's own code with collectives in it (FSDP1's load
+# hooks gather its flat parameters) cannot meet the other ranks at an
+# agreement when it fails on some ranks only: the peers are inside the
+# gather, released by the failing rank's closed connection or the
+# process group's timeout, each with an error of the backend.  So every
+# rank that fails there publishes its error on the store under the call's
+# key, atomically (compare_set: the first failure stays), and raises the
+# published one: every rank raises the first failure's exception, naming
+# its rank.  The key is the call's arrival meeting (the same number on
+# every rank of the mesh); without one (the bound turned off), a count of
+# such failures per mesh.
+
+_FAILED = "dcp_optim/failed"
+_failures: dict[str, int] = {}
+
+
+def relay_failure(mesh: Any | None, what: str, error: BaseException) -> BaseException:
+    """The exception every rank of ``mesh`` raises for a failure inside
+    collectives of torch's own code (see above): the first failing rank's
+    ``error``, with a note naming that rank.  Returns ``error`` itself
+    where no store can relay it (one rank, the fake process group, a
+    store that cannot compare-and-set)."""
+    import base64
+    import pickle
+
+    if _mesh_size(mesh) < 2 or dist.get_backend() == "fake":
+        return error
+    ranks, group = _meeting_group(mesh)
+    count = _failures.get(group, 0) + 1
+    _failures[group] = count
+    meeting = _meetings.get(group, 0)
+    key = f"{_FAILED}/{group}/" + (f"m{meeting}" if meeting else f"f{count}")
+    rank = dist.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        # as text: the store's compare_set takes strings
+        mine = base64.b64encode(pickle.dumps((rank, _export_error(error)))).decode("ascii")
+        first_rank, exported = pickle.loads(base64.b64decode(bytes(store.compare_set(key, "", mine))))
+    except Exception:  # noqa: BLE001 - no store to relay through: this rank's own error
+        return error
+    note = (
+        f" [raised on rank {first_rank} of ranks {list(ranks)} inside torch's own collectives of "
+        f"{what} (FSDP's load hooks), the first rank to fail there; every rank put back what it "
+        "had installed]"
+    )
+    return _import_error(exported, note)
 
 
 def _delete(store: Any, *keys: str) -> None:
@@ -696,7 +747,7 @@ class Agreement:
         if error is not None and len(failures) == len(ranks) and len(texts) == 1:
             raise error  # every rank failed alike: its own exception
         rank, exported = failures[0]
-        agreed = _import_error(exported, rank, [r for r, _ in failures], len(failures) == len(ranks))
+        agreed = _import_error(exported, _agreed_note(rank, [r for r, _ in failures], len(failures) == len(ranks)))
         if error is not None:
             raise agreed from error
         raise agreed
@@ -720,15 +771,21 @@ def _export_error(error: BaseException) -> tuple[bytes | None, str]:
     return blob, text
 
 
-def _import_error(exported: tuple[bytes | None, str], rank: int, failing: list[int], everywhere: bool) -> BaseException:
-    import pickle
-
-    blob, text = exported
-    note = (
+def _agreed_note(rank: int, failing: list[int], everywhere: bool) -> str:
+    return (
         f" [raised on rank {rank}"
         + ("" if everywhere else f"; rank(s) {failing} failed, the other ranks passed this check")
         + "; nothing was loaded on any rank]"
     )
+
+
+def _import_error(exported: tuple[bytes | None, str], note: str) -> BaseException:
+    """The exception ``_export_error`` exported, rebuilt (or, where it
+    does not unpickle, a StateDictRuntimeError with its text), with
+    ``note`` appended to its message."""
+    import pickle
+
+    blob, text = exported
     exc = None
     if blob is not None:
         try:

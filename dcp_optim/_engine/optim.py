@@ -1334,6 +1334,7 @@ class OptimLoad:
         # wrapper's) runs at commit and can raise on some ranks only: the
         # ranks then agree on the outcome (state_dict._commit)
         self.can_fail = False
+        self.fatal: list[BaseException] = []  # its commit makes no collective
         self.snapshot: OptimSnapshot | None = None
 
     def plan(self) -> Any:

@@ -62,6 +62,10 @@ class LoadPart(Protocol):
     # whether commit can fail (torch's own load with a module's hooks): then
     # the ranks agree on its outcome, and roll back where another failed
     can_fail: bool
+    # exceptions of commit raised inside collectives of torch's own code
+    # (FSDP1's load hooks), where the ranks are not all at one agreement:
+    # relayed through the store instead (state_dict._raise_relayed)
+    fatal: list[BaseException]
 
     def plan(self) -> SourceMeta | None: ...
 

@@ -384,8 +384,9 @@ def _fsdp1_own_code_fails(rank: int) -> dict[str, Any]:
     (its commit can fail, so the ranks would agree on its outcome), and
     FSDP's own load code raising on rank 1 in its first gather at commit:
     rank 1 raises that error at once, without entering the agreement that
-    rank 0, waiting in the gather, would never reach; rank 0 raises the
-    backend's timeout (5 s here).  Both unchanged."""
+    rank 0, waiting in the gather, would never reach; rank 0, released by
+    the backend's timeout (5 s here), raises rank 1's error, relayed
+    through the store.  Both unchanged."""
     import dcp_optim.state_dict as ours
 
     from .fault_matrix import _fsdp_fails, _on_collective, _snapshot, classify
