@@ -740,9 +740,10 @@ PyDoc_STRVAR(dcp_finish_full_load__doc__,
 /* finish_full_load(plan, from_local, offload) -> values
  *
  * The loaded value of each job: DTensor.from_local(dest, mesh,
- * placements, shape=, stride=) for DTensor templates, else dest (None
- * where the job is not needed here); moved to `offload` when it is not
- * None (plain results only). */
+ * placements, shape=, stride=) for DTensor templates -- the template
+ * itself where dest is its own local tensor (an in-place load) and
+ * nothing is offloaded -- else dest (None where the job is not needed
+ * here); moved to `offload` when it is not None (plain results only). */
 static PyObject *
 dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -767,6 +768,32 @@ dcp_finish_full_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else if (plan->jobs[i].sharded) {
             PyObject *tmpl = Py_NewRef(plan->jobs[i].tmpl);
             PyObject *dest = Py_NewRef(plan->jobs[i].dest);
+            /* In place: the shard landed in the template's own local
+             * tensor, so the template is the loaded value (a new DTensor
+             * around the same local would be one more object per tensor
+             * for the commit to find aliased). */
+            int own = 0;
+            if (offload == Py_None) {
+                PyObject *local = PyObject_GetAttr(tmpl, st->str_local_tensor);
+                if (local == NULL) {
+                    own = -1;
+                }
+                else {
+                    own = local == dest;
+                    Py_DECREF(local);
+                }
+            }
+            if (own != 0) {
+                value = own > 0 ? Py_NewRef(tmpl) : NULL;
+                Py_DECREF(tmpl);
+                Py_DECREF(dest);
+                if (value == NULL) {
+                    Py_CLEAR(out);
+                    break;
+                }
+                PyList_SET_ITEM(out, i, value);
+                continue;
+            }
             PyObject *mesh = PyObject_GetAttr(tmpl, st->str_device_mesh);
             PyObject *pls =
                 mesh ? PyObject_GetAttr(tmpl, st->str_placements) : NULL;

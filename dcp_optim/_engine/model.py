@@ -258,7 +258,10 @@ class ModelLoad:
             load_sd = self.full_load.move()
             if self.native_checks:
                 check_load(model, load_sd, info, rules)
-        if not self.full_path and self.native_checks:
+        # A sharded load of the views a getter returned (the DCP resume),
+        # or a full / broadcast load whose move wrote the shards straight
+        # into the parameters: torch's load would copy each one onto itself.
+        if self.native_checks and not self.assign:
             aliased = aliased_commit(model, load_sd, info, rules)
             if aliased is not None:
                 return Prepared(aliased)
