@@ -48,7 +48,10 @@ from dcp_optim.__main__ import main
 
 from ..distributed import dist_cases_adoption as cases
 
-pytestmark = pytest.mark.timeout(120)
+# above the sum of a test's own bounds: test_hash_bombs_bounded launches
+# five commands, each killed after ``measure``'s 60 s (torch's import
+# alone takes 20 s and more under ASan on a loaded machine)
+pytestmark = pytest.mark.timeout(360)
 
 ENTRY = "tests.distributed.dist_cases_adoption:plan_entry"
 SYSTEM = f"{os.system.__module__}.{os.system.__name__}"  # what a pickle of os.system names
