@@ -652,9 +652,16 @@ def _commit(
         assert ready is not None  # a failed move was agreed on and raised
         bit = _FALLIBLE[part.name]
         if agreement is None or not (fallible & bit or part.name == "model"):
+            # FSDP1's gathers at commit can fail on some ranks, midway:
+            # staged, so that what the earlier units loaded is put back
+            staged = relay is not None and part.collective_commit
+            if staged:
+                part.stage()
             try:
                 reports[part.name] = part.commit(ready)
             except BaseException as exc:
+                if staged:
+                    _put_back([part], parts)
                 if relay is not None:
                     _raise_relayed(part, exc, relay)
                 raise

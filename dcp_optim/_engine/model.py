@@ -199,6 +199,8 @@ class ModelLoad:
         # own load code (FSDP's hooks, a peer that died in their gathers):
         # the ranks are not all where an agreement meets, it propagates
         self.fatal: list[BaseException] = []
+        # FSDP1: its load hooks gather at commit (set in plan)
+        self.collective_commit = False
 
     def plan(self) -> Any:
         if self.noop:
@@ -222,6 +224,7 @@ class ModelLoad:
         # path, and make their collectives on every rank alike; only the
         # modules' own load code can fail on some ranks only
         self.can_fail = rules.torch_path and (not info.fsdp_modules or _has_own_load_code(model))
+        self.collective_commit = bool(info.fsdp_modules)
         if full_path:
             device, self.assign = _load_device(info, local, rules.lazy)
             # Where the model load's checks can run before any data moves, the

@@ -1335,6 +1335,7 @@ class OptimLoad:
         # ranks then agree on the outcome (state_dict._commit)
         self.can_fail = False
         self.fatal: list[BaseException] = []  # its commit makes no collective
+        self.collective_commit = False
         self.snapshot: OptimSnapshot | None = None
 
     def plan(self) -> Any:

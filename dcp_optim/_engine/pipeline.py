@@ -66,6 +66,11 @@ class LoadPart(Protocol):
     # (FSDP1's load hooks), where the ranks are not all at one agreement:
     # relayed through the store instead (state_dict._raise_relayed)
     fatal: list[BaseException]
+    # its commit makes collectives of torch's own code (FSDP1's load hooks
+    # gather every flat parameter): a failure there can come on some ranks
+    # only and midway, so the commit is staged even where no rank's part
+    # is fallible, and put back when it raises
+    collective_commit: bool
 
     def plan(self) -> SourceMeta | None: ...
 

@@ -409,3 +409,38 @@ def _fsdp1_own_code_fails(rank: int) -> dict[str, Any]:
     if rank == 1:
         time.sleep(8)  # lives on: rank 0 is not told by a closed connection
     return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}
+
+
+def fsdp1_model_only_own_code_fails_case(rank: int, ws: int) -> dict[str, Any]:
+    """``set_model_state_dict`` alone on a nested FSDP1 model whose modules
+    have no load code of their own (no part of the load is fallible), with
+    FSDP's own load code raising on rank 1 at its third collective at
+    commit: a later unit's gather, after the earlier units loaded.  The
+    commit is staged all the same (FSDP's collectives can fail midway), so
+    every rank puts the earlier units back; rank 0, released by the
+    backend's timeout (5 s), raises rank 1's error, relayed through the
+    store."""
+    import dcp_optim.state_dict as ours
+
+    from .fault_matrix import _build, _fsdp_fails, _on_collective, _snapshot, classify
+
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = _build(mesh, "fsdp-commit-raises", rank, 0, "fsdp1-full")
+    src, src_optim = _build(mesh, "fsdp-commit-raises", rank, 3, "fsdp1-full")
+    opts = dcp_optim.StateDictOptions(full_state_dict=True)
+    msd = dcp_optim.get_model_state_dict(src, options=opts)
+    before = _snapshot(model, optim)
+    if rank == 1:
+        real_commit = ours._commit
+
+        def armed_commit(*a, **k):
+            _on_collective(3, _fsdp_fails)
+            return real_commit(*a, **k)
+
+        ours._commit = armed_commit  # type: ignore[assignment]
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5))
+    result, seconds = _timed(lambda: dcp_optim.set_model_state_dict(model, msd, options=opts))
+    if rank == 1:
+        time.sleep(8)  # lives on: rank 0 is not told by a closed connection
+    return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}

@@ -271,3 +271,16 @@ def test_fsdp1_own_load_code_failing_is_not_agreed_on(fsdp1_hook):
     assert r1["seconds"] < 3, r1
     assert r0["seconds"] < 12, r0  # the group's timeout, then the store
     assert r0["state"] == r1["state"] == "unchanged", (r0, r1)
+
+
+def test_fsdp1_model_only_load_failing_midway_in_fsdps_own_code_changes_nothing():
+    """A model-only FSDP1 load has no fallible part, yet FSDP's own gathers
+    at commit can fail on one rank after earlier units loaded: the commit
+    is staged, so both ranks end unchanged (before: both PARTIAL), with the
+    failing rank's error on both."""
+    r0, r1 = run_ranks(2, cases.fsdp1_model_only_own_code_fails_case, timeout=120)
+    assert r0["result"] == r1["result"], (r0, r1)
+    assert r1["result"].startswith(
+        "RuntimeError: FSDP1's own load fails on rank 1 [raised on rank 1 of ranks [0, 1] inside torch's own "
+        "collectives of set_model_state_dict"), r1
+    assert r0["state"] == r1["state"] == "unchanged", (r0, r1)
