@@ -387,28 +387,11 @@ def _fsdp1_own_code_fails(rank: int) -> dict[str, Any]:
     rank 0, waiting in the gather, would never reach; rank 0, released by
     the backend's timeout (5 s here), raises rank 1's error, relayed
     through the store.  Both unchanged."""
-    import dcp_optim.state_dict as ours
-
-    from .fault_matrix import _fsdp_fails, _on_collective, _snapshot, classify
-
     model, optim = fsdp1_hooked(0, bad_rank=-1)
     src, src_optim = fsdp1_hooked(3, bad_rank=-1)
     msd, osd = dcp_optim.get_state_dict(src, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
-    before = _snapshot(model, optim)
-    if rank == 1:
-        real_commit = ours._commit
-
-        def armed_commit(*a, **k):
-            _on_collective(1, _fsdp_fails)
-            return real_commit(*a, **k)
-
-        ours._commit = armed_commit  # type: ignore[assignment]
-    dist.barrier()
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5))
-    result, seconds = _timed(_fsdp1_hook_call(dcp_optim, "set_state_dict", "full", rank, model, optim, msd, osd))
-    if rank == 1:
-        time.sleep(8)  # lives on: rank 0 is not told by a closed connection
-    return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}
+    load = _fsdp1_hook_call(dcp_optim, "set_state_dict", "full", rank, model, optim, msd, osd)
+    return _fsdp_fails_at_commit(rank, 1, model, optim, load)
 
 
 def fsdp1_model_only_own_code_fails_case(rank: int, ws: int) -> dict[str, Any]:
@@ -420,27 +403,37 @@ def fsdp1_model_only_own_code_fails_case(rank: int, ws: int) -> dict[str, Any]:
     every rank puts the earlier units back; rank 0, released by the
     backend's timeout (5 s), raises rank 1's error, relayed through the
     store."""
-    import dcp_optim.state_dict as ours
-
-    from .fault_matrix import _build, _fsdp_fails, _on_collective, _snapshot, classify
+    from .fault_matrix import _build
 
     mesh = init_device_mesh("cpu", (ws,))
     model, optim = _build(mesh, "fsdp-commit-raises", rank, 0, "fsdp1-full")
-    src, src_optim = _build(mesh, "fsdp-commit-raises", rank, 3, "fsdp1-full")
+    src, _ = _build(mesh, "fsdp-commit-raises", rank, 3, "fsdp1-full")
     opts = dcp_optim.StateDictOptions(full_state_dict=True)
     msd = dcp_optim.get_model_state_dict(src, options=opts)
+    return _fsdp_fails_at_commit(rank, 3, model, optim, lambda: dcp_optim.set_model_state_dict(model, msd, options=opts))
+
+
+def _fsdp_fails_at_commit(rank: int, nth: int, model: Any, optim: Any, load: Any) -> dict[str, Any]:
+    """Runs ``load`` with FSDP's own load code raising on rank 1 at its
+    ``nth`` collective at commit, under a 5 s group timeout; rank 1 then
+    lives on (its peer is not told by a closed connection).  The result,
+    the seconds it took and what it left (fault_matrix.classify)."""
+    import dcp_optim.state_dict as ours
+
+    from .fault_matrix import _fsdp_fails, _on_collective, _snapshot, classify
+
     before = _snapshot(model, optim)
     if rank == 1:
         real_commit = ours._commit
 
         def armed_commit(*a, **k):
-            _on_collective(3, _fsdp_fails)
+            _on_collective(nth, _fsdp_fails)
             return real_commit(*a, **k)
 
         ours._commit = armed_commit  # type: ignore[assignment]
     dist.barrier()
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5))
-    result, seconds = _timed(lambda: dcp_optim.set_model_state_dict(model, msd, options=opts))
+    result, seconds = _timed(load)
     if rank == 1:
-        time.sleep(8)  # lives on: rank 0 is not told by a closed connection
+        time.sleep(8)
     return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}
