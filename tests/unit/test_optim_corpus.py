@@ -206,22 +206,28 @@ def _build(factory, dtype=torch.float32, seed=0):
     model = Net().to(dtype)
     opt = factory(model)
     short = name_of.get(factory)
+    mode = None
     if short in CLOSURE:
-        _MODE[id(opt)] = "closure"
+        mode = "closure"
     elif short in LOSS:
-        _MODE[id(opt)] = "loss"
+        mode = "loss"
     elif short in HESSIAN:
-        _MODE[id(opt)] = "hessian"
+        mode = "hessian"
     elif short in SAM or factory in _SAM_FACTORIES:
-        _MODE[id(opt)] = "sam"
+        mode = "sam"
     elif factory is _gsam:
-        _MODE[id(opt)] = "gsam"
+        mode = "gsam"
+    # always written: a new optimizer can get the id of a collected one,
+    # whose entry would otherwise give it that optimizer's step mode (an
+    # EmoNavi stepped with a loss closure in one run and without in the
+    # other: "differs after the resumed step", now and then)
+    _MODE[id(opt)] = mode
     if hasattr(opt, "train") and callable(opt.train):
         opt.train()  # schedule-free optimizers step in train mode
     return model, opt
 
 
-_MODE: dict[int, str] = {}  # id(optimizer) -> "closure" / "hessian"
+_MODE: dict[int, str | None] = {}  # id(optimizer) -> "closure" / "hessian" / ... / None (plain step)
 
 
 def _step(model, opt, i, dtype=torch.float32):
