@@ -647,7 +647,7 @@ def _commit(
     reports: dict[str, Any] = {}
     done: list[LoadPart] = []
     if agreement is None and any(p.can_fail for p in parts if p.name == "optim"):
-        return _commit_alone(parts, prepared, relay)
+        return _commit_alone(parts, prepared)
     for part, ready in sorted(zip(parts, prepared), key=lambda pair: pair[0].name != "model"):
         assert ready is not None  # a failed move was agreed on and raised
         bit = _FALLIBLE[part.name]
@@ -686,7 +686,7 @@ def _commit(
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
             part.rollback()
-            if any(exc is each for each in part.fatal):
+            if _is_fatal(part, exc):
                 # FSDP1's own hooks failed (a peer that died in their
                 # gathers): the ranks are not all where the agreement meets
                 _put_back(done, parts)
@@ -700,12 +700,18 @@ def _commit(
     return reports
 
 
+def _is_fatal(part: LoadPart, exc: BaseException) -> bool:
+    """Whether ``exc`` came from collectives of torch's own code in the
+    part's commit (``LoadPart.fatal``)."""
+    return any(exc is each for each in part.fatal)
+
+
 def _raise_relayed(part: LoadPart, exc: BaseException, agreement: Any) -> None:
     """Where ``exc`` came from collectives of torch's own code in the
     part's commit (``part.fatal``: FSDP1's load hooks), raise the error
     every rank raises for it: the first failing rank's, relayed through
     the store (``consistency.relay_failure``); otherwise return."""
-    if not any(exc is each for each in part.fatal):
+    if not _is_fatal(part, exc):
         return
     from ._engine.consistency import relay_failure
 
@@ -714,7 +720,7 @@ def _raise_relayed(part: LoadPart, exc: BaseException, agreement: Any) -> None:
         raise relayed from exc
 
 
-def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None], relay: Any = None) -> dict[str, Any]:
+def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None]) -> dict[str, Any]:
     """``_commit`` of a load that runs alone whose optimizers' own
     ``load_state_dict`` can fail: the model is committed first, so it is
     staged too, and put back (with what an in-place move wrote) if the
@@ -727,10 +733,8 @@ def _commit_alone(parts: list[LoadPart], prepared: list[Prepared | None], relay:
             part.stage()
             done.append(part)
             reports[part.name] = part.commit(ready)
-    except BaseException as exc:
+    except BaseException:
         _put_back(done, parts)
-        if relay is not None and done:
-            _raise_relayed(done[-1], exc, relay)
         raise
     return reports
 
