@@ -25,7 +25,9 @@ Three phases, every rank of the process group taking part:
    box goes from / into the tensor itself; boxes a rank holds itself are
    copied directly.  Received bytes are written into
    the template's local tensors (``copy_``: a dtype that differs from the
-   source's is cast as ``dcp.load`` casts it).
+   source's is cast as ``dcp.load`` casts it).  An undo log (a host copy
+   of the template's shards this rank writes) puts them back if any rank
+   fails before one last ``all_reduce`` says that every rank is done.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .consistency import await_arrival
 from .core import C
+from .distribute import UNDO_ENV, undo_enabled
 
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
@@ -646,7 +649,8 @@ def _object_bytes(value: Any) -> bytes:
 
 
 def _reduce_min(values: list[int], group: Any) -> list[int]:
-    buf = torch.tensor(values, dtype=torch.int64)
+    # on the buckets' device: NCCL reduces CUDA tensors only
+    buf = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
     dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
     return buf.tolist()
 
@@ -872,12 +876,14 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     locals_: list[tuple] = []
     sends: dict[int, list] = {}
     recvs: dict[int, list] = {}
+    written: dict[int, torch.Tensor] = {}  # the template's tensors this rank writes
     for spec in specs:
         local, recv, send = _plan(spec, rank)
         dtype = getattr(torch, spec.dtype.split(".")[-1])
         itemsize = torch.empty((), dtype=dtype).element_size()
         if local or recv:
             dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
+            written[id(dst_t)] = dst_t
         if local or send:
             src_t = _local(src_leaves[spec.path])
         for sstart, dstart, lens in local:
@@ -889,9 +895,25 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
             for s, _d, ln in _split(sstart, dstart, lens, itemsize, limit):
                 sends.setdefault(peer, []).append((src_t, s, ln, dtype, _nbytes(ln, itemsize)))
 
-    _transfer(sends, recvs, group_ranks, rank, group, limit)
-    for src_t, sstart, dst_t, dstart, lens in locals_:
-        dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
+    # Received boxes land in the template as they come: a rank killed
+    # mid-transfer would leave it half written.  The undo log keeps what
+    # is overwritten (a host copy, as a load's in-place stream keeps it)
+    # until every rank has received everything: the last all_reduce.
+    undo = _Undo(list(written.values())) if undo_enabled() else None
+    try:
+        _transfer(sends, recvs, group_ranks, rank, group, limit)
+        for src_t, sstart, dst_t, dstart, lens in locals_:
+            dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
+        _reduce_min([0], group)
+    except BaseException as exc:
+        if undo is not None:
+            undo.restore()
+        note = (f" [reshard_state_dict, rank {rank}: "
+                + ("the template was put back as it was before the call]" if undo is not None
+                   else f"the template may be partly written ({UNDO_ENV}=0: no undo log)]"))
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (exc.args[0] + note, *exc.args[1:])
+        raise
 
     if template is None:
         return None
@@ -950,6 +972,19 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
             if t < len(rb) and direct is None:
                 for off, (tensor, start, lens, dtype, n) in rb[t][1]:
                     tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+
+
+class _Undo:
+    """Host copies of the template's tensors a rank writes, taken before
+    the transfer; ``restore`` writes them back."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for tensor, old in self.saved:
+            tensor.copy_(old)
 
 
 def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | None:

@@ -358,11 +358,16 @@ def subworld_case(rank: int, ws: int, path: str, flatten: bool) -> list[str]:
 
 
 
-def memory_case(rank: int, ws: int, bucket_mb: int) -> dict[str, Any]:
+def memory_case(rank: int, ws: int, bucket_mb: int, undo: str) -> dict[str, Any]:
     """Peak extra resident memory of a reshard (FSDP2 Shard(0) -> TP
     Shard(1), 128 MB of float32 in 4 MB tensors, 64 MB of shards per
-    rank): at most the two buckets plus allocator slack."""
+    rank): the two buckets, plus the undo log's host copy of the
+    destination shards where ``undo`` is "1" (the default)."""
+    from dcp_optim._engine import distribute as _distribute
+
     from .dist_cases import PeakRSS
+
+    os.environ[_distribute.UNDO_ENV] = undo
 
     mesh = init_device_mesh("cpu", (ws,))
     shapes = [(1024, 1024)] * 32
@@ -383,3 +388,58 @@ def memory_case(rank: int, ws: int, bucket_mb: int) -> dict[str, Any]:
         "bucket_bytes": bucket,
         "shard_bytes": sum(t.to_local().numel() * 4 for t in tmpl.values()),
     }
+
+
+def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
+    """Rank 0 is SIGKILLed during a reshard (FSDP2 ``Shard(0)`` -> TP
+    ``Shard(1)``, 256-byte buckets: several per peer): ``when`` "mid" in its
+    third ``batch_isend_irecv``, "after" once its whole transfer is done
+    (before the last all_reduce).  The survivors raise the backend's
+    error within the group's timeout (10 s); with the undo log (``undo``
+    "1", the default) their templates are as before the call."""
+    import datetime
+    import signal
+    import time
+
+    from dcp_optim._engine import distribute as _distribute
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
+    os.environ[_distribute.UNDO_ENV] = undo
+    mesh = init_device_mesh("cpu", (ws,))
+    src = {f"t{i}": distribute_tensor(torch.randn(48, 36, generator=torch.Generator().manual_seed(i)),
+                                      mesh, [Shard(0)]) for i in range(3)}
+    tmpl = {k: distribute_tensor(torch.full((48, 36), -1.0), mesh, [Shard(1)]) for k in src}
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)  # gloo's pairs connected
+    for t in tmpl.values():
+        t.to_local().fill_(-1.0)
+    before = _local_tree(tmpl)
+    dist.barrier()
+    if rank == 0:
+        if when == "mid":
+            calls = [0]
+            original = dist.batch_isend_irecv
+
+            def dying(ops):
+                calls[0] += 1
+                if calls[0] == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original(ops)
+
+            dist.batch_isend_irecv = dying
+        else:
+            transfer = engine._transfer
+
+            def transferred_then_dying(*args, **kwargs):
+                transfer(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            engine._transfer = transferred_then_dying
+    t0 = time.monotonic()
+    try:
+        dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+        result = "ok"
+    except Exception as exc:  # noqa: BLE001 - the verdict is returned
+        result = f"{type(exc).__name__}: {exc}"
+    after = _local_tree(tmpl)
+    unchanged = all(torch.equal(before[k][3], after[k][3]) for k in before)
+    return {"result": result, "seconds": round(time.monotonic() - t0, 1), "unchanged": unchanged}

@@ -73,10 +73,34 @@ def test_demo():
     assert len(rows) == 2 and all(r[1] == r[2] for r in rows)
 
 
-def test_peak_memory_is_two_buckets():
-    for r in run_ranks(2, cases.memory_case, 16):
+@pytest.mark.parametrize("undo", ["1", "0"])
+def test_peak_memory_is_two_buckets_and_the_undo_log(undo):
+    for r in run_ranks(2, cases.memory_case, 16, undo):
         # two 16 MB buckets (measured: 32 MB) and 12 MB of allocator and
         # sampling slack, as the broadcast-load memory tests allow; the
-        # destination shards (64 MB) exist before the call
-        assert r["peak_delta"] <= 2 * r["bucket_bytes"] + 12 * 2**20, r
+        # destination shards (64 MB) exist before the call, and the undo
+        # log (the default) holds one host copy of them during it
+        undo_log = r["shard_bytes"] if undo == "1" else 0
+        assert r["peak_delta"] <= undo_log + 2 * r["bucket_bytes"] + 12 * 2**20, r
         assert r["shard_bytes"] == 64 * 2**20
+
+
+@pytest.mark.parametrize(("ws", "when", "undo"), [(3, "mid", "1"), (3, "mid", "0"), (2, "after", "1")])
+def test_a_rank_killed_during_the_transfer(ws, when, undo):
+    """Rank 0 SIGKILLed in its third bucket ("mid"), or after its whole
+    transfer but before the last all_reduce ("after": the survivor has
+    received everything, and would return a written template without that
+    agreement): every survivor raises within the group's 10 s timeout;
+    with the undo log (the default) its template is as before the call,
+    without it (DCP_OPTIM_STREAM_UNDO=0) the buckets received so far
+    stay written."""
+    with pytest.raises(AssertionError) as info:
+        run_ranks(ws, cases.killed_case, when, undo, timeout=120)
+    assert info.value.exitcodes[0] == -9, str(info.value)[-2000:]
+    for rank in range(1, ws):
+        survivor = info.value.rank_results.get(rank)
+        assert survivor is not None, str(info.value)[-2000:]
+        assert survivor["result"] != "ok" and survivor["seconds"] < 15, survivor
+        assert survivor["unchanged"] is (undo == "1"), survivor
+        if undo == "1":
+            assert f"[reshard_state_dict, rank {rank}: the template was put back" in survivor["result"], survivor
