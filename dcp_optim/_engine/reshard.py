@@ -53,6 +53,7 @@ __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cac
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 _ALIGN = 16  # widest scalar (complex128): the smallest bucket
+_OWN_BUCKET = 64 * 1024  # a box this large travels alone (see _buckets)
 
 _PLAN_CACHE: dict[tuple, tuple] = {}
 _PLAN_CACHE_MAX = 65536
@@ -806,14 +807,24 @@ def _split(sstart, dstart, lens, itemsize: int, limit: int):
 
 def _buckets(items: list, limit: int) -> list[tuple[int, list]]:
     """Greedy packing of (tensor, start, lens, dtype, nbytes) items into
-    buckets: [(size, [(offset, item)])]; both sides compute the same.  Each
-    offset is a multiple of its item's element size (so the bytes can be
-    viewed in its dtype): items of one dtype are packed with no gap."""
+    buckets: [(size, [(offset, item)])]; both sides compute the same (from
+    the sizes alone).  Each offset is a multiple of its item's element size
+    (so the bytes can be viewed in its dtype): items of one dtype are
+    packed with no gap.  An item of at least ``_OWN_BUCKET`` bytes is a
+    bucket of its own, so that each side can send it from, or receive it
+    into, the tensor itself where the box is contiguous there (a message
+    that size costs the transport little more than its bytes)."""
     out: list[tuple[int, list]] = []
     cur: list = []
     end = 0  # the end of the last item
     for item in items:
         n = item[4]
+        if n >= _OWN_BUCKET:
+            if cur:
+                out.append((end, cur))
+                cur, end = [], 0
+            out.append((n, [(0, item)]))
+            continue
         size = item[3].itemsize
         off = (end + size - 1) // size * size
         if cur and off + n > limit:

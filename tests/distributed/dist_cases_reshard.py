@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dcp_optim
@@ -443,3 +443,28 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     after = _local_tree(tmpl)
     unchanged = all(torch.equal(before[k][3], after[k][3]) for k in before)
     return {"result": result, "seconds": round(time.monotonic() - t0, 1), "unchanged": unchanged}
+
+
+def large_and_small_case(rank: int, ws: int) -> list[str]:
+    """Boxes of at least 64 KiB travel as buckets of their own (sent from /
+    received into the shards where contiguous), the small ones packed
+    together, in the default bucket: FSDP2 ``Shard(0)`` -> TP ``Shard(1)``
+    and -> ``Replicate``, float32 / float64 / bfloat16 and a cast, checked
+    against the source's full tensor laid out on the template's placements."""
+    mesh = init_device_mesh("cpu", (ws,))
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"big": ((1024, 512), torch.float32), "small": ((6, 4), torch.float32),
+              "big64": ((256, 128), torch.float64), "bias": ((256,), torch.bfloat16),
+              "big16": ((2048, 256), torch.bfloat16)}
+    src = {k: distribute_tensor(torch.randn(s, generator=gen).to(dt), mesh, [Shard(0)])
+           for k, (s, dt) in shapes.items()}
+    placements = {"big": Shard(1), "small": Shard(1), "big64": Replicate(), "bias": Replicate(), "big16": Shard(1)}
+    dtypes = {k: dt for k, (_, dt) in shapes.items()}
+    dtypes["big16"] = torch.float32  # received into another dtype: cast by copy_
+    tmpl = {k: distribute_tensor(torch.zeros(s, dtype=dtypes[k]), mesh, [placements[k]])
+            for k, (s, _) in shapes.items()}
+    dcp_optim.reshard_state_dict(src, tmpl)
+    for k, t in tmpl.items():
+        want = distribute_tensor(src[k].full_tensor().to(dtypes[k]), mesh, [placements[k]])
+        assert torch.equal(t.to_local(), want.to_local()), k
+    return sorted(tmpl)

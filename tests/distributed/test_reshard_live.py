@@ -104,3 +104,9 @@ def test_a_rank_killed_during_the_transfer(ws, when, undo):
         assert survivor["unchanged"] is (undo == "1"), survivor
         if undo == "1":
             assert f"[reshard_state_dict, rank {rank}: the template was put back" in survivor["result"], survivor
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_large_boxes_alone_and_small_ones_packed(ws):
+    results = run_ranks(ws, cases.large_and_small_case)
+    assert all(r == ["bias", "big", "big16", "big64", "small"] for r in results)
