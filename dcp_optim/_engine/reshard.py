@@ -21,13 +21,15 @@ Three phases, every rank of the process group taking part:
    dimensions).  Peers are visited as ring shifts (shift k: send to
    rank+k, receive from rank-k; shifts without data for the rank are
    skipped), one ``batch_isend_irecv`` per bucket, so a rank holds at most
-   one send and one receive bucket at a time; a bucket of one contiguous
-   box goes from / into the tensor itself; boxes a rank holds itself are
-   copied directly.  Received bytes are written into
+   one send and one receive bucket at a time.  In a bucket, the small boxes
+   travel packed as one message, and each box of 64 KiB or more as its own,
+   which goes from / into the tensor itself where the box is contiguous
+   there; boxes a rank holds itself are copied directly.  Received bytes are written into
    the template's local tensors (``copy_``: a dtype that differs from the
    source's is cast as ``dcp.load`` casts it).  An undo log (a host copy
-   of the template's shards this rank writes) puts them back if any rank
-   fails before one last ``all_reduce`` says that every rank is done.
+   of the template's shards this rank receives into) puts them back if
+   any rank fails before one last ``all_reduce`` says that every rank is
+   done; the boxes a rank holds itself are copied after it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cac
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 _ALIGN = 16  # widest scalar (complex128): the smallest bucket
-_OWN_BUCKET = 64 * 1024  # a box this large travels alone (see _buckets)
+_OWN_BUCKET = 64 * 1024  # a box this large is a message of its own (see _buckets)
 
 _PLAN_CACHE: dict[tuple, tuple] = {}
 _PLAN_CACHE_MAX = 65536
@@ -807,33 +809,64 @@ def _split(sstart, dstart, lens, itemsize: int, limit: int):
 
 def _buckets(items: list, limit: int) -> list[tuple[int, list]]:
     """Greedy packing of (tensor, start, lens, dtype, nbytes) items into
-    buckets: [(size, [(offset, item)])]; both sides compute the same (from
-    the sizes alone).  Each offset is a multiple of its item's element size
-    (so the bytes can be viewed in its dtype): items of one dtype are
-    packed with no gap.  An item of at least ``_OWN_BUCKET`` bytes is a
-    bucket of its own, so that each side can send it from, or receive it
-    into, the tensor itself where the box is contiguous there (a message
-    that size costs the transport little more than its bytes)."""
+    buckets of at most ``limit`` bytes (a lone item may be larger):
+    [(size, [(offset, item)])]; both sides compute the same, from the sizes
+    alone.  The small items (under ``_OWN_BUCKET`` bytes) come first in a
+    bucket, packed: each offset a multiple of its item's element size (so
+    the bytes can be viewed in its dtype), items of one dtype with no gap;
+    they travel as one message.  Each large item follows at an offset
+    aligned to ``_ALIGN`` and is a message of its own (``_messages``), so
+    that each side can send it from, or receive it into, the tensor itself
+    where the box is contiguous there."""
     out: list[tuple[int, list]] = []
-    cur: list = []
-    end = 0  # the end of the last item
+    small: list = []
+    large: list = []
+    small_end = 0  # the end of the packed small items
+    large_bytes = 0  # the large items' bytes, each with its alignment slack
+
+    def close() -> None:
+        entries = list(small)
+        end = small_end
+        for item in large:
+            off = (end + _ALIGN - 1) // _ALIGN * _ALIGN
+            entries.append((off, item))
+            end = off + item[4]
+        out.append((end, entries))
+
     for item in items:
         n = item[4]
         if n >= _OWN_BUCKET:
-            if cur:
-                out.append((end, cur))
-                cur, end = [], 0
-            out.append((n, [(0, item)]))
+            if (small or large) and small_end + large_bytes + n + _ALIGN > limit:
+                close()
+                small, large, small_end, large_bytes = [], [], 0, 0
+            large.append(item)
+            large_bytes += n + _ALIGN
             continue
         size = item[3].itemsize
-        off = (end + size - 1) // size * size
-        if cur and off + n > limit:
-            out.append((end, cur))
-            cur, off = [], 0
-        cur.append((off, item))
-        end = off + n
-    if cur:
-        out.append((end, cur))
+        off = (small_end + size - 1) // size * size
+        if (small or large) and off + n + large_bytes > limit:
+            close()
+            small, large, small_end, large_bytes = [], [], 0, 0
+            off = 0
+        small.append((off, item))
+        small_end = off + n
+    if small or large:
+        close()
+    return out
+
+
+def _messages(entries: list) -> list[tuple[int, int, list]]:
+    """A bucket's messages, (start, end, entries) in its bytes: the packed
+    small items as one, then each large item alone (see ``_buckets``)."""
+    n_small = 0
+    while n_small < len(entries) and entries[n_small][1][4] < _OWN_BUCKET:
+        n_small += 1
+    out = []
+    if n_small:
+        last_off, last = entries[n_small - 1]
+        out.append((0, last_off + last[4], entries[:n_small]))
+    for off, item in entries[n_small:]:
+        out.append((off, off + item[4], [(off, item)]))
     return out
 
 
@@ -894,7 +927,8 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         itemsize = torch.empty((), dtype=dtype).element_size()
         if local or recv:
             dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
-            written[id(dst_t)] = dst_t
+            if recv:
+                written[id(dst_t)] = dst_t
         if local or send:
             src_t = _local(src_leaves[spec.path])
         for sstart, dstart, lens in local:
@@ -908,13 +942,13 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
 
     # Received boxes land in the template as they come: a rank killed
     # mid-transfer would leave it half written.  The undo log keeps what
-    # is overwritten (a host copy, as a load's in-place stream keeps it)
-    # until every rank has received everything: the last all_reduce.
+    # is overwritten (a host copy of each template tensor that receives
+    # anything, as a load's in-place stream keeps it) until every rank has
+    # received everything: the last all_reduce.  The boxes a rank holds
+    # itself are copied after it, so they need no copy kept.
     undo = _Undo(list(written.values())) if undo_enabled() else None
     try:
         _transfer(sends, recvs, group_ranks, rank, group, limit)
-        for src_t, sstart, dst_t, dstart, lens in locals_:
-            dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
         _reduce_min([0], group)
     except BaseException as exc:
         if undo is not None:
@@ -925,6 +959,8 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (exc.args[0] + note, *exc.args[1:])
         raise
+    for src_t, sstart, dst_t, dstart, lens in locals_:
+        dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
 
     if template is None:
         return None
@@ -936,10 +972,11 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
     (shift k: send to rank+k, receive from rank-k); shifts with no peer
     are skipped.  Every rank goes through its shifts in the same order,
     and the sender and receiver of a pair pack the same buckets, so each
-    ``batch_isend_irecv`` meets its peer's.  A bucket of one contiguous
-    box is sent from, or received into, the tensor itself (no bucket
-    copy; a received box only where the template holds the source's
-    dtype)."""
+    ``batch_isend_irecv`` meets its peer's: one per bucket, its messages
+    (``_messages``) tagged by their position.  A message of one contiguous
+    box is sent from, or received into, the tensor itself (no bucket copy;
+    a received box only where the template holds the source's dtype);
+    the others go through the send / receive buffer."""
     me = _position(ranks, rank)
     world = len(ranks)
     shifts = sorted({(_position(ranks, p) - me) % world for p in sends}
@@ -955,39 +992,37 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
         rb = _buckets(recvs.get(frm, []), limit)
         for t in range(max(len(sb), len(rb))):
             ops = []
-            direct = None
+            staged: list = []  # the received entries to copy out of recv_buf
             if t < len(sb):
                 size, entries = sb[t]
-                whole = _whole(entries, device, None)
-                if whole is None:
-                    if send_buf is None or send_buf.numel() < size:
-                        send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
-                    for off, (tensor, start, lens, dtype, n) in entries:
-                        _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
-                    whole = send_buf[:size]
-                ops.append(dist.P2POp(dist.isend, whole, to, group))
+                for tag, (lo, hi, msg) in enumerate(_messages(entries)):
+                    view = _whole(msg, device, None)
+                    if view is None:
+                        if send_buf is None or send_buf.numel() < size:
+                            send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                        for off, (tensor, start, lens, dtype, n) in msg:
+                            _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
+                        view = send_buf[lo:hi]
+                    ops.append(dist.P2POp(dist.isend, view, to, group, tag))
             if t < len(rb):
                 size, entries = rb[t]
-                direct = _whole(entries, device, entries[0][1][3])
-                if direct is None:
-                    if recv_buf is None or recv_buf.numel() < size:
-                        recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
-                if direct is None:
-                    assert recv_buf is not None  # allocated just above
-                    direct_or_staged = recv_buf[:size]
-                else:
-                    direct_or_staged = direct
-                ops.append(dist.P2POp(dist.irecv, direct_or_staged, frm, group))
+                for tag, (lo, hi, msg) in enumerate(_messages(entries)):
+                    view = _whole(msg, device, msg[0][1][3])
+                    if view is None:
+                        if recv_buf is None or recv_buf.numel() < size:
+                            recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                        view = recv_buf[lo:hi]
+                        staged.extend(msg)
+                    ops.append(dist.P2POp(dist.irecv, view, frm, group, tag))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            if t < len(rb) and direct is None:
-                for off, (tensor, start, lens, dtype, n) in rb[t][1]:
-                    tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+            for off, (tensor, start, lens, dtype, n) in staged:
+                tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
 
 
 class _Undo:
-    """Host copies of the template's tensors a rank writes, taken before
-    the transfer; ``restore`` writes them back."""
+    """Host copies of the template's tensors a rank receives into, taken
+    before the transfer; ``restore`` writes them back."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]

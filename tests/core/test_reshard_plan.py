@@ -149,3 +149,17 @@ def test_boxes_split_and_buckets_stay_within_the_limit():
     assert [[off for off, _ in entries] for _, entries in buckets] == [[0, 48, 60], [0, 8, 16], [0]]
     assert [size for size, _ in buckets] == [63, 32, 40]  # never above the limit
     assert all(off % item[3].itemsize == 0 for _, entries in buckets for off, item in entries)
+    # a box of 64 KiB or more is a message of its own, after the packed
+    # small ones (one message), at a 16-byte boundary
+    kinds = [(f32, 102400), (f32, 12), (u8, 3), (f32, 70000)]
+    items = [(None, None, None, dt, n) for dt, n in kinds]
+    (size, entries), = engine._buckets(items, 2**20)
+    assert [(off, item[4]) for off, item in entries] == [(0, 12), (12, 3), (16, 102400), (102416, 70000)]
+    assert size == 172416
+    assert [(lo, hi, len(msg)) for lo, hi, msg in engine._messages(entries)] == [
+        (0, 15, 2), (16, 102416, 1), (102416, 172416, 1)]
+    # the limit counts the large boxes too
+    buckets = engine._buckets(items, 150000)
+    assert [[(off, item[4]) for off, item in entries] for _, entries in buckets] == [
+        [(0, 12), (12, 3), (16, 102400)], [(0, 70000)]]
+    assert [size for size, _ in buckets] == [102416, 70000]
