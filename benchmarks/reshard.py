@@ -5,17 +5,20 @@
 Part A, gloo on this machine: a model of ``--reshard-mb`` MB of float32
 weights (square 1024-column matrices), held as DTensors sharded the FSDP2
 way (``Shard(0)`` on a 1-D mesh), moved into a tensor-parallel template
-(``Shard(1)`` on the same ranks) three ways, alternately, on the same
+(``Shard(1)`` on the same ranks) four ways, alternately, on the same
 objects:
 
-* ``reshard``   -- ``reshard_state_dict`` (point-to-point, bucketed);
+* ``reshard``   -- ``reshard_state_dict`` (point-to-point, bucketed), with
+  its undo log (the default);
+* ``no_undo``   -- the same with ``DCP_OPTIM_STREAM_UNDO=0`` (no host copy
+  of the template shards it receives into);
 * ``gather``    -- ``full_tensor()`` of each tensor, then a copy of the
   rank's slice (a full gather followed by a local slice);
 * ``dcp_shm``   -- ``dcp.save`` into a fresh /dev/shm folder, then
   ``dcp.load`` into the template (tmpfs: no disk).
 
 Each is timed as the slowest rank's wall time, median of ``--reshard-reps``
-after a warm-up, and the three results are checked to be bit-identical.
+after a warm-up, and the four results are checked to be bit-identical.
 
 Part B, planning cost at scale (one process, no process group): the
 native plan of one rank of W, W up to 16384, for a (16384, 16384) tensor
@@ -83,7 +86,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
     src: dict[str, Any] = {}
-    templates: dict[str, dict[str, Any]] = {name: {} for name in ("reshard", "gather", "dcp_shm")}
+    templates: dict[str, dict[str, Any]] = {name: {} for name in ("reshard", "no_undo", "gather", "dcp_shm")}
     for i, shape in enumerate(_tensors(cfg["mb"])):
         full = torch.randn(shape, generator=g)
         src[f"layer{i}.weight"] = distribute_tensor(full, mesh, [Shard(0)])
@@ -93,6 +96,17 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     def run_reshard():
         dcp_optim.reshard_state_dict(src, templates["reshard"], bucket_bytes=cfg["bucket_bytes"])
+
+    def run_no_undo():
+        # DCP_OPTIM_STREAM_UNDO=0: no host copy of the template shards
+        # (a failure mid-transfer then leaves them partly written)
+        from dcp_optim._engine.distribute import UNDO_ENV
+
+        os.environ[UNDO_ENV] = "0"
+        try:
+            dcp_optim.reshard_state_dict(src, templates["no_undo"], bucket_bytes=cfg["bucket_bytes"])
+        finally:
+            del os.environ[UNDO_ENV]
 
     def run_gather():
         for k, v in src.items():
@@ -114,10 +128,10 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
-    runs = {"reshard": run_reshard, "gather": run_gather, "dcp_shm": run_dcp}
+    runs = {"reshard": run_reshard, "no_undo": run_no_undo, "gather": run_gather, "dcp_shm": run_dcp}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for rep in range(cfg["reps"] + 1):
-        order = list(runs)[rep % 3:] + list(runs)[:rep % 3]
+        order = list(runs)[rep % len(runs):] + list(runs)[:rep % len(runs)]
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -127,7 +141,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 times[name].append(dt)
     same = all(
         torch.equal(templates["reshard"][k].to_local(), templates[other][k].to_local())
-        for k in src for other in ("gather", "dcp_shm")
+        for k in src for other in ("no_undo", "gather", "dcp_shm")
     )
     return {"times": times, "identical": same, "mb": sum(v.numel() * 4 for v in src.values()) / 2**20}
 
@@ -325,11 +339,13 @@ def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int =
     simulated = fake_scaling(list(scale_worlds)) if fake else []
     print(f"\n== 7. In-memory resharding: FSDP2 Shard(0) -> TP Shard(1), {gloo[0]['mb']:.0f} MB of float32, "
           f"gloo; median of {reps}, slowest rank ==")
-    print(f"{'ranks':>5}  {'reshard':>9}  {'gather+slice':>12}  {'dcp shm':>9}  {'vs gather':>9}  {'vs dcp':>7}  identical")
+    print(f"{'ranks':>5}  {'reshard':>9}  {'no undo':>9}  {'gather+slice':>12}  {'dcp shm':>9}  "
+          f"{'vs gather':>9}  {'vs dcp':>7}  identical   (targets at 4 ranks: 2x, 5x)")
     for g in gloo:
         m = g["median_s"]
-        print(f"{g['world']:>5}  {m['reshard']:>8.3f}s  {m['gather']:>11.3f}s  {m['dcp_shm']:>8.3f}s  "
-              f"{m['gather'] / m['reshard']:>8.1f}x  {m['dcp_shm'] / m['reshard']:>6.1f}x  {g['identical']}")
+        print(f"{g['world']:>5}  {m['reshard']:>8.3f}s  {m['no_undo']:>8.3f}s  {m['gather']:>11.3f}s  "
+              f"{m['dcp_shm']:>8.3f}s  {m['gather'] / m['reshard']:>8.1f}x  {m['dcp_shm'] / m['reshard']:>6.1f}x  "
+              f"{g['identical']}")
     print("\n-- planning rank W // 3 of W (reshard_plan, one (16384, 16384) float32 tensor) --")
     print(f"{'W':>6}  {'pair':>16}  {'plan CPU':>9}  {'peers':>6}  {'recv MB':>8}  {'local MB':>8}  {'shard MB':>8}")
     for s in scaling:
