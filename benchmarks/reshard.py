@@ -82,6 +82,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import dcp_optim
+    from dcp_optim._engine.distribute import UNDO_ENV
 
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
@@ -100,8 +101,6 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     def run_no_undo():
         # DCP_OPTIM_STREAM_UNDO=0: no host copy of the template shards
         # (a failure mid-transfer then leaves them partly written)
-        from dcp_optim._engine.distribute import UNDO_ENV
-
         os.environ[UNDO_ENV] = "0"
         try:
             dcp_optim.reshard_state_dict(src, templates["no_undo"], bucket_bytes=cfg["bucket_bytes"])

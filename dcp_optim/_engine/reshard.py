@@ -49,7 +49,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .consistency import await_arrival
 from .core import C
-from .distribute import UNDO_ENV, undo_enabled
+from .distribute import UNDO_ENV, _UndoLog, undo_enabled
 
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
@@ -946,7 +946,12 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     # anything, as a load's in-place stream keeps it) until every rank has
     # received everything: the last all_reduce.  The boxes a rank holds
     # itself are copied after it, so they need no copy kept.
-    undo = _Undo(list(written.values())) if undo_enabled() else None
+    undo = None
+    if undo_enabled():
+        # the loads' undo log, over (source, template, meta) jobs: only
+        # the templates matter to it
+        undo = _UndoLog([(None, t, None) for t in written.values()])
+        undo.save_all()
     try:
         _transfer(sends, recvs, group_ranks, rank, group, limit)
         _reduce_min([0], group)
@@ -1018,19 +1023,6 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
                 work.wait()
             for off, (tensor, start, lens, dtype, n) in staged:
                 tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
-
-
-class _Undo:
-    """Host copies of the template's tensors a rank receives into, taken
-    before the transfer; ``restore`` writes them back."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for tensor, old in self.saved:
-            tensor.copy_(old)
 
 
 def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | None:
