@@ -50,8 +50,9 @@ build: $(STAMP)
 build-debug: $(STAMP)
 	DCP_OPTIM_DEBUG=1 $(PY) setup.py -q build_ext --inplace --force
 
+# --durations: CI's log names the slowest tests (the 30-minute budget).
 test: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: build
 	$(PY) -m pytest -q -m "not dist and not slow" tests
@@ -92,9 +93,6 @@ TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp
 TORCHRUN_LIMIT    ?= 600
 
 .PHONY: test-torchrun
-# `make ci` runs it too (a prerequisite added here, beside the target).
-ci: test-torchrun
-
 test-torchrun: build
 	for n in $(TORCHRUN_NPROCS); do \
 	    echo "== torchrun --nproc-per-node=$$n"; \
@@ -348,4 +346,10 @@ test-wheel: $(STAMP)
 	@grep -q "License-Expression: BSD-3-Clause" $(WHEEL_DIR)/venv/lib/python*/site-packages/dcp_optim-*.dist-info/METADATA \
 	    || { echo "test-wheel: no SPDX license in the wheel's metadata" >&2; exit 1; }
 
-ci: lint test test-asan test-refleak test-valgrind test-pyversions test-wheel
+CI_TARGETS := test-torchrun lint test test-asan test-refleak test-valgrind test-pyversions test-wheel
+ci: $(CI_TARGETS)
+
+# .ci/run makes these one at a time and prints each one's time.
+.PHONY: ci-targets
+ci-targets:
+	@echo $(CI_TARGETS)
