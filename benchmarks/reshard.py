@@ -5,11 +5,14 @@
 Part A, gloo on this machine: a model of ``--reshard-mb`` MB of float32
 weights (square 1024-column matrices), held as DTensors sharded the FSDP2
 way (``Shard(0)`` on a 1-D mesh), moved into a tensor-parallel template
-(``Shard(1)`` on the same ranks) four ways, alternately, on the same
+(``Shard(1)`` on the same ranks) five ways, alternately, on the same
 objects:
 
 * ``reshard``   -- ``reshard_state_dict`` (point-to-point, bucketed), with
   its undo log (the default);
+* ``kept``      -- the same with a ``ReshardBuffers`` kept across the
+  repeats (a sync at every step: buckets and the undo log's host copy
+  reuse their pages);
 * ``no_undo``   -- the same with ``DCP_OPTIM_STREAM_UNDO=0`` (no host copy
   of the template shards it receives into);
 * ``gather``    -- ``full_tensor()`` of each tensor, then a copy of the
@@ -18,7 +21,7 @@ objects:
   ``dcp.load`` into the template (tmpfs: no disk).
 
 Each is timed as the slowest rank's wall time, median of ``--reshard-reps``
-after a warm-up, and the four results are checked to be bit-identical.
+after a warm-up, and the five results are checked to be bit-identical.
 
 Part B, planning cost at scale (one process, no process group): the
 native plan of one rank of W, W up to 16384, for a (16384, 16384) tensor
@@ -30,11 +33,15 @@ Part C, the whole call at scale (``fake_call``, one fresh process per W and
 pair): rank W // 3 of W on torch's fake process group runs
 ``reshard_state_dict`` end to end -- descriptions, the digest agreement
 (the fake all_reduce leaves this rank's own digest: every rank agrees),
-the plan, the bucket copies and every ``batch_isend_irecv`` (the fake
-group moves no data).  It reports the CPU time of the first call (plans
-built) and of a repeat (plans cached), the collectives, the peers and the
-bytes this rank sends and receives, and checks received + copied locally
-= its destination shard.  Leaving ranks (which get the view in one
+the plan, the bucket copies, every ``batch_isend_irecv`` and the dense
+layouts' one collective per tensor (``all_to_all_single``, all-gather;
+the fake group moves no data).  It reports the CPU time of the first call
+(plans built) and of a repeat (plans cached), the part of it spent inside
+the fake group's dense collectives (``fake coll``: it emulates an
+all-gather by copying the input into each of the output's W blocks, CPU
+work that a real group's transport does not put on the rank), the
+collectives, the peers and the bytes this rank sends and receives, and
+checks received + copied locally = its destination shard.  Leaving ranks (which get the view in one
 broadcast) are not simulated.
 """
 
@@ -87,7 +94,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
     src: dict[str, Any] = {}
-    templates: dict[str, dict[str, Any]] = {name: {} for name in ("reshard", "no_undo", "gather", "dcp_shm")}
+    templates: dict[str, dict[str, Any]] = {name: {} for name in ("reshard", "kept", "no_undo", "gather", "dcp_shm")}
     for i, shape in enumerate(_tensors(cfg["mb"])):
         full = torch.randn(shape, generator=g)
         src[f"layer{i}.weight"] = distribute_tensor(full, mesh, [Shard(0)])
@@ -97,6 +104,11 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     def run_reshard():
         dcp_optim.reshard_state_dict(src, templates["reshard"], bucket_bytes=cfg["bucket_bytes"])
+
+    buffers = dcp_optim.ReshardBuffers()
+
+    def run_kept():
+        dcp_optim.reshard_state_dict(src, templates["kept"], bucket_bytes=cfg["bucket_bytes"], buffers=buffers)
 
     def run_no_undo():
         # DCP_OPTIM_STREAM_UNDO=0: no host copy of the template shards
@@ -127,7 +139,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
-    runs = {"reshard": run_reshard, "no_undo": run_no_undo, "gather": run_gather, "dcp_shm": run_dcp}
+    runs = {"reshard": run_reshard, "kept": run_kept, "no_undo": run_no_undo, "gather": run_gather, "dcp_shm": run_dcp}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for rep in range(cfg["reps"] + 1):
         order = list(runs)[rep % len(runs):] + list(runs)[:rep % len(runs)]
@@ -140,7 +152,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 times[name].append(dt)
     same = all(
         torch.equal(templates["reshard"][k].to_local(), templates[other][k].to_local())
-        for k in src for other in ("no_undo", "gather", "dcp_shm")
+        for k in src for other in ("kept", "no_undo", "gather", "dcp_shm")
     )
     return {"times": times, "identical": same, "mb": sum(v.numel() * 4 for v in src.values()) / 2**20}
 
@@ -260,9 +272,10 @@ def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
     need = sum(v.to_local().numel() * 4 for v in tmpl.values())
 
     counts: dict[str, Any] = {"sent": 0, "recv": 0, "p2p_batches": 0, "peers": set(), "all_reduce": 0, "broadcast_object_list": 0,
-              "all_gather_object": 0}
+              "all_gather_object": 0, "dense": 0, "dense_local": 0, "fake_s": 0.0}
     orig = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_reduce", "broadcast_object_list",
-                                                    "all_gather_object")}
+                                                    "all_gather_object", "all_to_all_single", "all_gather_single",
+                                                    "all_gather_into_tensor") if hasattr(dist, name)}
 
     def batch(ops):
         counts["p2p_batches"] += 1
@@ -271,6 +284,32 @@ def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
             counts["sent" if op.op is dist.isend else "recv"] += n
             counts["peers"].add(op.peer)
         return orig["batch_isend_irecv"](ops)
+
+    def dense(name):
+        # one collective over the group: this rank's own block stays
+        # local, the W - 1 others travel (all-gather: its block to each)
+        def call(out, inp, *args, **kwargs):
+            counts["dense"] += 1
+            o, i = out.numel() * out.element_size(), inp.numel() * inp.element_size()
+            if name == "all_to_all_single":
+                counts["sent"] += i - i // world
+                counts["recv"] += o - o // world
+                counts["dense_local"] += o // world
+            else:
+                counts["sent"] += i * (world - 1)
+                counts["recv"] += o - i
+                counts["dense_local"] += i
+            if len(counts["peers"]) < world - 1:
+                counts["peers"].update(r for r in range(world) if r != rank)
+            t0 = time.process_time()
+            try:
+                return orig[name](out, inp, *args, **kwargs)
+            finally:
+                # the fake group emulates a gather by copying the input
+                # into each of the W blocks of the output (a real one
+                # moves the bytes outside this rank's CPU): kept apart
+                counts["fake_s"] += time.process_time() - t0
+        return call
 
     def counted(name):
         def call(*args, **kwargs):
@@ -281,18 +320,23 @@ def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
     dist.batch_isend_irecv = batch
     for name in ("all_reduce", "broadcast_object_list", "all_gather_object"):
         setattr(dist, name, counted(name))
+    for name in ("all_to_all_single", "all_gather_single", "all_gather_into_tensor"):
+        if name in orig:
+            setattr(dist, name, dense(name))
     try:
-        times = []
+        times, fakes = [], []
         for i in range(reps + 1):
             if i == 1:
                 first = {k: (len(v) if isinstance(v, set) else v) for k, v in counts.items()}
+            f0 = counts["fake_s"]
             t0 = time.process_time()
             dcp_optim.reshard_state_dict(src, tmpl)
             times.append(time.process_time() - t0)
+            fakes.append(counts["fake_s"] - f0)
     finally:
         for name, fn in orig.items():
             setattr(dist, name, fn)
-    local = 0
+    local = first["dense_local"]
     for key, (loc, _, _) in engine._PLAN_CACHE.items():
         if key[-1] == rank:
             for _, _, lens in loc:
@@ -303,8 +347,10 @@ def fake_call(world: int, pair: str, reps: int = 2) -> dict[str, Any]:
     dist.destroy_process_group()
     return {
         "world": world, "pair": pair, "rank": rank, "first_cpu_s": times[0], "repeat_cpu_s": min(times[1:]),
+        "first_fake_s": fakes[0], "repeat_fake_s": fakes[1 + times[1:].index(min(times[1:]))],
         "sent_bytes": first["sent"], "recv_bytes": first["recv"], "local_bytes": local, "dst_shard_bytes": need,
-        "peers": first["peers"], "p2p_batches": first["p2p_batches"], "all_reduce": first["all_reduce"],
+        "peers": first["peers"], "p2p_batches": first["p2p_batches"], "dense": first["dense"],
+        "all_reduce": first["all_reduce"],
         "broadcast_object_list": first["broadcast_object_list"], "all_gather_object": first["all_gather_object"],
         "agreement": engine.agreement_info(),
     }
@@ -338,13 +384,15 @@ def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int =
     simulated = fake_scaling(list(scale_worlds)) if fake else []
     print(f"\n== 7. In-memory resharding: FSDP2 Shard(0) -> TP Shard(1), {gloo[0]['mb']:.0f} MB of float32, "
           f"gloo; median of {reps}, slowest rank ==")
-    print(f"{'ranks':>5}  {'reshard':>9}  {'no undo':>9}  {'gather+slice':>12}  {'dcp shm':>9}  "
-          f"{'vs gather':>9}  {'vs dcp':>7}  identical   (targets at 4 ranks: 2x, 5x)")
+    print(f"{'ranks':>5}  {'reshard':>9}  {'kept':>9}  {'no undo':>9}  {'gather+slice':>12}  {'dcp shm':>9}  "
+          f"{'vs gather':>9}  {'vs dcp':>7}  {'kept vs gather':>14}  {'kept vs dcp':>11}  identical   "
+          f"(targets at 4 ranks: 2x, 5x)")
     for g in gloo:
         m = g["median_s"]
-        print(f"{g['world']:>5}  {m['reshard']:>8.3f}s  {m['no_undo']:>8.3f}s  {m['gather']:>11.3f}s  "
-              f"{m['dcp_shm']:>8.3f}s  {m['gather'] / m['reshard']:>8.1f}x  {m['dcp_shm'] / m['reshard']:>6.1f}x  "
-              f"{g['identical']}")
+        print(f"{g['world']:>5}  {m['reshard']:>8.3f}s  {m['kept']:>8.3f}s  {m['no_undo']:>8.3f}s  "
+              f"{m['gather']:>11.3f}s  {m['dcp_shm']:>8.3f}s  {m['gather'] / m['reshard']:>8.1f}x  "
+              f"{m['dcp_shm'] / m['reshard']:>6.1f}x  {m['gather'] / m['kept']:>13.1f}x  "
+              f"{m['dcp_shm'] / m['kept']:>10.1f}x  {g['identical']}")
     print("\n-- planning rank W // 3 of W (reshard_plan, one (16384, 16384) float32 tensor) --")
     print(f"{'W':>6}  {'pair':>16}  {'plan CPU':>9}  {'peers':>6}  {'recv MB':>8}  {'local MB':>8}  {'shard MB':>8}")
     for s in scaling:
@@ -353,12 +401,14 @@ def run_section(mb: float = 100.0, worlds: tuple[int, ...] = (2, 4), reps: int =
     if simulated:
         print("\n-- the whole call for rank W // 3 of W on torch's fake process group "
               "((16384, 16384) weight + (16384,) bias) --")
-        print(f"{'W':>6}  {'pair':>16}  {'1st CPU':>9}  {'repeat CPU':>10}  {'peers':>6}  {'p2p':>6}  "
-              f"{'coll':>4}  {'recv MB':>9}  {'sent MB':>9}  {'local MB':>9}  {'shard MB':>9}  recv+local=shard")
+        print(f"{'W':>6}  {'pair':>16}  {'1st CPU':>9}  {'repeat CPU':>10}  {'fake coll':>9}  {'peers':>6}  "
+              f"{'p2p':>6}  {'dense':>5}  {'coll':>4}  {'recv MB':>9}  {'sent MB':>9}  {'local MB':>9}  {'shard MB':>9}  recv+local=shard")
         for s in simulated:
             coll = s["all_reduce"] + s["broadcast_object_list"] + s["all_gather_object"]
             print(f"{s['world']:>6}  {s['pair']:>16}  {s['first_cpu_s'] * 1e3:>7.1f}ms  "
-                  f"{s['repeat_cpu_s'] * 1e3:>8.1f}ms  {s['peers']:>6}  {s['p2p_batches']:>6}  {coll:>4}  "
+                  f"{s['repeat_cpu_s'] * 1e3:>8.1f}ms  {s['repeat_fake_s'] * 1e3:>7.1f}ms  {s['peers']:>6}  "
+                  f"{s['p2p_batches']:>6}  {s['dense']:>5}  "
+                  f"{coll:>4}  "
                   f"{s['recv_bytes'] / 2**20:>9.4f}  {s['sent_bytes'] / 2**20:>9.4f}  "
                   f"{s['local_bytes'] / 2**20:>9.4f}  {s['dst_shard_bytes'] / 2**20:>9.4f}  "
                   f"{s['recv_bytes'] + s['local_bytes'] == s['dst_shard_bytes']}")

@@ -71,6 +71,6 @@ from .tools.checkpoint import (  # noqa: E402
 __all__ += ["Checkpoint", "CheckpointError", "MalformedCheckpointError", "NotLoaded", "UnsafeCheckpointError"]
 
 # Resharding live state in memory (docs/resharding.md).
-from .reshard import reshard_model_and_optimizer, reshard_state_dict  # noqa: E402
+from .reshard import ReshardBuffers, reshard_model_and_optimizer, reshard_state_dict  # noqa: E402
 
-__all__ += ["reshard_state_dict", "reshard_model_and_optimizer"]
+__all__ += ["reshard_state_dict", "reshard_model_and_optimizer", "ReshardBuffers"]

@@ -20,9 +20,33 @@ from typing import Any
 from ._engine import reshard as _engine
 from .options import StateDictOptions
 
-__all__ = ["reshard_state_dict", "reshard_model_and_optimizer", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["reshard_state_dict", "reshard_model_and_optimizer", "ReshardBuffers", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = _engine.DEFAULT_BUCKET_BYTES
+
+
+class ReshardBuffers:
+    """Buffers that :func:`reshard_state_dict` keeps from one call to the
+    next, for a job that reshards at every step (weight sync from a
+    training layout to an inference layout): the send and receive buckets
+    and the undo log's host copy of the template shards the rank receives
+    into.  A call without one allocates them and lets them go when it
+    returns; with one, a repeated call writes into pages it already has
+    instead of faulting in fresh ones, which costs about twice the copy
+    itself.  They hold at most two buckets plus those template shards
+    (:attr:`nbytes`) until :meth:`clear` or until the object is dropped."""
+
+    def __init__(self) -> None:
+        self._kept: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes held now."""
+        return sum(buf.numel() for buf in self._kept.values())
+
+    def clear(self) -> None:
+        """Let the buffers go (the next call allocates them again)."""
+        self._kept.clear()
 
 
 def reshard_state_dict(
@@ -31,6 +55,7 @@ def reshard_state_dict(
     *,
     process_group: Any = None,
     bucket_bytes: int | None = None,
+    buffers: ReshardBuffers | None = None,
 ) -> dict[str, Any] | None:
     """Fill ``template`` with the values of ``source``, shard by shard.
 
@@ -51,10 +76,16 @@ def reshard_state_dict(
     shape that differs, a ``Partial`` placement, a local shard whose shape
     its placements do not imply raise the same
     :class:`~dcp_optim.errors.StateDictRuntimeError` on every rank, before
-    any tensor is written.  Peak extra memory: two buckets of
-    ``bucket_bytes`` (default 32 MiB) per rank.
+    any tensor is written.  Once data moves, a rank that fails (or finds
+    a peer gone) puts its template back as it was before the call, from
+    an undo log: a host copy of the template shards it receives into
+    (``DCP_OPTIM_STREAM_UNDO=0`` turns the log off).  Peak extra memory:
+    two buckets of ``bucket_bytes`` (default 32 MiB) per rank, plus that
+    host copy.  ``buffers``: a :class:`ReshardBuffers` that keeps the
+    buckets and the host copy for the next call.
     """
-    return _engine.reshard(source, template, group=process_group, bucket_bytes=bucket_bytes)
+    kept = buffers._kept if buffers is not None else None
+    return _engine.reshard(source, template, group=process_group, bucket_bytes=bucket_bytes, kept=kept)
 
 
 def reshard_model_and_optimizer(
@@ -66,13 +97,15 @@ def reshard_model_and_optimizer(
     options: StateDictOptions | None = None,
     process_group: Any = None,
     bucket_bytes: int | None = None,
+    buffers: ReshardBuffers | None = None,
 ) -> None:
     """Move ``src_model`` (and ``src_optimizer``, or ``None``) in layout A
     into ``dst_model`` and ``dst_optimizer`` in layout B, ready to train:
     the state dicts are taken with :func:`dcp_optim.get_state_dict`,
     resharded with :func:`reshard_state_dict` and set with
     :func:`dcp_optim.set_state_dict`.  ``dst_model`` is ``None`` on ranks
-    that leave; ``dst_optimizer`` may be a fresh, never-stepped optimizer."""
+    that leave; ``dst_optimizer`` may be a fresh, never-stepped optimizer.
+    ``buffers``: as for :func:`reshard_state_dict`."""
     from .state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -94,7 +127,8 @@ def reshard_model_and_optimizer(
             template["model"], template["optim"] = get_state_dict(dst_model, dst_optimizer, options=opts)
         else:
             template["model"] = get_model_state_dict(dst_model, options=opts)
-    out = reshard_state_dict(source, template, process_group=process_group, bucket_bytes=bucket_bytes)
+    out = reshard_state_dict(source, template, process_group=process_group, bucket_bytes=bucket_bytes,
+                             buffers=buffers)
     if dst_model is None or out is None:
         return
     if dst_optimizer is not None:

@@ -276,18 +276,39 @@ class _UndoLog:
                 continue  # a fresh tensor of this load, not a live one
             self.saved[id(dest)] = (dest, dest.detach().to(_CPU, copy=True))
 
-    def save_all(self) -> None:
+    def save_all(self, host: torch.Tensor | None = None) -> None:
         """Keep every live template's local tensor (a load that writes
-        them all without buckets)."""
+        them all without buckets).  ``host``: a CPU byte buffer of at
+        least ``host_bytes(self.locals)`` to keep the copies in (a caller
+        that reuses it across calls spares the fresh pages' faults, about
+        twice the copy itself); None allocates them."""
+        off = 0
         for local in self.locals:
-            if id(local) not in self.saved:
+            if id(local) in self.saved:
+                continue
+            if host is None:
                 self.saved[id(local)] = (local, local.detach().to(_CPU, copy=True))
+                continue
+            n = local.numel() * local.element_size()
+            keep = host[off:off + n].view(local.dtype).view(local.shape)
+            keep.copy_(local.detach())
+            self.saved[id(local)] = (local, keep)
+            off += _aligned(n)
 
     @torch.no_grad()
     def restore(self) -> None:
         for dest, old in self.saved.values():
             dest.copy_(old)
         self.saved.clear()
+
+
+def _aligned(n: int) -> int:
+    return (n + 63) & ~63
+
+
+def host_bytes(locals_: list[torch.Tensor]) -> int:
+    """The size of ``_UndoLog.save_all``'s ``host`` buffer for these tensors."""
+    return sum(_aligned(t.numel() * t.element_size()) for t in locals_)
 
 
 # The stream's executors only call torch methods: a C version measured no

@@ -16,7 +16,12 @@ Three phases, every rank of the process group taking part:
    intersects source and destination shard boxes and picks one holder per
    byte (the rank itself when it holds it: a local copy).  Plans are cached
    per (global shape, source layout, destination layout, rank).
-3. **Transfer.**  Boxes to and from each peer are packed into byte buckets
+3. **Transfer.**  A tensor moved between two 1-D layouts over the whole
+   group, its sharded dimensions divisible by the group's size (FSDP2 <->
+   TP, ``Shard -> Replicate``), exchanges equal blocks with every rank:
+   it is one ``all_to_all_single`` or all-gather (``_dense_kind``), with
+   no per-peer work in Python.  For the others, boxes to and from each
+   peer are packed into byte buckets
    of at most ``bucket_bytes`` (larger boxes are split along their outer
    dimensions).  Peers are visited as ring shifts (shift k: send to
    rank+k, receive from rank-k; shifts without data for the rank are
@@ -47,9 +52,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
-from .consistency import await_arrival
+from .consistency import all_gather_flat, await_arrival
 from .core import C
-from .distribute import UNDO_ENV, _UndoLog, undo_enabled
+from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
 
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
@@ -80,6 +85,22 @@ def agreement_info() -> dict[str, int]:
 def clear_plan_cache() -> None:
     _PLAN_CACHE.clear()
     _cache_stats["hits"] = _cache_stats["misses"] = 0
+
+
+def _scratch(kept: dict | None, role: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A byte buffer of at least ``nbytes`` for ``role`` (a send or receive
+    bucket, the undo log's host copy): from ``kept``, the caller's
+    ``ReshardBuffers``, when it has one large enough (a repeated call then
+    writes into pages it already has: a fresh allocation's page faults
+    cost about twice the copy into it), else a new one, kept there."""
+    buf = kept.get((role, device)) if kept is not None else None
+    if buf is None or buf.numel() < nbytes:
+        if kept is not None:
+            kept.pop((role, device), None)  # the old one goes before the new one comes
+        buf = torch.empty(max(nbytes, _ALIGN), dtype=torch.uint8, device=device)
+        if kept is not None:
+            kept[(role, device)] = buf
+    return buf
 
 
 # --- leaves ----------------------------------------------------------------------
@@ -873,7 +894,8 @@ def _messages(entries: list) -> list[tuple[int, int, list]]:
 # --- transfer --------------------------------------------------------------------
 
 
-def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int | None = None) -> Any:
+def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int | None = None,
+            kept: dict | None = None) -> Any:
     """See :func:`dcp_optim.reshard_state_dict`."""
     if not dist.is_initialized():
         raise errors.StateDictRuntimeError("reshard_state_dict needs an initialized process group")
@@ -921,10 +943,21 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     sends: dict[int, list] = {}
     recvs: dict[int, list] = {}
     written: dict[int, torch.Tensor] = {}  # the template's tensors this rank writes
+    dense: list[tuple] = []  # (kind, i, j, source local, template local): one collective each
+    order = _group_order(group)
     for spec in specs:
-        local, recv, send = _plan(spec, rank)
         dtype = getattr(torch, spec.dtype.split(".")[-1])
         itemsize = torch.empty((), dtype=dtype).element_size()
+        kind = _dense_kind(spec, order, itemsize, limit)
+        if kind is not None:
+            dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
+            written[id(dst_t)] = dst_t
+            numel = 1
+            for n in spec.shape:
+                numel *= n
+            dense.append((*kind, _local(src_leaves[spec.path]), dst_t, numel // len(order) * itemsize))
+            continue
+        local, recv, send = _plan(spec, rank)
         if local or recv:
             dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
             if recv:
@@ -951,9 +984,10 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         # the loads' undo log, over (source, template, meta) jobs: only
         # the templates matter to it
         undo = _UndoLog([(None, t, None) for t in written.values()])
-        undo.save_all()
+        undo.save_all(_scratch(kept, "undo", host_bytes(undo.locals), torch.device("cpu")))
     try:
-        _transfer(sends, recvs, group_ranks, rank, group, limit)
+        _collectives(_dense_groups(dense, limit, len(order)), group, kept)
+        _transfer(sends, recvs, group_ranks, rank, group, limit, kept)
         _reduce_min([0], group)
     except BaseException as exc:
         if undo is not None:
@@ -972,7 +1006,8 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     return _rebuild(template, (), objects)
 
 
-def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, limit: int) -> None:
+def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, limit: int,
+              kept: dict | None) -> None:
     """The ring shifts that carry data for this rank, in increasing order
     (shift k: send to rank+k, receive from rank-k); shifts with no peer
     are skipped.  Every rank goes through its shifts in the same order,
@@ -1004,7 +1039,7 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
                     view = _whole(msg, device, None)
                     if view is None:
                         if send_buf is None or send_buf.numel() < size:
-                            send_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                            send_buf = _scratch(kept, "send", size, device)
                         for off, (tensor, start, lens, dtype, n) in msg:
                             _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
                         view = send_buf[lo:hi]
@@ -1015,7 +1050,7 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
                     view = _whole(msg, device, msg[0][1][3])
                     if view is None:
                         if recv_buf is None or recv_buf.numel() < size:
-                            recv_buf = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=device)
+                            recv_buf = _scratch(kept, "recv", size, device)
                         view = recv_buf[lo:hi]
                         staged.extend(msg)
                     ops.append(dist.P2POp(dist.irecv, view, frm, group, tag))
@@ -1023,6 +1058,177 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
                 work.wait()
             for off, (tensor, start, lens, dtype, n) in staged:
                 tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+
+
+def _dense_kind(spec: _Spec, order: tuple, itemsize: int, limit: int) -> tuple | None:
+    """A tensor whose exchange is one collective over the group, or None.
+    Between two 1-D layouts over the whole group in its own rank order,
+    with the sharded dimensions divisible by the group's size, every rank
+    exchanges an equal block with every other: ``Shard(i) -> Shard(j)``
+    (FSDP2 <-> TP) is one ``all_to_all_single``, ``Shard(i) -> Replicate``
+    one all-gather.  One call then carries all W - 1 peers' blocks (no
+    per-peer Python: the per-rank cost stays flat in the world size).
+    Only where the rank's block of the tensor (all-gather: the whole
+    tensor) fits in a bucket, which keeps the memory bound.  Decided from
+    the agreed layouts alone: the same on every rank, in the same order."""
+    (src_mesh, src_pl, src_ranks), (dst_mesh, dst_pl, dst_ranks) = spec.src, spec.dst
+    world = len(order)
+    if world < 2 or src_mesh != (world,) or dst_mesh != (world,):
+        return None
+    # by value (identity first): interned tuples may be rebuilt on one
+    # rank and not another, and the decision must be the same everywhere
+    if not (src_ranks is order or src_ranks == order) or not (dst_ranks is order or dst_ranks == order):
+        return None
+    if src_pl[0][0] != 1:
+        return None
+    i = src_pl[0][1]
+    numel = 1
+    for n in spec.shape:
+        numel *= n
+    if numel == 0 or spec.shape[i] % world:
+        return None
+    if dst_pl[0][0] == 1 and dst_pl[0][1] != i and spec.shape[dst_pl[0][1]] % world == 0:
+        return ("a2a", i, dst_pl[0][1]) if numel // world * itemsize <= limit else None
+    if dst_pl[0][0] == 0:
+        return ("gather", i, -1) if numel * itemsize <= limit else None
+    return None
+
+
+_GROUP_ORDER: dict[Any, tuple] = {}
+
+
+def _group_order(group: Any) -> tuple:
+    """The group's global ranks in its own rank order (a collective's
+    order), canonical (``_intern``) when sorted; () when not sorted (no
+    mesh's row-major ranks can then match it)."""
+    key = group if group is not None else ("world", dist.get_world_size())
+    order = _GROUP_ORDER.get(key)
+    if order is None:
+        got = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+        order = _GROUP_ORDER[key] = _intern(got) if list(got) == sorted(got) else ()
+    return order
+
+
+# A dense tensor whose collective buffer is this large has a collective
+# of its own (written straight into the template where its layout allows);
+# smaller ones share one, packed (a collective costs more than copying them).
+_OWN_DENSE = 1 << 20
+
+
+def _dense_groups(dense: list, limit: int, world: int) -> list[list[tuple]]:
+    """The dense tensors as collectives, in the agreed order: a tensor
+    whose buffer (this rank's block; an all-gather's output: W blocks) is
+    at least ``_OWN_DENSE`` alone, the smaller ones of each kind packed
+    into one collective while its buffer stays within ``limit``.  Decided
+    from the agreed layouts alone: the same on every rank."""
+    groups: list[list[tuple]] = []
+    packing: dict[str, tuple[int, int]] = {}  # kind -> (its open group, its bytes)
+    for job in dense:
+        kind, nbytes = job[0], job[5]
+        wire = nbytes if kind == "a2a" else nbytes * world
+        if wire >= _OWN_DENSE:
+            groups.append([job])
+            continue
+        at = packing.get(kind)
+        if at is not None and at[1] + _ALIGN * world + wire <= limit:
+            groups[at[0]].append(job)
+            packing[kind] = (at[0], at[1] + _ALIGN * world + wire)
+        else:
+            packing[kind] = (len(groups), wire)
+            groups.append([job])
+    return groups
+
+
+def _collectives(groups: list, group: Any, kept: dict | None) -> None:
+    """The dense tensors (``_dense_kind``), one collective per group of
+    ``_dense_groups``, in the agreed order.  The wire carries the source's
+    bytes in rank-major blocks: block q of an all_to_all's input is the
+    source shard's part of rank q's destination shard; block q of its
+    output is rank q's part of this rank's.  A tensor alone in its
+    collective is written straight into the template's shard where that
+    is laid out so (split along dimension 0, contiguous, the source's
+    dtype); otherwise one strided copy (and cast) puts the blocks in place.
+    Packed tensors each take a slice of every rank's block: one copy in,
+    one copy out per tensor."""
+    device = _buffer_device(group)
+    world = dist.get_world_size(group)
+    for jobs in groups:
+        if len(jobs) > 1:
+            _packed_collective(jobs, world, group, device, kept)
+            continue
+        kind, i, j, src_t, dst_t, _ = jobs[0]
+        if kind == "a2a":
+            send = _blocks(src_t, j, world, device, kept, "send")
+            recv = _block_target(dst_t, src_t.dtype, i, world, device, kept)
+            dist.all_to_all_single(recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8),
+                                   group=group)
+        else:
+            send = _blocks(src_t, -1, world, device, kept, "send")
+            recv = _block_target(dst_t, src_t.dtype, i, world, device, kept)
+            all_gather_flat(recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8), group)
+        if recv.data_ptr() != dst_t.data_ptr() or recv.dtype != dst_t.dtype:
+            dst_t.detach().unflatten(i, (world, -1)).copy_(recv.movedim(0, i))
+
+
+def _packed_collective(jobs: list, world: int, group: Any, device: torch.device, kept: dict | None) -> None:
+    """Several dense tensors of one kind in one collective.  Each rank's
+    block of the wire is a row of ``(world, row)`` bytes: tensor t takes
+    columns ``[off_t, off_t + n_t)`` of every row (its part for / from
+    that rank), at offsets aligned for any dtype."""
+    kind = jobs[0][0]
+    parts = []  # (job, offset in the row, bytes in the row)
+    row = 0
+    for job in jobs:
+        n = job[5] // world if kind == "a2a" else job[5]
+        parts.append((job, row, n))
+        row += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    if kind == "a2a":
+        send = _scratch(kept, "send", world * row, device)[:world * row].view(world, row)
+    else:
+        send = _scratch(kept, "send", row, device)[:row].view(1, row)
+    recv = _scratch(kept, "recv", world * row, device)[:world * row].view(world, row)
+    for (_, i, j, src_t, _, _), off, n in parts:
+        if kind == "a2a":
+            shape = (world, *src_t.shape[:j], src_t.shape[j] // world, *src_t.shape[j + 1:])
+            send[:, off:off + n].view(src_t.dtype).view(shape).copy_(
+                src_t.detach().unflatten(j, (world, -1)).movedim(j, 0))
+        else:
+            send[:, off:off + n].view(src_t.dtype).view(1, *src_t.shape).copy_(src_t.detach())
+    if kind == "a2a":
+        dist.all_to_all_single(recv.reshape(-1), send.reshape(-1), group=group)
+    else:
+        all_gather_flat(recv.reshape(-1), send.reshape(-1), group)
+    for (_, i, _, src_t, dst_t, _), off, n in parts:
+        # rank q's part, as the source shard it comes from is split along i
+        piece = (*dst_t.shape[:i], dst_t.shape[i] // world, *dst_t.shape[i + 1:])
+        dst_t.detach().unflatten(i, (world, -1)).copy_(
+            recv[:, off:off + n].view(src_t.dtype).view(world, *piece).movedim(0, i))
+
+
+def _blocks(src_t: torch.Tensor, j: int, world: int, device: torch.device, kept: dict | None,
+            role: str) -> torch.Tensor:
+    """The source shard as a contiguous tensor on ``device``, split along
+    ``j`` into ``world`` blocks laid out one after the other (``j`` -1:
+    the shard as it is): the shard itself where it already is that."""
+    if j <= 0 and src_t.is_contiguous() and src_t.device == device:
+        return src_t.detach()
+    shape = (world, *src_t.shape[:j], src_t.shape[j] // world, *src_t.shape[j + 1:]) if j >= 0 else src_t.shape
+    n = src_t.numel() * src_t.element_size()
+    out = _scratch(kept, role, n, device)[:n].view(src_t.dtype).view(shape)
+    out.copy_(src_t.detach().unflatten(j, (world, -1)).movedim(j, 0) if j >= 0 else src_t.detach())
+    return out
+
+
+def _block_target(dst_t: torch.Tensor, dtype: torch.dtype, i: int, world: int, device: torch.device,
+                  kept: dict | None) -> torch.Tensor:
+    """Where a dense collective writes: ``world`` blocks of the template's
+    shard split along ``i``, of the source's ``dtype``, one after the
+    other -- the template's shard itself where it is laid out that way."""
+    if i == 0 and dst_t.is_contiguous() and dst_t.dtype == dtype and dst_t.device == device:
+        return dst_t.detach().view(world, -1)
+    shape = (world, *dst_t.shape[:i], dst_t.shape[i] // world, *dst_t.shape[i + 1:])
+    n = dst_t.numel() * torch.empty((), dtype=dtype).element_size()
+    return _scratch(kept, "recv", n, device)[:n].view(dtype).view(shape)
 
 
 def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | None:

@@ -383,8 +383,18 @@ def memory_case(rank: int, ws: int, bucket_mb: int, undo: str) -> dict[str, Any]
     for i, t in enumerate(tmpl.values()):
         assert bool((t.to_local() == float(i)).all())
     dist.barrier()
+    # with kept buffers: the first call allocates what a plain call does
+    # and keeps it; a repeat allocates nothing more
+    buffers = dcp_optim.ReshardBuffers()
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket, buffers=buffers)
+    dist.barrier()
+    with PeakRSS() as kept_mem:
+        dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket, buffers=buffers)
+    dist.barrier()
     return {
         "peak_delta": mem.peak - mem.base,
+        "kept_peak_delta": kept_mem.peak - kept_mem.base,
+        "kept_bytes": buffers.nbytes,
         "bucket_bytes": bucket,
         "shard_bytes": sum(t.to_local().numel() * 4 for t in tmpl.values()),
     }
@@ -467,4 +477,83 @@ def large_and_small_case(rank: int, ws: int) -> list[str]:
     for k, t in tmpl.items():
         want = distribute_tensor(src[k].full_tensor().to(dtypes[k]), mesh, [placements[k]])
         assert torch.equal(t.to_local(), want.to_local()), k
+    # kept buffers (a sync at every step): new values each round land
+    # exactly, whatever the previous round left in the reused buckets and
+    # host copy; a smaller bucket on the last round grows none of them
+    buffers = dcp_optim.ReshardBuffers()
+    for step, bucket in ((1, None), (2, None), (3, 1 << 16)):
+        for v in src.values():
+            v.to_local().mul_(-2.0).add_(step)
+        dcp_optim.reshard_state_dict(src, tmpl, buffers=buffers, bucket_bytes=bucket)
+        for k, t in tmpl.items():
+            want = distribute_tensor(src[k].full_tensor().to(dtypes[k]), mesh, [placements[k]])
+            assert torch.equal(t.to_local(), want.to_local()), (k, step)
+        if step == 1:
+            held = buffers.nbytes
+            assert held >= sum(t.to_local().numel() * t.to_local().element_size() for t in tmpl.values())
+        assert buffers.nbytes == held, (step, buffers.nbytes, held)
+    buffers.clear()
+    assert buffers.nbytes == 0
     return sorted(tmpl)
+
+
+def dense_case(rank: int, ws: int) -> dict[str, dict[str, int]]:
+    """Between 1-D layouts over the whole group with sharded dimensions
+    divisible by its size, tensors move by collectives: ``Shard(i) ->
+    Shard(j)`` by ``all_to_all_single``, ``Shard(i) -> Replicate`` by
+    all-gather.  Round "packed": the small ones of each kind share one
+    collective.  Round "alone" (every tensor its own collective, as a
+    tensor of 1 MiB or more has): written straight into the template's
+    shard where it is split along dimension 0 and of the source's dtype,
+    else through one strided copy, which also casts.  An uneven tensor and
+    one larger than the bucket go point to point.  Each round is checked
+    against the source's full tensor laid out on the template's
+    placements, and its collectives are counted."""
+    from dcp_optim._engine import reshard as engine
+
+    mesh = init_device_mesh("cpu", (ws,))
+    gen = torch.Generator().manual_seed(11)
+    cases = {  # name: (shape, source placement, template placement, template dtype)
+        "fsdp_to_tp": ((8 * ws, 4 * ws), Shard(0), Shard(1), torch.float32),  # a2a straight into the template
+        "tp_to_fsdp": ((8 * ws, 4 * ws), Shard(1), Shard(0), torch.float32),  # a2a into a strided target
+        "cast": ((4 * ws, 2 * ws), Shard(0), Shard(1), torch.float64),  # a2a, cast by the copy
+        "gather0": ((6 * ws, 3), Shard(0), Replicate(), torch.float32),  # straight into the template
+        "gather1": ((5, 2 * ws), Shard(1), Replicate(), torch.bfloat16),  # strided copy and cast
+        "mid": ((2, 3 * ws, 2 * ws), Shard(1), Shard(2), torch.float64),  # 3-D, a float64 source
+        "uneven": ((8 * ws + 1, 4 * ws), Shard(0), Shard(1), torch.float32),  # point to point
+        "big": ((64 * ws, 64 * ws), Shard(0), Shard(1), torch.float32),  # over the bucket: point to point
+    }
+    src = {k: distribute_tensor(torch.randn(shape, generator=gen).to(torch.float64 if k == "mid" else torch.float32),
+                                mesh, [sp]) for k, (shape, sp, _, _) in cases.items()}
+    tmpl = {k: distribute_tensor(torch.zeros(shape, dtype=dt), mesh, [tp])
+            for k, (shape, _, tp, dt) in cases.items()}
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single",
+                                                        "all_gather_into_tensor", "batch_isend_irecv")
+                 if hasattr(dist, name)}
+    out: dict[str, dict[str, int]] = {}
+    own = engine._OWN_DENSE
+    for round_, own_bytes in (("packed", own), ("alone", 0)):
+        counts = out[round_] = {"all_to_all_single": 0, "gather": 0, "batch_isend_irecv": 0}
+
+        def counted(name, key, counts=counts):
+            def call(*args, **kwargs):
+                counts[key] += 1
+                return originals[name](*args, **kwargs)
+            return call
+
+        for t in tmpl.values():
+            t.to_local().zero_()
+        for name in originals:
+            setattr(dist, name, counted(name, "gather" if "gather" in name else name))
+        engine._OWN_DENSE = own_bytes
+        try:
+            # the bucket: 16 KiB, above every rank's block but "big"'s
+            dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=16 * 1024)
+        finally:
+            engine._OWN_DENSE = own
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        for k, t in tmpl.items():
+            want = distribute_tensor(src[k].full_tensor().to(t.dtype), mesh, [cases[k][2]])
+            assert torch.equal(t.to_local(), want.to_local()), (round_, k)
+    return out

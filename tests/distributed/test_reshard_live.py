@@ -83,6 +83,10 @@ def test_peak_memory_is_two_buckets_and_the_undo_log(undo):
         undo_log = r["shard_bytes"] if undo == "1" else 0
         assert r["peak_delta"] <= undo_log + 2 * r["bucket_bytes"] + 12 * 2**20, r
         assert r["shard_bytes"] == 64 * 2**20
+        # ReshardBuffers keeps what a call allocates (at most the buckets
+        # and the undo log's copy); a repeat with it allocates nothing
+        assert r["kept_bytes"] <= undo_log + 2 * r["bucket_bytes"] + 2**20, r
+        assert r["kept_peak_delta"] <= 12 * 2**20, r
 
 
 @pytest.mark.parametrize(("ws", "when", "undo"), [(3, "mid", "1"), (3, "mid", "0"), (2, "after", "1")])
@@ -110,3 +114,15 @@ def test_a_rank_killed_during_the_transfer(ws, when, undo):
 def test_large_boxes_alone_and_small_ones_packed(ws):
     results = run_ranks(ws, cases.large_and_small_case)
     assert all(r == ["bias", "big", "big16", "big64", "small"] for r in results)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_dense_layouts_move_by_collectives(ws):
+    """FSDP2 <-> TP and Shard -> Replicate over the whole group: the small
+    tensors of each kind share one all_to_all_single (four tensors) or
+    all-gather (two); alone, each is one; the uneven tensor and the one
+    over the bucket go point to point."""
+    for counts in run_ranks(ws, cases.dense_case):
+        assert counts["packed"]["all_to_all_single"] == 1 and counts["packed"]["gather"] == 1, counts
+        assert counts["alone"]["all_to_all_single"] == 4 and counts["alone"]["gather"] == 2, counts
+        assert all(c["batch_isend_irecv"] >= 1 for c in counts.values()), counts
