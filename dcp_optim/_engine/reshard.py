@@ -984,7 +984,12 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         # the loads' undo log, over (source, template, meta) jobs: only
         # the templates matter to it
         undo = _UndoLog([(None, t, None) for t in written.values()])
-        undo.save_all(_scratch(kept, "undo", host_bytes(undo.locals), torch.device("cpu")))
+        # without kept buffers, one host tensor per template shard: each
+        # under glibc's mmap threshold comes from its heap, reused from
+        # call to call (a single flat one above it would fault in fresh
+        # pages every time)
+        undo.save_all(_scratch(kept, "undo", host_bytes(undo.locals), torch.device("cpu"))
+                      if kept is not None else None)
     try:
         _collectives(_dense_groups(dense, limit, len(order)), group, kept)
         _transfer(sends, recvs, group_ranks, rank, group, limit, kept)
