@@ -358,11 +358,13 @@ def subworld_case(rank: int, ws: int, path: str, flatten: bool) -> list[str]:
 
 
 
-def memory_case(rank: int, ws: int, bucket_mb: int, undo: str) -> dict[str, Any]:
+def memory_case(rank: int, ws: int, bucket_mb: int, undo: str, rows: int = 1024) -> dict[str, Any]:
     """Peak extra resident memory of a reshard (FSDP2 Shard(0) -> TP
-    Shard(1), 128 MB of float32 in 4 MB tensors, 64 MB of shards per
-    rank): the two buckets, plus the undo log's host copy of the
-    destination shards where ``undo`` is "1" (the default)."""
+    Shard(1), 32 float32 tensors of ``rows`` x 1024, about 64 MB of shards
+    per rank): the two buckets, plus the undo log's host copy of the
+    destination shards where ``undo`` is "1" (the default).  1024 rows:
+    the dense path (one all_to_all_single per tensor); an odd number: point
+    to point."""
     from dcp_optim._engine import distribute as _distribute
 
     from .dist_cases import PeakRSS
@@ -370,7 +372,7 @@ def memory_case(rank: int, ws: int, bucket_mb: int, undo: str) -> dict[str, Any]
     os.environ[_distribute.UNDO_ENV] = undo
 
     mesh = init_device_mesh("cpu", (ws,))
-    shapes = [(1024, 1024)] * 32
+    shapes = [(rows, 1024)] * 32
     src = {f"t{i}": distribute_tensor(torch.full(s, float(i)), mesh, [Shard(0)]) for i, s in enumerate(shapes)}
     tmpl = {f"t{i}": distribute_tensor(torch.zeros(s), mesh, [Shard(1)]) for i, s in enumerate(shapes)}
     bucket = bucket_mb * 2**20
@@ -463,9 +465,11 @@ def large_and_small_case(rank: int, ws: int) -> list[str]:
     against the source's full tensor laid out on the template's placements."""
     mesh = init_device_mesh("cpu", (ws,))
     gen = torch.Generator().manual_seed(7)
-    shapes = {"big": ((1024, 512), torch.float32), "small": ((6, 4), torch.float32),
-              "big64": ((256, 128), torch.float64), "bias": ((256,), torch.bfloat16),
-              "big16": ((2048, 256), torch.bfloat16)}
+    # odd first dimensions: not divisible by the world, so the point-to-point
+    # path (the dense one has its own case, dense_case)
+    shapes = {"big": ((1023, 512), torch.float32), "small": ((7, 4), torch.float32),
+              "big64": ((255, 128), torch.float64), "bias": ((255,), torch.bfloat16),
+              "big16": ((2047, 256), torch.bfloat16)}
     src = {k: distribute_tensor(torch.randn(s, generator=gen).to(dt), mesh, [Shard(0)])
            for k, (s, dt) in shapes.items()}
     placements = {"big": Shard(1), "small": Shard(1), "big64": Replicate(), "bias": Replicate(), "big16": Shard(1)}

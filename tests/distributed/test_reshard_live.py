@@ -73,16 +73,17 @@ def test_demo():
     assert len(rows) == 2 and all(r[1] == r[2] for r in rows)
 
 
-@pytest.mark.parametrize("undo", ["1", "0"])
-def test_peak_memory_is_two_buckets_and_the_undo_log(undo):
-    for r in run_ranks(2, cases.memory_case, 16, undo):
+@pytest.mark.parametrize(("undo", "rows"), [("1", 1024), ("0", 1024), ("1", 1023)],
+                         ids=["dense", "dense-no-undo", "point-to-point"])
+def test_peak_memory_is_two_buckets_and_the_undo_log(undo, rows):
+    for r in run_ranks(2, cases.memory_case, 16, undo, rows):
         # two 16 MB buckets (measured: 32 MB) and 12 MB of allocator and
         # sampling slack, as the broadcast-load memory tests allow; the
         # destination shards (64 MB) exist before the call, and the undo
         # log (the default) holds one host copy of them during it
         undo_log = r["shard_bytes"] if undo == "1" else 0
         assert r["peak_delta"] <= undo_log + 2 * r["bucket_bytes"] + 12 * 2**20, r
-        assert r["shard_bytes"] == 64 * 2**20
+        assert r["shard_bytes"] == 32 * rows * 512 * 4
         # ReshardBuffers keeps what a call allocates (at most the buckets
         # and the undo log's copy); a repeat with it allocates nothing
         assert r["kept_bytes"] <= undo_log + 2 * r["bucket_bytes"] + 2**20, r

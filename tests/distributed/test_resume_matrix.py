@@ -26,7 +26,7 @@ import pytest
 from ..support.harness import run_in_subprocess, run_ranks, under_torchrun
 from .resume_cases import catalogue, run_matrix
 
-# ~1 min at world 1 and ~3 min at world 2 on 2 idle cores; the budget
+# ~0.5 min at world 1 and ~2 min at world 2 on 2 idle cores; the budget
 # allows a loaded machine.  Under torchrun the ranks would run every case
 # inside the test process (accelerate's global state, torchao's compiled
 # steps): the matrix runs in make test's own launches only.
