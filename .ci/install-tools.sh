@@ -83,7 +83,9 @@ if [ ${#pkgs[@]} -gt 0 ]; then
 fi
 
 for w in "${want[@]}"; do
-    if [ "$w" = lint ]; then
+    # ruff goes into the virtualenv: not yet there when .ci/run installs
+    # the distribution packages beside its creation (make lint comes back)
+    if [ "$w" = lint ] && [ -x "$VENV_PY" ]; then
         if ! "$VENV_PY" -m ruff --version 2>/dev/null | grep -qx "ruff $RUFF_VERSION"; then
             echo "install-tools.sh: pip install ruff==$RUFF_VERSION"
             "$VENV_PY" -m pip install -q "ruff==$RUFF_VERSION"
