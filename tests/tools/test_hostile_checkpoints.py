@@ -767,6 +767,7 @@ def _hash_bomb(use, levels=60):
     }[use]
 
 
+@pytest.mark.process_bounds
 def test_hash_bombs_bounded(clean, tmp_path):
     baseline = measure("inspect", clean, "-q")
     assert baseline[0] == 0, baseline[2]
@@ -785,6 +786,7 @@ def _nested_refs(levels, refs, leaf):
     return value
 
 
+@pytest.mark.process_bounds
 def test_unbounded_repr_and_memo_multiplication_bounded(clean, tmp_path):
     """A path nested as a list referenced 10 times per level, 30 levels
     deep (its repr in an error message would be 10**30 elements), and a
@@ -834,6 +836,7 @@ UNCOVERED = {
 }
 
 
+@pytest.mark.process_bounds
 def test_uncovered_tensors_bounded(clean, tmp_path):
     """A tensor is returned only when every element was written from the
     checkpoint: duplicate, overlapping and missing chunks are refused (both
@@ -872,6 +875,7 @@ def test_chunk_cover_of_grids():
                                                                 for c in (0, 2)], budget=3)
 
 
+@pytest.mark.process_bounds
 def test_path_integers_bounded(clean, tmp_path):
     """convert rebuilds lists from the saved paths' integers: an index far
     beyond the entries saved under a list, or negative, is refused."""
@@ -927,6 +931,7 @@ def _symlinked(clean, tmp_path, how):
     return bad
 
 
+@pytest.mark.process_bounds
 def test_symlinks_out_of_the_folder(clean, tmp_path):
     """A .distcp symlinked to a file elsewhere, or read through a symlinked
     subfolder, is refused unless trusted."""
@@ -954,6 +959,7 @@ def test_symlinks_out_of_the_folder(clean, tmp_path):
     assert _same(Checkpoint(ok).value("model.head.weight"), Checkpoint(clean).value("model.head.weight"))
 
 
+@pytest.mark.process_bounds
 def test_metadata_size_cap(clean, tmp_path, monkeypatch):
     """The .metadata file is read with a size cap, checked before reading."""
     from dcp_optim.tools import _safe_unpickle
