@@ -1192,7 +1192,7 @@ def _packed_collective(jobs: list, world: int, group: Any, device: torch.device,
     else:
         send = _scratch(kept, "send", row, device)[:row].view(1, row)
     recv = _scratch(kept, "recv", world * row, device)[:world * row].view(world, row)
-    for (_, i, j, src_t, _, _), off, n in parts:
+    for (_, _, j, src_t, _, _), off, n in parts:
         if kind == "a2a":
             shape = (world, *src_t.shape[:j], src_t.shape[j] // world, *src_t.shape[j + 1:])
             send[:, off:off + n].view(src_t.dtype).view(shape).copy_(
