@@ -83,9 +83,10 @@ if [ ${#pkgs[@]} -gt 0 ]; then
 fi
 
 for w in "${want[@]}"; do
-    # ruff goes into the virtualenv: not yet there when .ci/run installs
-    # the distribution packages beside its creation (make lint comes back)
-    if [ "$w" = lint ] && [ -x "$VENV_PY" ]; then
+    # ruff goes into the virtualenv, which may still be in the making when
+    # .ci/run installs the distribution packages beside its creation
+    # (TOOLS_NO_RUFF=1 there; make lint comes back for ruff)
+    if [ "$w" = lint ] && [ "${TOOLS_NO_RUFF:-0}" != 1 ]; then
         if ! "$VENV_PY" -m ruff --version 2>/dev/null | grep -qx "ruff $RUFF_VERSION"; then
             echo "install-tools.sh: pip install ruff==$RUFF_VERSION"
             "$VENV_PY" -m pip install -q "ruff==$RUFF_VERSION"
