@@ -943,7 +943,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     sends: dict[int, list] = {}
     recvs: dict[int, list] = {}
     written: dict[int, torch.Tensor] = {}  # the template's tensors this rank writes
-    dense: list[tuple] = []  # (kind, i, j, source local, template local): one collective each
+    dense: list[tuple] = []  # (kind, i, j, source local, template local, its block's bytes)
     order = _group_order(group)
     for spec in specs:
         dtype = getattr(torch, spec.dtype.split(".")[-1])
@@ -952,10 +952,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         if kind is not None:
             dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
             written[id(dst_t)] = dst_t
-            numel = 1
-            for n in spec.shape:
-                numel *= n
-            dense.append((*kind, _local(src_leaves[spec.path]), dst_t, numel // len(order) * itemsize))
+            dense.append((*kind[:3], _local(src_leaves[spec.path]), dst_t, kind[3]))
             continue
         local, recv, send = _plan(spec, rank)
         if local or recv:
@@ -1066,7 +1063,8 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
 
 
 def _dense_kind(spec: _Spec, order: tuple, itemsize: int, limit: int) -> tuple | None:
-    """A tensor whose exchange is one collective over the group, or None.
+    """(kind, i, j, the rank's block in bytes) of a tensor whose exchange
+    is one collective over the group, or None.
     Between two 1-D layouts over the whole group in its own rank order,
     with the sharded dimensions divisible by the group's size, every rank
     exchanges an equal block with every other: ``Shard(i) -> Shard(j)``
@@ -1092,10 +1090,11 @@ def _dense_kind(spec: _Spec, order: tuple, itemsize: int, limit: int) -> tuple |
         numel *= n
     if numel == 0 or spec.shape[i] % world:
         return None
+    block = numel // world * itemsize
     if dst_pl[0][0] == 1 and dst_pl[0][1] != i and spec.shape[dst_pl[0][1]] % world == 0:
-        return ("a2a", i, dst_pl[0][1]) if numel // world * itemsize <= limit else None
+        return ("a2a", i, dst_pl[0][1], block) if block <= limit else None
     if dst_pl[0][0] == 0:
-        return ("gather", i, -1) if numel * itemsize <= limit else None
+        return ("gather", i, -1, block) if block * world <= limit else None
     return None
 
 
@@ -1162,17 +1161,26 @@ def _collectives(groups: list, group: Any, kept: dict | None) -> None:
             _packed_collective(jobs, world, group, device, kept)
             continue
         kind, i, j, src_t, dst_t, _ = jobs[0]
-        if kind == "a2a":
-            send = _blocks(src_t, j, world, device, kept, "send")
-            recv = _block_target(dst_t, src_t.dtype, i, world, device, kept)
-            dist.all_to_all_single(recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8),
-                                   group=group)
-        else:
-            send = _blocks(src_t, -1, world, device, kept, "send")
-            recv = _block_target(dst_t, src_t.dtype, i, world, device, kept)
-            all_gather_flat(recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8), group)
+        send = _blocks(src_t, j, world, device, kept)
+        recv = _block_target(dst_t, src_t.dtype, i, world, device, kept)
+        _exchange(kind, recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8), group)
         if recv.data_ptr() != dst_t.data_ptr() or recv.dtype != dst_t.dtype:
             dst_t.detach().unflatten(i, (world, -1)).copy_(recv.movedim(0, i))
+
+
+def _exchange(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """One dense collective of byte buffers: all_to_all (``kind`` "a2a")
+    or all-gather."""
+    if kind == "a2a":
+        dist.all_to_all_single(out, inp, group=group)
+    else:
+        all_gather_flat(out, inp, group)
+
+
+def _split_shape(shape: Any, dim: int, world: int) -> tuple:
+    """``shape`` cut into ``world`` equal blocks along ``dim``, the blocks
+    first: (world, ..., shape[dim] // world, ...)."""
+    return (world, *shape[:dim], shape[dim] // world, *shape[dim + 1:])
 
 
 def _packed_collective(jobs: list, world: int, group: Any, device: torch.device, kept: dict | None) -> None:
@@ -1194,32 +1202,26 @@ def _packed_collective(jobs: list, world: int, group: Any, device: torch.device,
     recv = _scratch(kept, "recv", world * row, device)[:world * row].view(world, row)
     for (_, _, j, src_t, _, _), off, n in parts:
         if kind == "a2a":
-            shape = (world, *src_t.shape[:j], src_t.shape[j] // world, *src_t.shape[j + 1:])
-            send[:, off:off + n].view(src_t.dtype).view(shape).copy_(
+            send[:, off:off + n].view(src_t.dtype).view(_split_shape(src_t.shape, j, world)).copy_(
                 src_t.detach().unflatten(j, (world, -1)).movedim(j, 0))
         else:
             send[:, off:off + n].view(src_t.dtype).view(1, *src_t.shape).copy_(src_t.detach())
-    if kind == "a2a":
-        dist.all_to_all_single(recv.reshape(-1), send.reshape(-1), group=group)
-    else:
-        all_gather_flat(recv.reshape(-1), send.reshape(-1), group)
+    _exchange(kind, recv.reshape(-1), send.reshape(-1), group)
     for (_, i, _, src_t, dst_t, _), off, n in parts:
         # rank q's part, as the source shard it comes from is split along i
-        piece = (*dst_t.shape[:i], dst_t.shape[i] // world, *dst_t.shape[i + 1:])
         dst_t.detach().unflatten(i, (world, -1)).copy_(
-            recv[:, off:off + n].view(src_t.dtype).view(world, *piece).movedim(0, i))
+            recv[:, off:off + n].view(src_t.dtype).view(_split_shape(dst_t.shape, i, world)).movedim(0, i))
 
 
-def _blocks(src_t: torch.Tensor, j: int, world: int, device: torch.device, kept: dict | None,
-            role: str) -> torch.Tensor:
+def _blocks(src_t: torch.Tensor, j: int, world: int, device: torch.device, kept: dict | None) -> torch.Tensor:
     """The source shard as a contiguous tensor on ``device``, split along
     ``j`` into ``world`` blocks laid out one after the other (``j`` -1:
     the shard as it is): the shard itself where it already is that."""
     if j <= 0 and src_t.is_contiguous() and src_t.device == device:
         return src_t.detach()
-    shape = (world, *src_t.shape[:j], src_t.shape[j] // world, *src_t.shape[j + 1:]) if j >= 0 else src_t.shape
+    shape = _split_shape(src_t.shape, j, world) if j >= 0 else src_t.shape
     n = src_t.numel() * src_t.element_size()
-    out = _scratch(kept, role, n, device)[:n].view(src_t.dtype).view(shape)
+    out = _scratch(kept, "send", n, device)[:n].view(src_t.dtype).view(shape)
     out.copy_(src_t.detach().unflatten(j, (world, -1)).movedim(j, 0) if j >= 0 else src_t.detach())
     return out
 
@@ -1231,9 +1233,8 @@ def _block_target(dst_t: torch.Tensor, dtype: torch.dtype, i: int, world: int, d
     other -- the template's shard itself where it is laid out that way."""
     if i == 0 and dst_t.is_contiguous() and dst_t.dtype == dtype and dst_t.device == device:
         return dst_t.detach().view(world, -1)
-    shape = (world, *dst_t.shape[:i], dst_t.shape[i] // world, *dst_t.shape[i + 1:])
-    n = dst_t.numel() * torch.empty((), dtype=dtype).element_size()
-    return _scratch(kept, "recv", n, device)[:n].view(dtype).view(shape)
+    n = dst_t.numel() * dtype.itemsize
+    return _scratch(kept, "recv", n, device)[:n].view(dtype).view(_split_shape(dst_t.shape, i, world))
 
 
 def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | None:
