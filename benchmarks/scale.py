@@ -359,6 +359,11 @@ def _touch(name: str, args: tuple, out: Any) -> None:
         pg = _group(args[2])
         if pg.rank() != int(args[1]):
             out.zero_()
+    elif name == "scatter_":
+        pg = _group(args[2])
+        if pg.rank() != int(args[3]):
+            for t in args[0]:
+                t.zero_()
 
 
 def _account(wc: WireCount, label: str, name: str, args: tuple, rank: int) -> None:
@@ -385,6 +390,12 @@ def _account(wc: WireCount, label: str, name: str, args: tuple, rank: int) -> No
         pg = _group(args[2])
         n, me, b = pg.size(), pg.rank(), _nbytes(args[0])
         wc.add(label, n, b if me == int(args[1]) else 0, 0 if me == int(args[1]) else b)
+    elif name == "scatter_":  # (outputs, inputs (source only), pg, root_rank, ...)
+        pg = _group(args[2])
+        n, me, root = pg.size(), pg.rank(), int(args[3])
+        out = _nbytes(args[0])
+        # the source sends every other rank its piece (all of one size)
+        wc.add(label, n, out * (n - 1) if me == root else 0, 0 if me == root else out)
     elif name.startswith("all_reduce") or name.startswith("allreduce"):
         n = _group_size(args[2] if name.startswith("all_reduce") else args[1])
         b = int(_nbytes(args[0]) * 2 * (n - 1) / n)

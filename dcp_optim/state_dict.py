@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, cast, no_type_check
 
@@ -475,7 +476,10 @@ def _run_load(
                 parts = _source_parts(api, parts, per_rank, info, optimizers)
                 metas = route_for(info.index, None).broadcast_object(tuple(metas[: len(parts)]))
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), None)
-                _agree(agreement, error)
+                paths = _agree(agreement, error, _paths_flags(parts, error))
+                if not _same_paths(paths):
+                    for part in parts:
+                        part.broadcast_all()
             if not moves_first:
                 # on broadcast loads every part runs even after one failed
                 # (its stream is a collective the others wait in)
@@ -605,6 +609,30 @@ def _flags_check(api: str, info: Any) -> Any:
     if info is not None and info.full_state_dict and not info.broadcast_from_rank0:
         return functools.partial(_full_dict_everywhere, api)
     return None
+
+
+def _paths_flags(parts: list[LoadPart], error: Exception | None) -> tuple[int, ...]:
+    """A broadcast load's agreement flags after ``validate``: 1 and the
+    four bytes of a digest of which tensors each part scatters (the ranks
+    must issue the same collectives), or zeros where validation failed
+    here (that failure is what the agreement reports)."""
+    if error is not None:
+        return (0, 0, 0, 0, 0)
+    digest = 0
+    for part in parts:
+        digest = zlib.crc32(part.stream_paths().to_bytes(4, "little"), digest)
+    return (1, *digest.to_bytes(4, "little"))
+
+
+def _same_paths(per_rank: Any) -> bool:
+    """Whether every rank would scatter the same tensors (the flags of
+    ``_paths_flags``; all validated here: the agreement raised
+    otherwise).  Where they differ -- the ranks lay out a tensor
+    differently, which upstream's broadcast loads take as each rank's
+    own -- every rank broadcasts every tensor instead."""
+    if per_rank.rest is not None:
+        return bool(per_rank.first == per_rank.rest)
+    return all(f == per_rank[0] for f in per_rank)
 
 
 def _source_parts(

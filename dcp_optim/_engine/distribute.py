@@ -35,6 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .collectives import bucket_bytes
 from .core import C, context
+from .scatter_load import _DIRECT_BYTES, NO_CHUNKING, paths_digest, run_scatter, scatter_jobs
 
 _CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
@@ -169,6 +170,7 @@ def run_full_load(
     offload: torch.device | None = None,
     in_place: bool = False,
     undo: _UndoLog | None = None,
+    scatter: bool = True,
 ) -> list[Any]:
     """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
     local slicing when ``route`` is None, else a bucketed broadcast stream.
@@ -177,7 +179,9 @@ def run_full_load(
     caller has validated the whole load).  ``undo`` (in-place loads) keeps
     what the load overwrites in live tensors, for the caller to restore if
     the load fails after this returns (its agreement); without one, a
-    stream keeps its own until it completes.  Returns the loaded value of
+    stream keeps its own until it completes.  ``scatter``: whether the
+    stream may scatter the jobs ``scatter_jobs`` picks (the ranks agreed
+    on them; else every job is broadcast).  Returns the loaded value of
     each job (None where not needed)."""
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
@@ -186,53 +190,81 @@ def run_full_load(
         undo = None
     if route is None and undo is not None:
         undo.save_all()  # local slicing writes every live shard at once
-    plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
-    if route is not None and plan.nbuckets:
+    # The jobs a stream scatters (each rank gets its own rows) and those
+    # it broadcasts, each with its own plan.
+    scattered = scatter_jobs(jobs, route) if stream and scatter else []
+    if scattered:
+        taken = set(scattered)
+        rest = [i for i in range(len(jobs)) if i not in taken]
+        splan = C.plan_full_load(
+            [jobs[i] for i in scattered], DTensor, _CLASSES, NO_CHUNKING, torch.empty, True, in_place
+        )
+        plan = C.plan_full_load([jobs[i] for i in rest], DTensor, _CLASSES, budget, torch.empty, True, in_place)
+    else:
+        rest = list(range(len(jobs)))
+        plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
+    if route is not None and (scattered or plan.nbuckets):
         if undo is None and in_place and undo_enabled():
             undo = _UndoLog(jobs)
-        # One buffer for the whole stream: re-allocating per bucket lets
-        # the allocator keep several freed buckets resident.
-        storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
         try:
-            for b, nbytes in enumerate(plan.bucket_bytes):
-                buf = storage[:nbytes]
-                chunks = plan.chunks(b)
-                if len(route.stages) != 1:
-                    if route.is_source:
-                        _pack_rows(buf, chunks)
-                    route.broadcast(buf)
-                    if undo is not None:
-                        undo.save(chunks)
-                    _extract_rows(buf, chunks)
-                    continue
-                # One collective per run of small chunks (packed) and per
-                # large chunk (sent from the source's own tensor where its
-                # bytes are contiguous, no copy), all in flight at once:
-                # each run is unpacked as soon as it has arrived, while
-                # the next ones travel.  The runs follow from the plan
-                # alone, so every rank issues the same collectives.
-                pending = []
-                for run in _runs(chunks):
-                    view, data = _run_view(buf, run), None
-                    if route.is_source:
-                        data = _direct_bytes(run, buf.device)
-                        if data is None:
-                            _pack_rows(buf, run)
-                    pending.append((route.broadcast(view if data is None else data, async_op=True), run, data))
-                for work, run, data in pending:
-                    work.wait()
-                    if undo is not None:
-                        undo.save(run)
-                    _extract_rows(buf, run, data)
-                del pending
+            if plan.nbuckets:
+                _broadcast_stream(plan, route, undo)
+            if scattered:
+                run_scatter([jobs[i] for i in scattered], splan.dests, route, budget, undo)
         except BaseException:
             # a peer died (or the backend failed) mid-stream: what the
-            # buckets so far wrote into live tensors is put back
+            # stream so far wrote into live tensors is put back
             if undo is not None:
                 undo.restore()
             raise
-        del storage, buf, chunks
-    return C.finish_full_load(plan, DTensor.from_local, offload)
+    values = C.finish_full_load(plan, DTensor.from_local, offload)
+    if not scattered:
+        return values
+    out: list[Any] = [None] * len(jobs)
+    for i, value in zip(rest, values):
+        out[i] = value
+    for i, value in zip(scattered, C.finish_full_load(splan, DTensor.from_local, offload)):
+        out[i] = value
+    return out
+
+
+def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None) -> None:
+    """The buckets of ``plan``, broadcast from the route's source, each
+    rank keeping its rows of every chunk."""
+    # One buffer for the whole stream: re-allocating per bucket lets
+    # the allocator keep several freed buckets resident.
+    storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
+    for b, nbytes in enumerate(plan.bucket_bytes):
+        buf = storage[:nbytes]
+        chunks = plan.chunks(b)
+        if len(route.stages) != 1:
+            if route.is_source:
+                _pack_rows(buf, chunks)
+            route.broadcast(buf)
+            if undo is not None:
+                undo.save(chunks)
+            _extract_rows(buf, chunks)
+            continue
+        # One collective per run of small chunks (packed) and per
+        # large chunk (sent from the source's own tensor where its
+        # bytes are contiguous, no copy), all in flight at once:
+        # each run is unpacked as soon as it has arrived, while
+        # the next ones travel.  The runs follow from the plan
+        # alone, so every rank issues the same collectives.
+        pending = []
+        for run in _runs(chunks):
+            view, data = _run_view(buf, run), None
+            if route.is_source:
+                data = _direct_bytes(run, buf.device)
+                if data is None:
+                    _pack_rows(buf, run)
+            pending.append((route.broadcast(view if data is None else data, async_op=True), run, data))
+        for work, run, data in pending:
+            work.wait()
+            if undo is not None:
+                undo.save(run)
+            _extract_rows(buf, run, data)
+        del pending
 
 
 UNDO_ENV = "DCP_OPTIM_STREAM_UNDO"
@@ -268,8 +300,11 @@ class _UndoLog:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def save(self, chunks: list[tuple]) -> None:
-        for chunk in chunks:
-            dest = chunk[7]
+        self.save_dests([chunk[7] for chunk in chunks])
+
+    def save_dests(self, dests: list[Any]) -> None:
+        """Keep each of ``dests`` that is a live tensor, the first time."""
+        for dest in dests:
             if not isinstance(dest, torch.Tensor) or id(dest) in self.saved:
                 continue
             if dest.untyped_storage().data_ptr() not in self.live:
@@ -326,10 +361,9 @@ def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
             buf[offset : offset + n].copy_(data)
 
 
-# A chunk of at least this many bytes travels on its own (from the
-# source's own tensor where it can); smaller neighbours share one packed
+# A chunk of _DIRECT_BYTES or more travels on its own (from the source's
+# own tensor where it can); smaller neighbours share one packed
 # collective.
-_DIRECT_BYTES = 1 << 20
 
 
 def _runs(chunks: list[tuple]) -> list[list[tuple]]:
@@ -522,7 +556,7 @@ class ModelFullLoad:
         out = self.out
         values = run_full_load(
             self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place,
-            undo=self.undo,
+            undo=self.undo, scatter=self.scatter,
         )
         C.write_slots([(out, k) for k in self.keys], values)
         if self.strict:
@@ -535,12 +569,25 @@ class ModelFullLoad:
         return out
 
 
+    def stream_paths(self) -> int:
+        return _stream_paths(self.jobs, self.route)
+
+    scatter = True  # False: every tensor of the stream is broadcast
+
     def abort(self) -> None:
         """Put back what ``move`` wrote into live tensors (the load failed
         after it: its agreement)."""
         undo, self.undo = getattr(self, "undo", None), None
         if undo is not None:
             undo.restore()
+
+
+def _stream_paths(jobs: list[tuple], route: Route | None) -> int:
+    """The digest of which of a stream's jobs are scattered
+    (``scatter_load.paths_digest``; 0 without a stream)."""
+    if route is None:
+        return 0
+    return paths_digest(len(jobs), scatter_jobs(jobs, route))
 
 
 def _stand_in(job: tuple) -> Any:
@@ -674,9 +721,16 @@ class OptimLocalize:
             self.in_place = False
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if self.jobs:
-            values = run_full_load(self.jobs, route=self.route, in_place=self.in_place, undo=self.undo)
+            values = run_full_load(
+                self.jobs, route=self.route, in_place=self.in_place, undo=self.undo, scatter=self.scatter
+            )
             C.write_slots(self.slots, values)
         return self.result
+
+    def stream_paths(self) -> int:
+        return _stream_paths(getattr(self, "jobs", []), self.route)
+
+    scatter = True  # False: every tensor of the stream is broadcast
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizer's live state."""

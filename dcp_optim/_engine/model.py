@@ -297,6 +297,15 @@ class ModelLoad:
             self.rollback()
             raise
 
+    def stream_paths(self) -> int:
+        """Which of a broadcast load's tensors are scattered (a digest,
+        after ``validate``; 0 for other loads)."""
+        return self.full_load.stream_paths() if self.full_load is not None else 0
+
+    def broadcast_all(self) -> None:
+        if self.full_load is not None:
+            self.full_load.scatter = False
+
     def abort(self) -> None:
         """Put back what ``move`` wrote into live tensors (an in-place
         full or broadcast load) when the load fails after it."""

@@ -1438,6 +1438,15 @@ class OptimLoad:
         if snapshot is not None:
             snapshot.restore()
 
+    def stream_paths(self) -> int:
+        """Which of a broadcast load's tensors are scattered (a digest,
+        after ``validate``; 0 for other loads)."""
+        return self.localize.stream_paths() if self.localize is not None else 0
+
+    def broadcast_all(self) -> None:
+        if self.localize is not None:
+            self.localize.scatter = False
+
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizers' held state (an
         in-place full or broadcast load) when the load fails after it."""

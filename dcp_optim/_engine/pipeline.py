@@ -86,6 +86,13 @@ class LoadPart(Protocol):
 
     def abort(self) -> None: ...
 
+    # after validate on broadcast loads: a digest of which tensors move by
+    # scatter (the ranks agree on it before data moves) ...
+    def stream_paths(self) -> int: ...
+
+    # ... and, where the ranks' digests differ, every tensor is broadcast
+    def broadcast_all(self) -> None: ...
+
 
 def run_alone(part: LoadPart, info: Any) -> Prepared:
     """Plan, validate and move ``part`` without agreeing with other ranks;

@@ -236,7 +236,8 @@ def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
 
 def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str, Any]:
     """A broadcast load whose source (rank 0) is SIGKILLed while it sends
-    the eighth bucket (64-byte buckets: two rows or so each; the first ones hold rows of rank 0 only), every
+    the eighth collective of its stream (64-byte buckets: a row or two
+    of every rank's shard in each scatter), every
     check passed (so the shards stream straight into the live tensors):
     the survivor raises the backend's error well within the group's
     timeout (10 s), and -- with the stream's undo log (``undo`` "1", the
@@ -256,16 +257,26 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
     os.environ[_distribute.UNDO_ENV] = undo
     _collectives.set_bucket_bytes(64)
     if rank == 0:
+        # the eighth collective of the stream, broadcast or scatter (the
+        # model's tensors are sharded on dim 0: they are scattered)
         sent = [0]
-        original = _distribute.Route.broadcast
+        original, original_scatter = _distribute.Route.broadcast, dist.scatter
 
-        def dying(self, tensor, *args, **kwargs):
+        def count() -> None:
             sent[0] += 1
             if sent[0] == 8:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def dying(self, tensor, *args, **kwargs):
+            count()
             return original(self, tensor, *args, **kwargs)
 
+        def dying_scatter(*args, **kwargs):
+            count()
+            return original_scatter(*args, **kwargs)
+
         _distribute.Route.broadcast = dying  # type: ignore[method-assign]
+        dist.scatter = dying_scatter
     bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     if part == "model":
         call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731

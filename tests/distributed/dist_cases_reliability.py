@@ -623,8 +623,9 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
         def die(*args, **kwargs):
             os._exit(3)
 
-        if where == "stream":
+        if where == "stream":  # a broadcast or a scatter of the stream
             _distribute.Route.broadcast = die
+            dist.scatter = die
         elif where == "hang":  # alive, but late by more than the timeout
             _consistency.mesh_all_reduce_min = lambda *a, **k: time.sleep(8)
         else:

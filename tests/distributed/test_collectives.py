@@ -132,3 +132,45 @@ def test_broadcast_load_sends_large_tensors_directly(ws, bucket_mb):
 
     results = run_ranks(ws, dist_cases_transport.direct_broadcast_case, bucket_mb, timeout=300)
     assert results == [["model", "optim"]] * ws
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_broadcast_load_scatters_each_rank_its_rows(ws):
+    """Where every parameter is sharded on dim 0 over the whole group, a
+    broadcast load scatters each rank its own rows (1/W of the bytes)
+    instead of broadcasting whole tensors, bit for bit as upstream's load
+    (uneven shards, a rank without rows at 3, a non-contiguous source).
+    Adaptive bucket: the 2 MiB weight (and each of its two Adam states)
+    travels in one scatter of its own, the smaller tensors share one, and
+    only BatchNorm's plain buffers are broadcast.  A 64 KiB bucket splits
+    every tensor of 64 KiB or more into scatters of whole rows within it."""
+    from . import dist_cases_transport
+
+    adaptive = run_ranks(ws, dist_cases_transport.scatter_case, None, timeout=300)
+    for counts in adaptive:
+        assert counts["model"].get("scatter") == 2 and counts["model"].get("broadcast") == 1, counts
+        assert counts["optim"].get("scatter") == 3 and "broadcast" not in counts["optim"], counts
+    small = run_ranks(ws, dist_cases_transport.scatter_case, 64, timeout=300)
+    # the three weights of 64 KiB or more, in steps of k rows of every
+    # rank's chunk (W * k rows within the bucket), and one packed scatter
+    kib = 1024
+    chunks = {}  # (rows, row bytes) of each such weight
+    for rows, row_bytes in ((1027, 512 * 4), (64, 1027 * 4), (1027, 64 * 4)):
+        chunk = -(-rows // ws)
+        k = (64 * kib) // (ws * row_bytes)
+        chunks[(rows, row_bytes)] = -(-chunk // k)
+    model_scatters = sum(chunks.values()) + 1
+    for counts in small:
+        assert counts["model"].get("scatter") == model_scatters, (counts, chunks)
+        assert counts["optim"].get("scatter") == 2 * sum(chunks.values()) + 1, (counts, chunks)
+
+
+def test_broadcast_load_where_ranks_shard_a_tensor_differently_broadcasts():
+    """A rank whose model shards a tensor on another dim than the source
+    expects (each rank's own layout, as upstream takes it): the ranks learn
+    it at the load's agreement and every tensor is broadcast, bit for bit
+    as upstream's load, with no scatter."""
+    from . import dist_cases_transport
+
+    for counts in run_ranks(2, dist_cases_transport.scatter_layout_mismatch_case, timeout=300):
+        assert "scatter" not in counts and counts.get("broadcast"), counts

@@ -120,12 +120,19 @@ def test_wire_model(runs):
         assert up["recv_bytes"] <= dcp["recv_bytes"] <= up["recv_bytes"] + 2 * record
         for impl in ("upstream", "dcp_optim"):
             assert ops["sharded_get_model"][impl]["collectives"] == 0
-            bcast = ops["bcast_set_model"][impl]
-            if p["rank"] == 0:
-                assert bcast["sent_bytes"] >= full and bcast["recv_bytes"] < full
-            else:
-                # a receiver sends at most its agreement records
-                assert bcast["recv_bytes"] >= full and bcast["sent_bytes"] <= 3 * record
+        # a broadcast load: upstream broadcasts every tensor whole; dcp_optim
+        # scatters FSDP2's shards (dim 0 over the whole group), so the
+        # source sends each rank its rows once and a receiver gets its
+        # shards' bytes (even shards at W=8), besides the metadata broadcast
+        up, dcp = ops["bcast_set_model"]["upstream"], ops["bcast_set_model"]["dcp_optim"]
+        if p["rank"] == 0:
+            assert up["sent_bytes"] >= full and up["recv_bytes"] < full
+            assert dcp["sent_bytes"] >= full * (w - 1) // w and dcp["recv_bytes"] < full // w
+        else:
+            # a receiver sends at most its agreement records
+            assert up["recv_bytes"] >= full and up["sent_bytes"] <= 3 * record
+            assert full // w <= dcp["recv_bytes"] < full // 2, (dcp, full)
+            assert dcp["sent_bytes"] <= 3 * record
 
 
 def test_no_python_memory_growing_with_the_world(runs):

@@ -1,0 +1,256 @@
+"""The scatter path of broadcast loads: each rank receives only its rows.
+
+A broadcast load sends every tensor whole to every rank, which keeps only
+its shard.  For the most common layout -- a DTensor sharded along dim 0
+on a 1-D mesh whose ranks are the stream's group, in its rank order
+(FSDP2's parameters and their optimizer state) -- the source can instead
+scatter each rank its own rows: a receiver gets 1/W of the bytes, the
+source sends each byte once, and where the rank's shard is contiguous its
+rows land straight in it (no bucket, no copy).
+
+The layout of ``Shard(0)`` is ``torch.chunk``'s: rank ``r`` holds rows
+``[r * c, min((r + 1) * c, N))`` with ``c = ceil(N / W)`` (the last ranks
+fewer, or none).  A scatter moves pieces of one size to every rank, so a
+tensor travels as steps of ``k`` rows of every rank's chunk (``W * k``
+rows within a bucket); a rank whose chunk ends inside a step receives
+that step into a scratch buffer and keeps its real rows.  Tensors whose
+bytes are under ``_DIRECT_BYTES`` share one scatter per group of them
+(a "packed" unit): the source lays out every rank's rows of each tensor
+in that rank's segment of a buffer, one strided copy per tensor, and
+each receiver copies its rows out of its segment.
+
+Which tensors take this path is decided from the templates' layouts
+(``scatter_jobs``); the ranks agree on it before data moves
+(``paths_digest``, an agreement flag), because a rank that broadcast
+where another scatters would leave both waiting.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+# A tensor of at least this many bytes travels in scatters of its own;
+# smaller ones share one packed scatter (the stream's threshold too).
+_DIRECT_BYTES = 1 << 20
+# Plans of scatter jobs never split a tensor into row chunks (the
+# executor steps through rows itself).
+NO_CHUNKING = 1 << 62
+
+
+def _align(n: int) -> int:
+    return (n + 63) & ~63
+
+
+def _group_ranks(group: Any) -> list[int]:
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def scatter_jobs(jobs: list[tuple[Any, Any, Any]], route: Any) -> list[int]:
+    """Indices of the jobs a broadcast load scatters: a DTensor template
+    sharded ``Shard(0)`` on a 1-D mesh whose ranks are the route's group
+    in its rank order, living on the route's device, and a full value of
+    at least one row and one byte.  Depends on the templates' layouts
+    (agreed through ``paths_digest``) and the shared metadata."""
+    if len(route.stages) != 1:
+        return []
+    group, _ = route.stages[0]
+    ranks = _group_ranks(group)
+    if len(ranks) < 2:
+        return []
+    meshes: dict[int, bool] = {}
+    out = []
+    for i, (value, template, device) in enumerate(jobs):
+        if not isinstance(template, DTensor) or torch.device(device) != route.device:
+            continue
+        pls = template.placements
+        if len(pls) != 1 or type(pls[0]) is not Shard or pls[0].dim != 0:
+            continue
+        shape = tuple(value.shape)
+        if not shape or shape[0] < 1 or any(d < 1 for d in shape):
+            continue
+        mesh = template.device_mesh
+        ok = meshes.get(id(mesh))
+        if ok is None:
+            ok = meshes[id(mesh)] = mesh.ndim == 1 and mesh.mesh.tolist() == ranks
+        if ok:
+            out.append(i)
+    return out
+
+
+def paths_digest(njobs: int, scattered: list[int]) -> int:
+    """A 32-bit digest of which of ``njobs`` jobs are scattered: what
+    the ranks agree on before data moves."""
+    marks = bytearray(njobs)
+    for i in scattered:
+        marks[i] = 1
+    return zlib.crc32(bytes(marks))
+
+
+class _Piece:
+    """One tensor's part of a scatter unit: rows ``[start, start + rows)``
+    of every rank's chunk of ``value`` (chunks of ``chunk`` rows; ``n``
+    rows in all), at byte ``offset`` of each rank's segment."""
+
+    __slots__ = ("value", "dest", "n", "chunk", "start", "rows", "row_bytes", "offset")
+
+    def __init__(self, value, dest, n, chunk, start, rows, row_bytes, offset):
+        self.value, self.dest, self.n, self.chunk = value, dest, n, chunk
+        self.start, self.rows, self.row_bytes, self.offset = start, rows, row_bytes, offset
+
+    def real_rows(self, rank: int) -> int:
+        """How many of the piece's rows rank ``rank`` holds."""
+        have = min(self.chunk, self.n - rank * self.chunk) - self.start
+        return max(0, min(self.rows, have))
+
+
+def _units(jobs, dests, world: int, budget: int) -> list[tuple[int, list[_Piece]]]:
+    """The scatters of a load, in order: (bytes per rank, pieces).  A
+    tensor of ``_DIRECT_BYTES`` or more (or more than ``budget``) goes in
+    steps of whole rows of every rank's chunk, ``W * k`` rows within
+    ``budget`` (a row larger than that alone); smaller ones are packed
+    together within ``budget``.  From the metadata alone: the same
+    on every rank."""
+    units: list[tuple[int, list[_Piece]]] = []
+    packed: list[_Piece] = []
+    used = 0
+    for (value, _, _), dest in zip(jobs, dests):
+        shape = tuple(value.shape)
+        n = shape[0]
+        row_bytes = value.dtype.itemsize
+        for d in shape[1:]:
+            row_bytes *= d
+        chunk = -(-n // world)
+        if world * chunk * row_bytes >= min(_DIRECT_BYTES, budget):
+            k = max(1, min(chunk, budget // (world * row_bytes)))
+            for start in range(0, chunk, k):
+                rows = min(k, chunk - start)
+                units.append((rows * row_bytes, [_Piece(value, dest, n, chunk, start, rows, row_bytes, 0)]))
+            continue
+        size = _align(chunk * row_bytes)
+        if packed and world * (used + size) > budget:
+            units.append((used, packed))
+            packed, used = [], 0
+        packed.append(_Piece(value, dest, n, chunk, 0, chunk, row_bytes, used))
+        used += size
+    if packed:
+        units.append((used, packed))
+    return units
+
+
+def _source_rows(piece: _Piece, rank: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The source's bytes of ``rank``'s rows of a one-piece unit: a view
+    of the value where its rows are contiguous, whole and on the stream's
+    device, else a padded copy; and the bytes that copy took (0 for a
+    view)."""
+    value, real = piece.value, piece.real_rows(rank)
+    first = rank * piece.chunk + piece.start
+    part = value.detach()[first : first + real]
+    if real == piece.rows and part.is_contiguous() and part.device == device:
+        return part.reshape(-1).view(torch.uint8), 0
+    nbytes = piece.rows * piece.row_bytes
+    out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if real:
+        out[: real * piece.row_bytes].view(value.dtype).view(part.shape).copy_(part)
+    return out, nbytes
+
+
+def _pack(buf: torch.Tensor, seg: int, world: int, pieces: list[_Piece]) -> None:
+    """Source side of a packed unit: rank ``r``'s rows of every piece at
+    ``r * seg + piece.offset`` of ``buf``; the ranks with whole chunks in
+    one strided copy per tensor, the one with a partial chunk apart."""
+    for p in pieces:
+        nbytes = p.chunk * p.row_bytes
+        whole = min(world, p.n // p.chunk)
+        flat = p.value.detach().reshape(-1).view(torch.uint8) if p.value.is_contiguous() else None
+        if flat is None:
+            flat = p.value.detach().contiguous().reshape(-1).view(torch.uint8)
+        if whole:
+            dst = buf.as_strided((whole, nbytes), (seg, 1), p.offset)
+            dst.copy_(flat[: whole * nbytes].view(whole, nbytes))
+        rest = p.n * p.row_bytes - whole * nbytes
+        if rest > 0:
+            at = whole * seg + p.offset
+            buf[at : at + rest].copy_(flat[whole * nbytes :])
+
+
+def _unpack(out: torch.Tensor, rank: int, pieces: list[_Piece]) -> None:
+    """Receiver side: this rank's real rows of each piece from ``out``
+    (its segment, or a scratch step) into the piece's destination."""
+    for p in pieces:
+        real = p.real_rows(rank)
+        if not real or p.dest is None:
+            continue
+        nbytes = real * p.row_bytes
+        rows = out[p.offset : p.offset + nbytes].view(p.dest.dtype).view((real, *p.dest.shape[1:]))
+        p.dest[p.start : p.start + real].copy_(rows)
+
+
+def _landing(unit_bytes: int, pieces: list[_Piece], rank: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """Where this rank receives a unit: its destination rows themselves
+    (a one-piece unit whose rows it holds whole, in a contiguous dest),
+    else a scratch buffer to unpack (second value True)."""
+    if len(pieces) == 1:
+        p = pieces[0]
+        dest = p.dest
+        if dest is not None and p.real_rows(rank) == p.rows and dest.is_contiguous() and dest.device == device:
+            return dest[p.start : p.start + p.rows].reshape(-1).view(torch.uint8), False
+    return torch.empty(unit_bytes, dtype=torch.uint8, device=device), True
+
+
+def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
+    """Scatter ``jobs`` (``scatter_jobs``'s) from the route's source into
+    ``dests`` (their plan's destinations), in the units of ``_units``.
+    The scatters are in flight together while the buffers they hold stay
+    within two buckets; ``undo`` (or None) keeps each live destination
+    before the first write to it.  Returns the number of scatters."""
+    group, src = route.stages[0]
+    world = dist.get_world_size(group)
+    me = dist.get_rank() if group is None else dist.get_group_rank(group, dist.get_rank())
+    source = route.is_source
+    device = route.device
+    pending: deque[tuple[Any, torch.Tensor, bool, list[_Piece], int]] = deque()
+    held = 0
+
+    def finish_oldest() -> None:
+        nonlocal held
+        work, out, scratch, pieces, nbytes = pending.popleft()
+        work.wait()
+        if scratch:
+            _unpack(out, me, pieces)
+        held -= nbytes
+
+    units = _units(jobs, dests, world, budget)
+    for unit_bytes, pieces in units:
+        if undo is not None:
+            undo.save_dests([p.dest for p in pieces])
+        # what the unit holds until it completes, beyond the values and
+        # the destinations: the source's copies, a receiver's scratch
+        inputs, nbytes = None, 0
+        if source and len(pieces) == 1:
+            rows = [_source_rows(pieces[0], r, device) for r in range(world)]
+            inputs = [t for t, _ in rows]
+            nbytes = sum(n for _, n in rows)
+        elif source:
+            buf = torch.empty(world * unit_bytes, dtype=torch.uint8, device=device)
+            _pack(buf, unit_bytes, world, pieces)
+            inputs = list(buf.view(world, unit_bytes).unbind(0))
+            nbytes = world * unit_bytes
+        out, scratch = _landing(unit_bytes, pieces, me, device)
+        nbytes += unit_bytes if scratch else 0
+        while pending and held + nbytes > 2 * budget:
+            finish_oldest()
+        work = dist.scatter(out, inputs, src=src, group=group, async_op=True)
+        pending.append((work, out, scratch, pieces, nbytes))
+        held += nbytes
+    while pending:
+        finish_oldest()
+    return len(units)
+
