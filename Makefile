@@ -353,7 +353,8 @@ test-wheel: $(STAMP)
 CI_TARGETS := test-torchrun lint test test-asan test-refleak test-valgrind test-pyversions test-wheel
 ci: $(CI_TARGETS)
 
-# .ci/run makes these one at a time and prints each one's time.
+# .ci/run makes these in phases (each a main chain with a side chain
+# beside it, on the two cores) and prints each one's time.
 .PHONY: ci-targets
 ci-targets:
 	@echo $(CI_TARGETS)
