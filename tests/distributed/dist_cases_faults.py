@@ -258,22 +258,28 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
     _collectives.set_bucket_bytes(64)
     if rank == 0:
         # the eighth collective of the stream, broadcast or scatter (the
-        # model's tensors are sharded on dim 0: they are scattered)
-        sent = [0]
+        # model's tensors are sharded on dim 0: they are scattered); the
+        # seven before it have left rank 0 (it waits for them first: the
+        # stream keeps them in flight together)
+        sent: list[Any] = []
         original, original_scatter = _distribute.Route.broadcast, dist.scatter
 
         def count() -> None:
-            sent[0] += 1
-            if sent[0] == 8:
+            if len(sent) == 7:
+                for work in sent:
+                    if work is not None:
+                        work.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def dying(self, tensor, *args, **kwargs):
             count()
-            return original(self, tensor, *args, **kwargs)
+            sent.append(original(self, tensor, *args, **kwargs))
+            return sent[-1]
 
         def dying_scatter(*args, **kwargs):
             count()
-            return original_scatter(*args, **kwargs)
+            sent.append(original_scatter(*args, **kwargs))
+            return sent[-1]
 
         _distribute.Route.broadcast = dying  # type: ignore[method-assign]
         dist.scatter = dying_scatter

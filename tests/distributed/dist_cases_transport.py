@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dcp_optim
 from dcp_optim._engine import collectives as _collectives
 
-from ..support.models import fsdp2_with_adam_step
+from ..support.models import adam_after_one_step, fsdp2_with_adam_step
 
 
 def _model(ws: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -37,6 +37,21 @@ def _full_source(model: nn.Module, rank: int) -> dict[str, Any]:
             value = torch.randn(tuple(reversed(p.shape)), generator=g).t()
         out[name] = value
     return out
+
+
+def _random_optim_source(model: nn.Module, optim: torch.optim.Optimizer, rank: int, g: torch.Generator) -> dict:
+    """The source's full optimizer dict of a broadcast load (rank 0; {}
+    elsewhere): the optimizer's own, every state tensor of a dimension
+    replaced by random values."""
+    off = dcp_optim.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    osd = dcp_optim.get_optimizer_state_dict(model, optim, options=off)
+    if rank != 0:
+        return {}
+    for state in osd["state"].values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim():
+                state[k] = torch.randn(tuple(v.shape), generator=g)
+    return osd
 
 
 def _locals(model: nn.Module) -> list[torch.Tensor]:
@@ -64,16 +79,7 @@ def direct_broadcast_case(rank: int, ws: int, bucket_mb: float | None) -> list[s
             if name != "1.weight":  # upstream (torch 2.13) loads this non-contiguous source value differently
                 assert torch.equal(got, q.full_tensor()), name
         done.append("model")
-        off = dcp_optim.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        osd = dcp_optim.get_optimizer_state_dict(ours_m, ours_o, options=off)
-        g = torch.Generator().manual_seed(11)
-        if rank == 0:
-            for state in osd["state"].values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and v.dim():
-                        state[k] = torch.randn(tuple(v.shape), generator=g)
-        else:
-            osd = {}
+        osd = _random_optim_source(ours_m, ours_o, rank, torch.Generator().manual_seed(11))
         dcp_optim.set_optimizer_state_dict(ours_m, ours_o, osd, options=opts)
         upstream.set_optimizer_state_dict(theirs_m, theirs_o, osd, options=up)
         for (pa, sa), (pb, sb) in zip(ours_o.state.items(), theirs_o.state.items(), strict=True):
@@ -108,12 +114,7 @@ def _scatter_model(ws: int, shard_dim_of_first: int = 0) -> tuple[nn.Module, tor
         dim = shard_dim_of_first if i == 0 else 0
         fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p, dim=dim: Shard(min(dim, p.dim() - 1)))
     fully_shard(model, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
+    return model, adam_after_one_step(model)
 
 
 def scatter_case(rank: int, ws: int, bucket_kib: int | None) -> dict[str, Any]:
@@ -148,15 +149,7 @@ def scatter_case(rank: int, ws: int, bucket_kib: int | None) -> dict[str, Any]:
             assert torch.equal(a, full_m[name]), name
             if name != "1.weight":  # upstream (torch 2.13) loads this non-contiguous source value differently
                 assert torch.equal(a, b), name
-        off = dcp_optim.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        osd = dcp_optim.get_optimizer_state_dict(ours_m, ours_o, options=off)
-        if rank == 0:
-            for state in osd["state"].values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and v.dim():
-                        state[k] = torch.randn(tuple(v.shape), generator=g)
-        else:
-            osd = {}
+        osd = _random_optim_source(ours_m, ours_o, rank, g)
         with CollectiveCounter() as seen:
             dcp_optim.set_optimizer_state_dict(ours_m, ours_o, osd, options=opts)
         counts["optim"] = dict(seen.counts)

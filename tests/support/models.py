@@ -366,6 +366,12 @@ def fsdp2_with_adam_step(model: nn.Sequential, mesh: Any) -> torch.optim.Optimiz
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return adam_after_one_step(model)
+
+
+def adam_after_one_step(model: nn.Module) -> torch.optim.Optimizer:
+    """Adam over ``model``'s parameters after one step whose gradients were
+    set to ones (every parameter gets its state; no backward pass)."""
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
