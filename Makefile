@@ -240,6 +240,14 @@ build-asan: $(STAMP)
 	cd dcp_optim && find . -name __pycache__ -prune -o -type f ! -name '*.so' \
 	    -exec cp -p --parents {} $(CURDIR)/$(ASAN_DIR)/dcp_optim/ \;
 
+# The folders that drive the C core from one process (tests/core,
+# tests/unit) and the tools' tests that feed it checkpoint keys and shard
+# layouts read from files, hostile and fuzzed ones included; the other
+# tools' tests (trainers, patch(), the GPU script), tests/gpu's CPU bodies
+# and the local tests among tests/distributed reach the core through the
+# same entry points and run in make test (a third of the sanitizer's time).
+ASAN_TESTS   ?= tests/core tests/unit tests/tools/test_hostile_checkpoints.py \
+                tests/tools/test_fuzz_checkpoints.py tests/tools/test_cli.py tests/tools/test_convert.py
 # process_bounds: the hostile-checkpoint tests that time fresh CLI processes
 # against a baseline (about a third of the run under the sanitizer);
 # the in-process hostile and fuzz tests drive the same code under it.
@@ -251,7 +259,7 @@ test-asan: build-asan
 	$(ASAN_ENV) $(PY) -c "import dcp_optim._dcp_optim as m; \
 	    assert m.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), m.__file__"
 	$(ASAN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) --capture=sys --import-mode=append \
-	    -m "$(UNIT_MARK) and not process_bounds" tests
+	    -m "$(UNIT_MARK) and not process_bounds" $(ASAN_TESTS)
 
 # Debian's interpreters come with setuptools 66, which rejects pyproject.toml's
 # SPDX `license` string (PEP 639, setuptools 77): the core alone is built
