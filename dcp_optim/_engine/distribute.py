@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .collectives import bucket_bytes
 from .core import C, context
-from .scatter_load import _DIRECT_BYTES, NO_CHUNKING, paths_digest, run_scatter, scatter_jobs
+from .scatter_load import DIRECT_BYTES, NO_CHUNKING, paths_digest, run_scatter, scatter_jobs
 
 _CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
@@ -170,7 +170,7 @@ def run_full_load(
     offload: torch.device | None = None,
     in_place: bool = False,
     undo: _UndoLog | None = None,
-    scatter: bool = True,
+    scattered: list[int] | None = None,
 ) -> list[Any]:
     """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
     local slicing when ``route`` is None, else a bucketed broadcast stream.
@@ -179,10 +179,9 @@ def run_full_load(
     caller has validated the whole load).  ``undo`` (in-place loads) keeps
     what the load overwrites in live tensors, for the caller to restore if
     the load fails after this returns (its agreement); without one, a
-    stream keeps its own until it completes.  ``scatter``: whether the
-    stream may scatter the jobs ``scatter_jobs`` picks (the ranks agreed
-    on them; else every job is broadcast).  Returns the loaded value of
-    each job (None where not needed)."""
+    stream keeps its own until it completes.  ``scattered``: the jobs a
+    stream scatters, as the ranks agreed (None: ``scatter_jobs``'s).
+    Returns the loaded value of each job (None where not needed)."""
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
@@ -192,7 +191,10 @@ def run_full_load(
         undo.save_all()  # local slicing writes every live shard at once
     # The jobs a stream scatters (each rank gets its own rows) and those
     # it broadcasts, each with its own plan.
-    scattered = scatter_jobs(jobs, route) if stream and scatter else []
+    if not stream:
+        scattered = []
+    elif scattered is None:
+        scattered = scatter_jobs(jobs, route)
     if scattered:
         taken = set(scattered)
         rest = [i for i in range(len(jobs)) if i not in taken]
@@ -361,7 +363,7 @@ def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
             buf[offset : offset + n].copy_(data)
 
 
-# A chunk of _DIRECT_BYTES or more travels on its own (from the source's
+# A chunk of DIRECT_BYTES or more travels on its own (from the source's
 # own tensor where it can); smaller neighbours share one packed
 # collective.
 
@@ -373,7 +375,7 @@ def _runs(chunks: list[tuple]) -> list[list[tuple]]:
     out: list[list[tuple]] = []
     packed: list[tuple] = []
     for chunk in chunks:
-        if chunk[4] >= _DIRECT_BYTES and chunk[1] >= 0:
+        if chunk[4] >= DIRECT_BYTES and chunk[1] >= 0:
             if packed:
                 out.append(packed)
                 packed = []
@@ -556,7 +558,7 @@ class ModelFullLoad:
         out = self.out
         values = run_full_load(
             self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place,
-            undo=self.undo, scatter=self.scatter,
+            undo=self.undo, scattered=self.scattered,
         )
         C.write_slots([(out, k) for k in self.keys], values)
         if self.strict:
@@ -568,11 +570,12 @@ class ModelFullLoad:
             return merged
         return out
 
+    # the jobs the stream scatters (None: not decided yet; [] broadcasts all)
+    scattered: list[int] | None = None
 
     def stream_paths(self) -> int:
-        return _stream_paths(self.jobs, self.route)
-
-    scatter = True  # False: every tensor of the stream is broadcast
+        self.scattered = _scattered(self.jobs, self.route)
+        return paths_digest(len(self.jobs), self.scattered)
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into live tensors (the load failed
@@ -582,12 +585,9 @@ class ModelFullLoad:
             undo.restore()
 
 
-def _stream_paths(jobs: list[tuple], route: Route | None) -> int:
-    """The digest of which of a stream's jobs are scattered
-    (``scatter_load.paths_digest``; 0 without a stream)."""
-    if route is None:
-        return 0
-    return paths_digest(len(jobs), scatter_jobs(jobs, route))
+def _scattered(jobs: list[tuple], route: Route | None) -> list[int]:
+    """The jobs a stream would scatter (none without a stream)."""
+    return scatter_jobs(jobs, route) if route is not None else []
 
 
 def _stand_in(job: tuple) -> Any:
@@ -722,15 +722,18 @@ class OptimLocalize:
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if self.jobs:
             values = run_full_load(
-                self.jobs, route=self.route, in_place=self.in_place, undo=self.undo, scatter=self.scatter
+                self.jobs, route=self.route, in_place=self.in_place, undo=self.undo, scattered=self.scattered
             )
             C.write_slots(self.slots, values)
         return self.result
 
-    def stream_paths(self) -> int:
-        return _stream_paths(getattr(self, "jobs", []), self.route)
+    # the jobs the stream scatters (None: not decided yet; [] broadcasts all)
+    scattered: list[int] | None = None
 
-    scatter = True  # False: every tensor of the stream is broadcast
+    def stream_paths(self) -> int:
+        jobs = getattr(self, "jobs", [])
+        self.scattered = _scattered(jobs, self.route)
+        return paths_digest(len(jobs), self.scattered)
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizer's live state."""

@@ -304,7 +304,7 @@ class ModelLoad:
 
     def broadcast_all(self) -> None:
         if self.full_load is not None:
-            self.full_load.scatter = False
+            self.full_load.scattered = []
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into live tensors (an in-place

@@ -1445,7 +1445,7 @@ class OptimLoad:
 
     def broadcast_all(self) -> None:
         if self.localize is not None:
-            self.localize.scatter = False
+            self.localize.scattered = []
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizers' held state (an

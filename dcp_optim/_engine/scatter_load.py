@@ -14,7 +14,7 @@ fewer, or none).  A scatter moves pieces of one size to every rank, so a
 tensor travels as steps of ``k`` rows of every rank's chunk (``W * k``
 rows within a bucket); a rank whose chunk ends inside a step receives
 that step into a scratch buffer and keeps its real rows.  Tensors whose
-bytes are under ``_DIRECT_BYTES`` share one scatter per group of them
+bytes are under ``DIRECT_BYTES`` share one scatter per group of them
 (a "packed" unit): the source lays out every rank's rows of each tensor
 in that rank's segment of a buffer, one strided copy per tensor, and
 each receiver copies its rows out of its segment.
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 # A tensor of at least this many bytes travels in scatters of its own;
 # smaller ones share one packed scatter (the stream's threshold too).
-_DIRECT_BYTES = 1 << 20
+DIRECT_BYTES = 1 << 20
 # Plans of scatter jobs never split a tensor into row chunks (the
 # executor steps through rows itself).
 NO_CHUNKING = 1 << 62
@@ -113,7 +113,7 @@ class _Piece:
 
 def _units(jobs, dests, world: int, budget: int) -> list[tuple[int, list[_Piece]]]:
     """The scatters of a load, in order: (bytes per rank, pieces).  A
-    tensor of ``_DIRECT_BYTES`` or more (or more than ``budget``) goes in
+    tensor of ``DIRECT_BYTES`` or more (or more than ``budget``) goes in
     steps of whole rows of every rank's chunk, ``W * k`` rows within
     ``budget`` (a row larger than that alone); smaller ones are packed
     together within ``budget``.  From the metadata alone: the same
@@ -128,7 +128,7 @@ def _units(jobs, dests, world: int, budget: int) -> list[tuple[int, list[_Piece]
         for d in shape[1:]:
             row_bytes *= d
         chunk = -(-n // world)
-        if world * chunk * row_bytes >= min(_DIRECT_BYTES, budget):
+        if world * chunk * row_bytes >= min(DIRECT_BYTES, budget):
             k = max(1, min(chunk, budget // (world * row_bytes)))
             for start in range(0, chunk, k):
                 rows = min(k, chunk - start)
@@ -169,9 +169,7 @@ def _pack(buf: torch.Tensor, seg: int, world: int, pieces: list[_Piece]) -> None
     for p in pieces:
         nbytes = p.chunk * p.row_bytes
         whole = min(world, p.n // p.chunk)
-        flat = p.value.detach().reshape(-1).view(torch.uint8) if p.value.is_contiguous() else None
-        if flat is None:
-            flat = p.value.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = p.value.detach().contiguous().reshape(-1).view(torch.uint8)
         if whole:
             dst = buf.as_strided((whole, nbytes), (seg, 1), p.offset)
             dst.copy_(flat[: whole * nbytes].view(whole, nbytes))
