@@ -15,9 +15,10 @@ tensor travels as steps of ``k`` rows of every rank's chunk (``W * k``
 rows within a bucket); a rank whose chunk ends inside a step receives
 that step into a scratch buffer and keeps its real rows.  Tensors whose
 bytes are under ``DIRECT_BYTES`` share one scatter per group of them
-(a "packed" unit): the source lays out every rank's rows of each tensor
-in that rank's segment of a buffer, one strided copy per tensor, and
-each receiver copies its rows out of its segment.
+(a "packed" unit): the source lays out every other rank's rows of each
+tensor in that rank's segment of a buffer, one strided copy per tensor,
+and copies its own rows straight into its shards; each receiver copies
+its rows out of its segment.
 
 Which tensors take this path is decided from the templates' layouts
 (``scatter_jobs``); the ranks agree on it before data moves
@@ -162,21 +163,36 @@ def _source_rows(piece: _Piece, rank: int, device: torch.device) -> tuple[torch.
     return out, nbytes
 
 
-def _pack(buf: torch.Tensor, seg: int, world: int, pieces: list[_Piece]) -> None:
+def _pack(buf: torch.Tensor, seg: int, world: int, pieces: list[_Piece], me: int) -> None:
     """Source side of a packed unit: rank ``r``'s rows of every piece at
-    ``r * seg + piece.offset`` of ``buf``; the ranks with whole chunks in
-    one strided copy per tensor, the one with a partial chunk apart."""
+    ``r * seg + piece.offset`` of ``buf``, for every rank but the source
+    ``me`` (its own rows go straight to its destinations, ``_own_rows``);
+    the ranks with whole chunks in one strided copy per run of them, the
+    one with a partial chunk apart."""
     for p in pieces:
         nbytes = p.chunk * p.row_bytes
         whole = min(world, p.n // p.chunk)
         flat = p.value.detach().contiguous().reshape(-1).view(torch.uint8)
-        if whole:
-            dst = buf.as_strided((whole, nbytes), (seg, 1), p.offset)
-            dst.copy_(flat[: whole * nbytes].view(whole, nbytes))
+        for lo, hi in ((0, min(me, whole)), (me + 1, whole)):
+            if hi > lo:
+                dst = buf.as_strided((hi - lo, nbytes), (seg, 1), lo * seg + p.offset)
+                dst.copy_(flat[lo * nbytes : hi * nbytes].view(hi - lo, nbytes))
         rest = p.n * p.row_bytes - whole * nbytes
-        if rest > 0:
+        if rest > 0 and whole != me:
             at = whole * seg + p.offset
             buf[at : at + rest].copy_(flat[whole * nbytes :])
+
+
+def _own_rows(me: int, pieces: list[_Piece]) -> None:
+    """The source's own rows of a packed unit, from each full value
+    straight into its destination (one copy, where packing them into the
+    unit and out again would take two)."""
+    for p in pieces:
+        real = p.real_rows(me)
+        if not real or p.dest is None:
+            continue
+        first = me * p.chunk + p.start
+        p.dest[p.start : p.start + real].copy_(p.value.detach()[first : first + real])
 
 
 def _unpack(out: torch.Tensor, rank: int, pieces: list[_Piece]) -> None:
@@ -238,10 +254,14 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
             nbytes = sum(n for _, n in rows)
         elif source:
             buf = torch.empty(world * unit_bytes, dtype=torch.uint8, device=device)
-            _pack(buf, unit_bytes, world, pieces)
+            _pack(buf, unit_bytes, world, pieces, me)
+            _own_rows(me, pieces)
             inputs = list(buf.view(world, unit_bytes).unbind(0))
             nbytes = world * unit_bytes
         out, scratch = _landing(unit_bytes, pieces, me, device)
+        # the source's own rows are in place already: what the scatter
+        # writes into its landing is the unpacked segment, never read
+        scratch = scratch and not (source and len(pieces) > 1)
         nbytes += unit_bytes if scratch else 0
         while pending and held + nbytes > 2 * budget:
             finish_oldest()
