@@ -5,7 +5,8 @@
  * plan_gather groups the DTensor leaves by device mesh and packs each
  * mesh's tensors, in order, into byte buckets: every rank contributes one
  * segment per bucket, in which each tensor has a slot sized for its
- * largest shard, aligned to 16 bytes (any dtype can view it); a bucket
+ * largest shard, aligned to its dtype's size (segments to 16 bytes, so
+ * a typed view of the buffer reads every slot); a bucket
  * closes when its gathered size (segment x ranks) would exceed the
  * budget.  Tensors are planned one of two ways:
  *
@@ -710,27 +711,38 @@ plan_mesh(dcp_state *st,
         mesh_budget = mesh_budget > budget ? budget : mesh_budget;
     }
     /* buckets: tensors in order; a bucket closes when the next slot would
-     * take its gathered size past the budget */
+     * take its gathered size past the budget.  A slot is aligned to its
+     * dtype's size (a typed view of the buffer reads it), a segment to
+     * DCP_ALIGN, which every itemsize divides (each rank's segment starts
+     * aligned): at large worlds a shard is a row or a few elements, and
+     * rounding each slot to DCP_ALIGN would gather up to 4x the bytes of
+     * a 4-byte shard. */
     Py_ssize_t used = 0;
     for (Py_ssize_t t = 0; t < nt; t++) {
         gitem_t *it = &p->items[t];
-        if (it->seg > PY_SSIZE_T_MAX - DCP_ALIGN) {
+        /* every torch dtype's size divides DCP_ALIGN; any other slot
+         * takes the segment alignment */
+        Py_ssize_t isz = it->itemsize >= 1 && DCP_ALIGN % it->itemsize == 0
+                             ? it->itemsize
+                             : DCP_ALIGN;
+        if (it->seg > PY_SSIZE_T_MAX / 2 - DCP_ALIGN ||
+            used > PY_SSIZE_T_MAX / 2 - DCP_ALIGN) {
             PyErr_SetString(PyExc_OverflowError, "segment size too large");
             goto done;
         }
-        Py_ssize_t sz = dcp_align_up(it->seg);
+        Py_ssize_t at = (used + isz - 1) / isz * isz;
         Py_ssize_t open = t - p->first[p->nbuckets];
-        if (open > 0 && sz > mesh_budget / world - used) {
-            p->segment[p->nbuckets] = used;
+        if (open > 0 && dcp_align_up(at + it->seg) > mesh_budget / world) {
+            p->segment[p->nbuckets] = dcp_align_up(used);
             p->nbuckets++;
             p->first[p->nbuckets] = t;
-            used = 0;
+            at = 0;
         }
-        it->offset = used;
-        used += sz;
+        it->offset = at;
+        used = at + it->seg;
     }
     if (nt > 0) {
-        p->segment[p->nbuckets] = used;
+        p->segment[p->nbuckets] = dcp_align_up(used);
         p->nbuckets++;
         p->first[p->nbuckets] = nt;
     }

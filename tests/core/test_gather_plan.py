@@ -132,7 +132,7 @@ def test_closed_form_plan_matches_the_general_plan(specs, world):
                 assert nbytes == count * row_elems * full.element_size()
                 if count and row_elems:
                     assert blocks == [((0,) * full.dim(), (start,) + (0,) * (full.dim() - 1), lshape)]
-            assert offset % ALIGN == 0
+            assert offset % full.element_size() == 0 and even.segment(b) % ALIGN == 0
     # both unpack the gathered bytes into exactly the full tensors
     for b in range(even.buckets):
         buffer = _gathered(even, fulls, b)
@@ -419,3 +419,27 @@ def test_nested_plan_and_unpack_do_not_grow_with_the_world(fake_world):
     # which the measure catches
     _, peak_general, _, kinds = measure(big, "other_sf", count=4)
     assert kinds == {"general"} and peak_general > 4 * peak4k, (peak4k, peak_general)
+
+
+def test_small_shards_take_their_own_bytes():
+    """At large worlds a shard is a row or a few elements: each slot is
+    aligned to its dtype's size, not to the segment alignment, so a
+    4-byte shard takes 4 bytes of the segment (16 would gather 4x the
+    tensor); segments stay multiples of the alignment.  The bucket
+    still unpacks into exactly the full tensors."""
+    world = 8
+    fulls = [
+        _full((world,), torch.float32, 0),        # one float per rank
+        _full((world,), torch.int8, 1),           # one byte per rank
+        _full((world, 3), torch.float64, 2),      # 24 bytes per rank, after the byte: aligned to 8
+        _full((world,), torch.bfloat16, 3),       # 2 bytes per rank
+    ]
+    plan, _ = _plan(fulls, world, Shard(0), budget=BUDGET)
+    assert plan.buckets == 1
+    offsets = [item[1] for item in plan.describe(0)]
+    assert offsets == [0, 4, 8, 32]
+    assert plan.segment(0) == 48 and plan.segment(0) % ALIGN == 0
+    out = [None] * len(fulls)
+    C.unpack_bucket(_gathered(plan, fulls, 0), plan, 0, torch.empty, torch.device("cpu"), out, None, torch.cat)
+    for got, want in zip(out, fulls):
+        assert got.dtype == want.dtype and torch.equal(got, want)
