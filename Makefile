@@ -32,7 +32,8 @@ $(STAMP): pyproject.toml Makefile
 	# module corpus (tests/unit/test_module_corpus.py); torch stays pinned.
 	$(PIP) install -q transformers==5.24.0 "$(TORCH)"
 	# the optimizer corpus (tests/unit/test_optim_corpus.py); torch pinned again.
-	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 "$(TORCH)"
+	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 \
+	    bitsandbytes==0.50.2 "$(TORCH)"
 	# mypy (make lint-mypy) checks against torch's own hints: torch pinned.
 	$(PIP) install -q mypy==2.4.1 "$(TORCH)"
 	# build: the sdist and wheel of make test-wheel.

@@ -17,6 +17,7 @@ scan, with the dtype/device policy of D9), through the optimizer's own
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 import weakref
@@ -320,6 +321,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         extra, first_wide = _pop_wide(extra)
         if extra and schema_for(target) is None:
             _remember_template(target, extra)
+        if extra and wrapped is None:
+            extra = _in_own_layout(optim, index, extra)
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
@@ -336,6 +339,42 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     info.group_counts = counts
     info.optim_extras = extras
     return {"state": state, "param_groups": groups}
+
+
+def _in_own_layout(optim: _Optimizer, index: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """Pristine entries (keyed by FQN) as the optimizer's own
+    ``state_dict`` lays out a stepped parameter's: bitsandbytes' 8-bit
+    optimizers nest their quantization state under one key, so a template
+    in the live layout would not match their checkpoints (DCP: "Missing
+    key").  That method runs on a shallow copy of the optimizer whose
+    state is the pristine entries alone (the live optimizer is not
+    touched); its result is re-keyed by FQN.  ``extra`` itself where that
+    raises or leaves an entry out (an override bound to the live
+    optimizer on the instance)."""
+    by_fqn: dict[str, Any] = {}
+    for group in optim.param_groups:
+        for param in group["params"]:
+            slot = index.slot_of(param)
+            if slot is not None:
+                for fqn in index.tensor_fqns[slot]:
+                    by_fqn.setdefault(fqn, param)
+    if any(fqn not in by_fqn for fqn in extra):
+        return extra
+    try:
+        proxy = object.__new__(type(optim))
+        proxy.__dict__.update(optim.__dict__)
+        # (a wrapper's ``state`` may be a read-only property: the live
+        # layout stands)
+        proxy.state = collections.defaultdict(dict, {by_fqn[fqn]: entry for fqn, entry in extra.items()})
+        osd = state_dict_fn(proxy, "state_dict")()
+        osd, _ = _split_own_wide(osd)
+        C.optim_remap(index, proxy, osd)
+        state = osd["state"]
+    except Exception:  # noqa: BLE001 - the live layout stands
+        return extra
+    if not isinstance(state, dict) or any(not isinstance(state.get(fqn), dict) for fqn in extra):
+        return extra
+    return {fqn: state[fqn] for fqn in extra}
 
 
 _LAYOUT = ("state", "param_groups")
@@ -1074,6 +1113,17 @@ def _drop_stateless(missing: list[str], templates: list[dict[str, list[Any] | No
     return [fqn for fqn in missing if fqn not in drop] if drop else missing
 
 
+def _holds_name(entry: dict[Any, Any], name: Any) -> bool:
+    """Whether a loaded entry holds state ``name``: as a key, or as a key
+    of a dict the entry nests (an optimizer whose own ``state_dict``
+    groups state under one key -- bitsandbytes' 8-bit optimizers keep
+    their quantization state under ``__bnb_optimizer_quant_state__``, and
+    their ``load_state_dict`` unpacks it)."""
+    if name in entry:
+        return True
+    return any(isinstance(value, dict) and name in value for value in entry.values())
+
+
 def _check_entries(
     optimizers: tuple[_Optimizer, ...],
     splits: list[dict[str, Any]],
@@ -1100,7 +1150,7 @@ def _check_entries(
                     continue
                 else:
                     need = list(shaped[g] or ())
-                lacking = [n for n in need if n not in entry]
+                lacking = [n for n in need if not _holds_name(entry, n)]
                 if lacking:
                     raise errors.MissingOptimizerStateError(
                         f"optimizer state of parameter '{fqn}' lacks {lacking} that "

@@ -1,6 +1,7 @@
 """The long tail of optimizers: every optimizer of ``pytorch-optimizer``
 (its registry, ``get_supported_optimizers()``) and the wrappers it ships,
-``lion-pytorch``, ``schedulefree``, ``prodigyopt`` and ``torch.optim``,
+``lion-pytorch``, ``schedulefree``, ``prodigyopt``, ``bitsandbytes`` and
+``torch.optim``,
 differentially against upstream and torch.
 
 For each, on a tiny model, one process:
@@ -50,6 +51,7 @@ po = pytest.importorskip("pytorch_optimizer")
 lion_pytorch = pytest.importorskip("lion_pytorch")
 schedulefree = pytest.importorskip("schedulefree")
 prodigyopt = pytest.importorskip("prodigyopt")
+bnb = pytest.importorskip("bitsandbytes")
 
 
 class Net(nn.Module):
@@ -142,6 +144,16 @@ def catalogue():
         None, lambda m: schedulefree.AdamWScheduleFree(m.parameters(), lr=1e-2, weight_decay=0.1))
     out["schedulefree.SGDScheduleFree"] = (None, lambda m: schedulefree.SGDScheduleFree(m.parameters(), lr=1e-2))
     out["schedulefree.RAdamScheduleFree"] = (None, lambda m: schedulefree.RAdamScheduleFree(m.parameters(), lr=1e-2))
+    # bitsandbytes: its state_dict() nests the quantization state of
+    # every parameter under one key, which its load_state_dict unpacks;
+    # min_8bit_size=1 quantizes the tiny model's parameters too
+    for bname in ("Adam8bit", "AdamW8bit", "Lion8bit", "PagedAdamW8bit", "RMSprop8bit", "AdEMAMix8bit",
+                  "Adam", "AdamW", "Lion", "LAMB8bit", "LARS8bit", "Adagrad8bit", "SGD8bit"):
+        cls = getattr(bnb.optim, bname)
+        kw = {"min_8bit_size": 1} if "8bit" in bname else {}
+        if bname in ("SGD8bit", "LARS8bit"):
+            kw["momentum"] = 0.9
+        out[f"bnb.{bname}"] = (None, lambda m, cls=cls, kw=kw: cls(m.parameters(), lr=1e-2, **kw))
     out["prodigyopt.Prodigy"] = (None, lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0, weight_decay=0.01))
     out["po.Lookahead(AdamW)"] = (None, lambda m: po.Lookahead(torch.optim.AdamW(m.parameters(), lr=1e-2), k=2))
     out["po.ScheduleFreeWrapper(SGD)"] = (
@@ -452,8 +464,8 @@ def test_corpus(name, tmp_path):
     model, opt = _build(factory)
     real_model, real_opt = _build(factory)
     _step(real_model, real_opt, 0)
-    real_state = _param_state(real_opt)  # SafeFP16Optimizer has none
-    real_keys = {n: sorted(real_state[p]) for n, p in real_model.named_parameters() if p in real_state}
+    real_entries = _stepped_entries(real_model, real_opt)
+    real_keys = {n: sorted(_flat_entry(e)) for n, e in real_entries.items()}
     before = _snapshot(model, opt)
     calls, handles = _fire_counter()
     template = None
@@ -485,7 +497,7 @@ def test_corpus(name, tmp_path):
             return
         _UPSTREAM_FAILS[f"{name} (template)"] = f"both raise {type(failure).__name__}: {failure}"[:160]
     if template is not None:
-        _check_template(name, factory, model, opt, real_model, real_opt, real_keys, template)
+        _check_template(name, factory, model, opt, real_entries, real_opt, real_keys, template)
     checked = _check_resumes(name, factory, tmp_path)
     if template is None and not checked:
         _BOTH_RAISE[name] = "both raise on every get (see the upstream lines)"
@@ -524,7 +536,40 @@ def _declared_stateless(opt):
     return schema is not None and not any(schema(opt, g) for g in opt.param_groups)
 
 
-def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, template):
+def _stepped_entries(model, opt):
+    """Per FQN, a stepped optimizer's entry as a checkpoint holds it: in
+    the optimizer's own ``state_dict()`` layout where its class overrides
+    that method and keeps torch's layout around it (bitsandbytes nests its
+    quantization state under one key), else its live state."""
+    state = _param_state(opt)  # SafeFP16Optimizer has none
+    live = {n: state[p] for n, p in model.named_parameters() if p in state}
+    if (type(opt).state_dict is torch.optim.Optimizer.state_dict or not hasattr(opt, "param_groups")
+            or _wrapper_key(opt) is not None):
+        return live
+    own = opt.state_dict()
+    if not isinstance(own, dict) or not isinstance(own.get("state"), dict):
+        return live
+    params = [p for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for i, entry in own["state"].items():
+        if isinstance(i, int) and i < len(params) and id(params[i]) in names and isinstance(entry, dict):
+            out[names[id(params[i])]] = entry
+    return out
+
+
+def _flat_entry(entry):
+    """An entry's state by name, a nested dict's items as "outer.inner"."""
+    out = {}
+    for key, value in entry.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _check_template(name, factory, model, opt, real_entries, real_opt, real_keys, template):
     if _declared_stateless(opt):
         # declared stateless until its first step (LBFGS: one optimizer-wide
         # entry under the first parameter, created by that step)
@@ -540,7 +585,7 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
         ptrs = _storages({k: template[k] for k in own}, _storages(template["state"], []))
         assert len(ptrs) == len(set(ptrs)), "template tensors share storage"
     for fqn, keys in real_keys.items():
-        got = sorted(template["state"].get(fqn, {}))
+        got = sorted(_flat_entry(template["state"].get(fqn, {})))
         if fqn in held:
             # the constructor created state (SARA's masks): the optimizer
             # is not recognisably never-stepped; the template is its held
@@ -556,8 +601,8 @@ def _check_template(name, factory, model, opt, real_model, real_opt, real_keys, 
             continue
         assert set(keys) <= set(got), f"{fqn}: template {got}, a first step creates {keys}"
         for key in keys:
-            want = _param_state(real_opt)[real_model.get_parameter(fqn)][key]
-            have = template["state"][fqn][key]
+            want = _flat_entry(real_entries[fqn])[key]
+            have = _flat_entry(template["state"][fqn])[key]
             if isinstance(want, torch.Tensor):
                 assert isinstance(have, torch.Tensor) and have.shape == want.shape and have.dtype == want.dtype, (
                     f"{fqn}.{key}: template {tuple(have.shape)} {have.dtype}, step {tuple(want.shape)} {want.dtype}")

@@ -232,3 +232,34 @@ def test_strict_check_after_the_template_flow_uses_the_template(flat, tmp_path):
     with pytest.raises(errors.MissingOptimizerStateError, match="exp_avg_var"):
         dcp_optim.set_optimizer_state_dict(model, fresh, template["optim"], options=options)
     assert not fresh.state
+
+
+@NO_SCHEMA
+@FORMATS
+def test_strict_looks_into_the_state_an_optimizer_nests(flat):
+    """bitsandbytes' 8-bit optimizers nest their quantization state under
+    one key of each entry (their ``state_dict`` wraps it, their
+    ``load_state_dict`` unwraps it): a whole entry loads in both formats,
+    one lacking a name inside that key is refused, naming it, with
+    nothing changed."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model, optim = stepped(bnb.optim.Adam8bit, lr=1e-2, min_8bit_size=1)
+    osd = dcp_optim.get_optimizer_state_dict(model, optim, options=opts(dcp_optim, flatten_optimizer_state_dict=flat))
+    wrap = "__bnb_optimizer_quant_state__"
+    if flat:
+        assert f"state.0.weight.{wrap}.state1" in osd
+        bad = {k: v for k, v in osd.items() if k != f"state.0.weight.{wrap}.state1"}
+    else:
+        assert "state1" in osd["state"]["0.weight"][wrap]
+        entry = dict(osd["state"]["0.weight"])
+        entry[wrap] = {k: v for k, v in entry[wrap].items() if k != "state1"}
+        bad = {**osd, "state": {**osd["state"], "0.weight": entry}}
+    options = opts(dcp_optim, flatten_optimizer_state_dict=flat)
+    fresh = bnb.optim.Adam8bit(model.parameters(), lr=1e-2, min_8bit_size=1)
+    before = optimizer_snapshot([fresh])
+    with pytest.raises(errors.MissingOptimizerStateError) as info:
+        dcp_optim.set_optimizer_state_dict(model, fresh, bad, options=options)
+    assert info.value.missing == ["0.weight"] and "'state1'" in str(info.value)
+    assert_same_tree(optimizer_snapshot([fresh]), before)  # nothing changed
+    dcp_optim.set_optimizer_state_dict(model, fresh, osd, options=options)
+    assert_same_tree(fresh.state_dict()["state"], optim.state_dict()["state"])
