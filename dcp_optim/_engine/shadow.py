@@ -425,7 +425,8 @@ def fallback_pristine(
     Prodigy's ``p0``, an EMA of the weights) starts from their real values.
     A second shadow step with unit gradients and the real ``lr`` adds the
     keys some optimizers create only for a nonzero update (D-Adapt SGD,
-    Prodigy's ``d`` sums), with that step's values: first over probes
+    Prodigy's ``d`` sums), with that step's values, and replaces a number
+    the first step left where it leaves a tensor (see ``_retyped``): first over probes
     only (per group, the smallest parameter of each dimensionality and
     dtype; the others without gradient), over every parameter only where
     a probe's state gains a key the first pass did not give it (or the
@@ -480,7 +481,11 @@ def fallback_pristine(
     except Exception:  # noqa: BLE001 - every parameter, below
         full = True
     else:
-        full = any(not set(st).issubset(states.get(pid, {})) for pid, st in got.items() if pid in probes)
+        full = any(
+            not set(st).issubset(states.get(pid, {})) or _retyped(states.get(pid, {}), st)
+            for pid, st in got.items()
+            if pid in probes
+        )
     if full:
         try:
             got, keys = _tries(optimizer, stand, wanted, 1.0, tries2)
@@ -490,11 +495,26 @@ def fallback_pristine(
         merged = states.setdefault(pid, st)
         if merged is not st:
             for k, v in st.items():
-                merged.setdefault(k, v)
+                if k not in merged or (_is_number(merged[k]) and isinstance(v, torch.Tensor)):
+                    merged[k] = v
     for mine, theirs in zip(group_keys, keys):
         for k, v in theirs.items():
             mine.setdefault(k, v)
     return states, group_keys
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _retyped(first: dict[Any, Any], second: dict[Any, Any]) -> bool:
+    """Whether pass 2 gave a tensor where pass 1 gave a number: a value
+    whose type follows the data (torch-optimizer's Lamb stores its
+    ``trust_ratio`` as the int 1 when the update's norm is 0, as it is for
+    zero gradients, and as a tensor after a real step).  The template
+    takes pass 2's tensor, the type a checkpoint of a stepped optimizer
+    holds (a number there would make ``dcp.load`` fail on that entry)."""
+    return any(_is_number(first.get(k)) and isinstance(v, torch.Tensor) for k, v in second.items() if k in first)
 
 
 def fallback_wrapper_entries(

@@ -1,6 +1,7 @@
 """The long tail of optimizers: every optimizer of ``pytorch-optimizer``
 (its registry, ``get_supported_optimizers()``) and the wrappers it ships,
-``lion-pytorch``, ``schedulefree``, ``prodigyopt``, ``bitsandbytes`` and
+``lion-pytorch``, ``schedulefree``, ``prodigyopt``, ``bitsandbytes``,
+``torch-optimizer``, ``galore-torch``, ``adam-mini``, ``came-pytorch`` and
 ``torch.optim``,
 differentially against upstream and torch.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import random
 import warnings
 from typing import Any
@@ -52,6 +54,10 @@ lion_pytorch = pytest.importorskip("lion_pytorch")
 schedulefree = pytest.importorskip("schedulefree")
 prodigyopt = pytest.importorskip("prodigyopt")
 bnb = pytest.importorskip("bitsandbytes")
+topt = pytest.importorskip("torch_optimizer")
+galore_torch = pytest.importorskip("galore_torch")
+adam_mini = pytest.importorskip("adam_mini")
+came_pytorch = pytest.importorskip("came_pytorch")
 
 
 class Net(nn.Module):
@@ -154,6 +160,31 @@ def catalogue():
         if bname in ("SGD8bit", "LARS8bit"):
             kw["momentum"] = 0.9
         out[f"bnb.{bname}"] = (None, lambda m, cls=cls, kw=kw: cls(m.parameters(), lr=1e-2, **kw))
+    # torch-optimizer (jettify), GaLore, Adam-mini, CAME
+    for tname in ("A2GradExp", "A2GradInc", "A2GradUni", "AccSGD", "AdaBelief", "AdaBound", "AdaMod", "Adafactor",
+                  "AdamP", "AggMo", "Apollo", "DiffGrad", "Lamb", "MADGRAD", "NovoGrad", "PID", "QHAdam", "QHM",
+                  "RAdam", "Ranger", "RangerQH", "RangerVA", "SGDP", "SGDW", "SWATS", "Shampoo", "Yogi"):
+        cls = getattr(topt, tname)
+        kw = {"lr": 1e-2}
+        if tname in ("PID", "SGDW", "QHM"):
+            kw["momentum"] = 0.9
+        out[f"topt.{tname}"] = (None, lambda m, cls=cls, kw=kw: cls(m.parameters(), **kw))
+    out["topt.Lookahead(Yogi)"] = (
+        "its own state_dict() raises AttributeError on torch >= 2 (its constructor skips Optimizer's)",
+        lambda m: topt.Lookahead(topt.Yogi(m.parameters(), lr=1e-2), k=2))
+    def _galore(m, cls):
+        mats = [p for p in m.parameters() if p.dim() == 2]
+        rest = [p for p in m.parameters() if p.dim() != 2]
+        return cls([{"params": rest}, {"params": mats, "rank": 2, "update_proj_gap": 2, "scale": 0.25,
+                                       "proj_type": "std"}], lr=1e-2)
+    out["galore.AdamW"] = (None, lambda m: _galore(m, galore_torch.GaLoreAdamW))
+    out["galore.Adafactor"] = (None, lambda m: _galore(m, functools.partial(
+        galore_torch.GaLoreAdafactor, relative_step=False, scale_parameter=False)))
+    out["galore.AdamW8bit"] = (
+        "its step calls torch.cuda.synchronize(): CUDA only",
+        lambda m: _galore(m, galore_torch.GaLoreAdamW8bit))
+    out["adam_mini"] = (None, lambda m: adam_mini.Adam_mini(m.named_parameters(), lr=1e-2, dim=4, n_heads=1))
+    out["came.CAME"] = (None, lambda m: came_pytorch.CAME(m.parameters(), lr=1e-2))
     out["prodigyopt.Prodigy"] = (None, lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0, weight_decay=0.01))
     out["po.Lookahead(AdamW)"] = (None, lambda m: po.Lookahead(torch.optim.AdamW(m.parameters(), lr=1e-2), k=2))
     out["po.ScheduleFreeWrapper(SGD)"] = (

@@ -133,6 +133,44 @@ def test_torchao_dcp_resume_is_exact(cls, tmp_path):
             assert torch.equal(p, q), f"{cls} {name}: {n} differs"
 
 
+@pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")
+@pytest.mark.parametrize("impl", [
+    pytest.param(upstream, id="upstream", marks=pytest.mark.xfail(strict=True, reason=(
+        "its template holds Lamb's trust_ratio as the int 1 its zero-gradient step leaves; a stepped "
+        "checkpoint holds a tensor there, and dcp.load fails on that entry"))),
+    pytest.param(dcp_optim, id="dcp_optim"),
+])
+def test_template_value_types_follow_a_real_step(impl, tmp_path):
+    """torch-optimizer's Lamb stores ``trust_ratio`` as the int 1 where the
+    update's norm is 0 -- always, for the zero gradients of a template's
+    step -- and as a tensor after a real step.  The template takes the
+    type of the shadow's second step (unit gradients), so the template
+    flow (get -> ``dcp.load`` -> set) resumes exactly."""
+    topt = pytest.importorskip("torch_optimizer")
+    make = lambda m: topt.Lamb(m.parameters(), lr=1e-2)  # noqa: E731
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = make(ref)
+    train(ref, ref_opt, 4)
+    torch.manual_seed(0)
+    src = Net()
+    src_opt = make(src)
+    train(src, src_opt, 2)
+    assert isinstance(src_opt.state[src.a.weight]["trust_ratio"], torch.Tensor)
+    dcp.save({"o": impl.get_optimizer_state_dict(src, src_opt)}, checkpoint_id=str(tmp_path))
+    torch.manual_seed(1)
+    dst = Net()
+    dst.load_state_dict(src.state_dict())
+    dst_opt = make(dst)
+    state = {"o": impl.get_optimizer_state_dict(dst, dst_opt)}
+    assert isinstance(state["o"]["state"]["a.weight"]["trust_ratio"], torch.Tensor)
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    impl.set_optimizer_state_dict(dst, dst_opt, state["o"])
+    train(dst, dst_opt, 2, start=2)
+    for (n, p), q in zip(dst.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"{n} differs"
+
+
 def test_copy_tensor_rebuilds_subclasses():
     t = ao.subclass_8bit.OptimState8bit.zeros((64, 64), signed=True, block_size=256)
     t.copy_(torch.randn(64, 64))
