@@ -77,10 +77,11 @@ class _Shadow:
     referenced, not copied.  Entries of ``state`` not keyed by a tensor
     (an optimizer's own counters) are copied too."""
 
-    def __init__(self, params: dict[int, torch.Tensor]):
+    def __init__(self, params: dict[int, torch.Tensor], held: bool = False):
         self.memo: dict[int, Any] = {}
         self.params = params  # id(real param) -> its stand-in
         self.keep: list[Any] = []  # originals, so their ids stay unique
+        self.held = held  # per-parameter state copied, not emptied
 
     def value(self, v: Any) -> Any:
         key = id(v)
@@ -124,9 +125,10 @@ class _Shadow:
         return {self.value(x) for x in v}
 
     def fresh_state(self, v: dict) -> Any:
-        """Per-parameter state starts empty; entries under other keys
-        (SPAM's ``state['current_step']``) are copied.  One per original
-        (a wrapper sharing its inner optimizer's state keeps sharing)."""
+        """Per-parameter state starts empty (with ``held``: copies of the
+        entries the parameters hold); entries under other keys (SPAM's
+        ``state['current_step']``) are copied.  One per original (a
+        wrapper sharing its inner optimizer's state keeps sharing)."""
         if id(v) in self.memo:
             return self.memo[id(v)]
         fresh: Any = defaultdict(dict)
@@ -135,6 +137,8 @@ class _Shadow:
         for k, x in v.items():
             if not isinstance(k, torch.Tensor):
                 fresh[k] = self.value(x)
+            elif self.held and isinstance(x, dict) and id(k) in self.params:
+                fresh[self.params[id(k)]] = self.container(x)
         return fresh
 
     def optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -355,6 +359,7 @@ def _tries(
     tries: list[tuple[bool, bool, bool]],
     only: set[int] | None = None,
     own_key: Any = None,
+    held: bool = False,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """The first of ``tries`` (zero lr, closure, graph) that steps: each
     with expanded gradients, redone with dense ones where that raises or
@@ -364,7 +369,7 @@ def _tries(
         for mode in ("graph",) if graph else ("expanded", "dense"):
             try:
                 stand.prepare(grad_value, mode, only)
-                got = _shadow_step(optimizer, stand, wanted, zero_lr, grad_value, mode, closure, only, own_key)
+                got = _shadow_step(optimizer, stand, wanted, zero_lr, grad_value, mode, closure, only, own_key, held)
                 if not stand.intact():
                     raise _GradientWritten("the step wrote into a gradient")
                 return got
@@ -469,7 +474,17 @@ def fallback_pristine(
     # (AdaHessian and SophiaH take Hessian-vector products of them: here
     # the Hessian is 0)
     tries1 = [(z, c, False) for z in (True, False) for c in (False, True)] + [(z, False, True) for z in (True, False)]
-    states, group_keys = _tries(optimizer, stand, wanted, 0.0, tries1)
+    held = False
+    try:
+        states, group_keys = _tries(optimizer, stand, wanted, 0.0, tries1)
+    except Exception:
+        # A step that needs what the constructor put in the state (APOLLO's
+        # per-parameter "seed"): every try again, the shadow holding
+        # copies of the parameters' entries
+        if not any(optimizer.state.get(p) for p, _ in stand.order if id(p) in wanted):
+            raise
+        held = True
+        states, group_keys = _tries(optimizer, stand, wanted, 0.0, tries1, held=held)
     # Pass 2, unit gradients and the group's lr: the keys that some
     # optimizers create only for a nonzero update (D-Adapt SGD's state,
     # Prodigy's d sums), added with pass 2's values where pass 1 lacks
@@ -477,7 +492,7 @@ def fallback_pristine(
     tries2 = [(False, False, False), (False, True, False), (False, False, True)]
     probes = _probes(optimizer, wanted)
     try:
-        got, keys = _tries(optimizer, stand, probes, 1.0, tries2, only=probes)
+        got, keys = _tries(optimizer, stand, probes, 1.0, tries2, only=probes, held=held)
     except Exception:  # noqa: BLE001 - every parameter, below
         full = True
     else:
@@ -488,7 +503,7 @@ def fallback_pristine(
         )
     if full:
         try:
-            got, keys = _tries(optimizer, stand, wanted, 1.0, tries2)
+            got, keys = _tries(optimizer, stand, wanted, 1.0, tries2, held=held)
         except Exception:  # noqa: BLE001 - pass 1 succeeded: keep what it gave
             return states, group_keys
     for pid, st in got.items():
@@ -545,9 +560,10 @@ def _shadow_step(
     closure: bool,
     only: set[int] | None = None,
     own_key: Any = None,
+    held: bool = False,
 ) -> tuple[Any, list[dict[str, Any]]]:
     order = stand.order
-    sh = _Shadow(stand.by_id)
+    sh = _Shadow(stand.by_id, held)
     shadow = sh.optimizer(optimizer)
     live_keys = [set(g) for g in optimizer.param_groups]
     if zero_lr:

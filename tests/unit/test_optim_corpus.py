@@ -1,8 +1,8 @@
 """The long tail of optimizers: every optimizer of ``pytorch-optimizer``
 (its registry, ``get_supported_optimizers()``) and the wrappers it ships,
 ``lion-pytorch``, ``schedulefree``, ``prodigyopt``, ``bitsandbytes``,
-``torch-optimizer``, ``galore-torch``, ``adam-mini``, ``came-pytorch`` and
-``torch.optim``,
+``torch-optimizer``, ``galore-torch``, ``apollo-torch``, ``adam-mini``,
+``came-pytorch``, transformers' ``Adafactor`` and ``torch.optim``,
 differentially against upstream and torch.
 
 For each, on a tiny model, one process:
@@ -58,6 +58,8 @@ topt = pytest.importorskip("torch_optimizer")
 galore_torch = pytest.importorskip("galore_torch")
 adam_mini = pytest.importorskip("adam_mini")
 came_pytorch = pytest.importorskip("came_pytorch")
+apollo_torch = pytest.importorskip("apollo_torch")
+hf_optim = pytest.importorskip("transformers.optimization")
 
 
 class Net(nn.Module):
@@ -160,7 +162,8 @@ def catalogue():
         if bname in ("SGD8bit", "LARS8bit"):
             kw["momentum"] = 0.9
         out[f"bnb.{bname}"] = (None, lambda m, cls=cls, kw=kw: cls(m.parameters(), lr=1e-2, **kw))
-    # torch-optimizer (jettify), GaLore, Adam-mini, CAME
+    # torch-optimizer (jettify), GaLore, APOLLO, transformers' Adafactor,
+    # Adam-mini, CAME
     for tname in ("A2GradExp", "A2GradInc", "A2GradUni", "AccSGD", "AdaBelief", "AdaBound", "AdaMod", "Adafactor",
                   "AdamP", "AggMo", "Apollo", "DiffGrad", "Lamb", "MADGRAD", "NovoGrad", "PID", "QHAdam", "QHM",
                   "RAdam", "Ranger", "RangerQH", "RangerVA", "SGDP", "SGDW", "SWATS", "Shampoo", "Yogi"):
@@ -183,6 +186,17 @@ def catalogue():
     out["galore.AdamW8bit"] = (
         "its step calls torch.cuda.synchronize(): CUDA only",
         lambda m: _galore(m, galore_torch.GaLoreAdamW8bit))
+    def _apollo(m, proj):
+        mats = [p for p in m.parameters() if p.dim() == 2]
+        rest = [p for p in m.parameters() if p.dim() != 2]
+        return apollo_torch.APOLLOAdamW([{"params": rest}, {"params": mats, "rank": 1, "proj": proj,
+                                         "scale_type": "channel", "update_proj_gap": 2, "scale": 1.0,
+                                         "proj_type": "std"}], lr=1e-2)
+    out["apollo.random"] = (None, lambda m: _apollo(m, "random"))
+    out["apollo.svd"] = (None, lambda m: _apollo(m, "svd"))
+    out["hf.Adafactor"] = (None, lambda m: hf_optim.Adafactor(m.parameters(), lr=1e-2, relative_step=False,
+                                                              scale_parameter=False, warmup_init=False))
+    out["hf.Adafactor(relative)"] = (None, lambda m: hf_optim.Adafactor(m.parameters(), lr=None))
     out["adam_mini"] = (None, lambda m: adam_mini.Adam_mini(m.named_parameters(), lr=1e-2, dim=4, n_heads=1))
     out["came.CAME"] = (None, lambda m: came_pytorch.CAME(m.parameters(), lr=1e-2))
     out["prodigyopt.Prodigy"] = (None, lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0, weight_decay=0.01))

@@ -263,3 +263,36 @@ def test_strict_looks_into_the_state_an_optimizer_nests(flat):
     assert_same_tree(optimizer_snapshot([fresh]), before)  # nothing changed
     dcp_optim.set_optimizer_state_dict(model, fresh, osd, options=options)
     assert_same_tree(fresh.state_dict()["state"], optim.state_dict()["state"])
+
+
+@NO_SCHEMA
+@impls("an optimizer whose constructor creates state (APOLLO's per-parameter seed): upstream's template is "
+       "that state alone, dcp.load restores nothing else, the load reports success and the next step "
+       "restarts the moments and the projector")
+def test_template_flow_of_an_optimizer_with_constructor_state_never_diverges(impl, tmp_path):
+    """apollo-torch's APOLLO puts a ``seed`` in every parameter's state in
+    its constructor and needs it to step.  A never-stepped APOLLO's
+    template is that state (as upstream's); the strict set after
+    ``dcp.load`` finds the moments missing -- the shadow step that names
+    them starts from copies of the held state -- and raises, where the
+    resume would silently restart them."""
+    apollo_torch = pytest.importorskip("apollo_torch")
+    import torch.distributed.checkpoint as dcp
+
+    def make(params):
+        params = list(params)
+        mats = [p for p in params if p.dim() == 2]
+        rest = [p for p in params if p.dim() != 2]
+        return apollo_torch.APOLLOAdamW([{"params": rest}, {"params": mats, "rank": 1, "proj": "random",
+                                          "scale_type": "channel", "update_proj_gap": 2, "scale": 1.0,
+                                          "proj_type": "std"}], lr=1e-2)
+
+    model, optim = stepped(make)
+    dcp.save({"o": impl.get_optimizer_state_dict(model, optim)}, checkpoint_id=str(tmp_path))
+    fresh = make(model.parameters())
+    state = {"o": impl.get_optimizer_state_dict(model, fresh)}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    before = optimizer_snapshot([fresh])
+    with pytest.raises(errors.MissingOptimizerStateError, match="exp_avg"):
+        impl.set_optimizer_state_dict(model, fresh, state["o"])
+    assert_same_tree(optimizer_snapshot([fresh]), before)  # nothing changed
