@@ -54,9 +54,8 @@ build-debug: $(STAMP)
 
 # --durations: CI's log names the slowest tests (the 30-minute budget).
 # TEST_SPLIT=1 (make ci, .ci/run) leaves TEST_APART out of `make test`
-# and `make test-apart` runs it: CI runs it beside, after test-asan,
-# whose chain ends minutes before make test's.  Without it `make test`
-# is the whole suite.
+# and `make test-apart` runs it: CI runs it beside lint, whose phase
+# leaves a core mostly idle.  Without it `make test` is the whole suite.
 TEST_APART := tests/distributed/test_resume_matrix.py::test_resume_matrix_world2_fsdp2
 TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART),--deselect $(t)))
 test: build

@@ -81,7 +81,19 @@ def test_resume_matrix_world1(tmp_path):
     _check(1, rows)
 
 
+# The corpus's packages whose optimizers run at world 1 only here: most of
+# their steps are not DTensor-aware (bitsandbytes' kernels, GaLore's and
+# APOLLO's projections, transformers' Adafactor); the others (torch-
+# optimizer, optimi, D-Adaptation, Adan, Adam-mini, CAME) step, resume or
+# raise at world 2 as the rest of the corpus does -- run with
+# DCP_OPTIM_MATRIX_CASES to check them -- and would add about 200 s to
+# CI's longest test.
+WORLD1_ONLY = ("bnb.", "topt.", "galore.", "apollo.", "hf.", "optimi.", "dadapt.", "adan_pytorch.",
+               "adam_mini", "came.")
+
+
 def test_resume_matrix_world2_fsdp2(tmp_path):
-    per_rank = run_ranks(2, run_matrix, NAMES, str(tmp_path), timeout=1500)
+    names = NAMES if _SELECTED else [n for n in NAMES if not n.startswith(WORLD1_ONLY)]
+    per_rank = run_ranks(2, run_matrix, names, str(tmp_path), timeout=1500)
     assert per_rank[0] == per_rank[1], "ranks disagree on a verdict"
     _check(2, per_rank[0])

@@ -511,6 +511,10 @@ OPTS = {
 }
 
 
+# slow (about a minute for its 227 entries): make test runs it, the ASan
+# run and make test-fast do not -- the C entry points it drives (the
+# optimizer getters and setters) run under ASan in the other unit tests
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CATALOGUE))
 def test_corpus(name, tmp_path):
     skip, factory = CATALOGUE[name]
