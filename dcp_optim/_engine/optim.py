@@ -351,13 +351,8 @@ def _in_own_layout(optim: _Optimizer, index: Any, extra: dict[str, Any]) -> dict
     touched); its result is re-keyed by FQN.  ``extra`` itself where that
     raises or leaves an entry out (an override bound to the live
     optimizer on the instance)."""
-    by_fqn: dict[str, Any] = {}
-    for group in optim.param_groups:
-        for param in group["params"]:
-            slot = index.slot_of(param)
-            if slot is not None:
-                for fqn in index.tensor_fqns[slot]:
-                    by_fqn.setdefault(fqn, param)
+    # the parameters pristine() filled, under the FQNs it keyed them by
+    by_fqn = {fqn: param for param, _, fqn in C.optim_missing(index, optim)}
     if any(fqn not in by_fqn for fqn in extra):
         return extra
     try:

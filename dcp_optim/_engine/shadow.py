@@ -510,7 +510,7 @@ def fallback_pristine(
         merged = states.setdefault(pid, st)
         if merged is not st:
             for k, v in st.items():
-                if k not in merged or (_is_number(merged[k]) and isinstance(v, torch.Tensor)):
+                if k not in merged or _takes_tensor(merged[k], v):
                     merged[k] = v
     for mine, theirs in zip(group_keys, keys):
         for k, v in theirs.items():
@@ -518,18 +518,21 @@ def fallback_pristine(
     return states, group_keys
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _takes_tensor(first: Any, second: Any) -> bool:
+    """Whether pass 2's value replaces pass 1's: a tensor where pass 1
+    left a number -- a value whose type follows the data (torch-optimizer's
+    Lamb stores its ``trust_ratio`` as the int 1 when the update's norm is
+    0, as it is for zero gradients, and as a tensor after a real step).
+    The template takes the tensor, the type a checkpoint of a stepped
+    optimizer holds (a number there would make ``dcp.load`` fail on that
+    entry)."""
+    number = isinstance(first, (int, float)) and not isinstance(first, bool)
+    return number and isinstance(second, torch.Tensor)
 
 
 def _retyped(first: dict[Any, Any], second: dict[Any, Any]) -> bool:
-    """Whether pass 2 gave a tensor where pass 1 gave a number: a value
-    whose type follows the data (torch-optimizer's Lamb stores its
-    ``trust_ratio`` as the int 1 when the update's norm is 0, as it is for
-    zero gradients, and as a tensor after a real step).  The template
-    takes pass 2's tensor, the type a checkpoint of a stepped optimizer
-    holds (a number there would make ``dcp.load`` fail on that entry)."""
-    return any(_is_number(first.get(k)) and isinstance(v, torch.Tensor) for k, v in second.items() if k in first)
+    """Whether pass 2 retypes any of pass 1's values (``_takes_tensor``)."""
+    return any(_takes_tensor(first[k], v) for k, v in second.items() if k in first)
 
 
 def fallback_wrapper_entries(
