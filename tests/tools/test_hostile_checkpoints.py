@@ -23,7 +23,6 @@ import pickle
 import re
 import resource
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -48,9 +47,10 @@ from dcp_optim.__main__ import main
 
 from ..distributed import dist_cases_adoption as cases
 
-# above the sum of a test's own bounds: test_hash_bombs_bounded launches
-# five commands, each killed after ``measure``'s 60 s (torch's import
-# alone takes 20 s and more under ASan on a loaded machine)
+# above the sum of a test's own bounds: test_hash_bombs_bounded runs five
+# commands, each killed after ``measure``'s 60 s, and the first test
+# starts the zygote (torch's import alone takes 20 s and more on a loaded
+# machine)
 pytestmark = pytest.mark.timeout(360)
 
 ENTRY = "tests.distributed.dist_cases_adoption:plan_entry"
@@ -666,9 +666,9 @@ def test_legit_sharded_checkpoints_read_as_before(tmp_path, capsys):
 
 # --- bounded work and memory, measured out of process ------------------------------------------------
 #
-# Each hostile case runs the command line in a fresh process, next to a
-# baseline run of the same command on the clean checkpoint in the same
-# test: it must end with exit status 2 and one line naming the file and
+# Each hostile case runs the command line in a process of its own, next
+# to a baseline run of the same command on the clean checkpoint in the
+# same test: it must end with exit status 2 and one line naming the file and
 # the cause, within 5 s and 300 MB of peak RSS above the baseline (a hash
 # bomb, or a list grown to 300 million entries, took a minute and
 # gigabytes).  Time is checked twice: CPU time (user + system, of the
@@ -689,52 +689,83 @@ if "libasan" in os.environ.get("LD_PRELOAD", ""):
     WALL_MARGIN_S, RSS_MARGIN = 3 * WALL_MARGIN_S, 3 * RSS_MARGIN
 
 
-# Runs the command as its own child and reports that child's exit status,
-# wall and CPU time and peak RSS.  A small launcher: a child's ru_maxrss
-# starts from the RSS of the process it was forked from (Linux carries the
-# high-water mark across exec), so forking the command from the test
-# process (torch loaded, hundreds of MB) would hide its own peak.
-LAUNCHER = """
-import json, os, sys, time
-start = time.monotonic()
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[2], sys.argv[2:])
-_, status, usage = os.wait4(pid, 0)
-with open(sys.argv[1], "w") as f:
-    json.dump([os.waitstatus_to_exitcode(status), time.monotonic() - start,
-               usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024], f)
+# The commands run in children forked from one long-lived process (the
+# "zygote", started once per test session) that has imported the command
+# line and torch: the same ``main(argv)`` as ``python -m dcp_optim`` runs,
+# without the interpreter start and torch's import (4-6 s a command on this
+# machine, 23 commands).  Each child's exit status, wall and CPU time and
+# peak RSS are its own (wait4); a forked child's peak RSS starts from the
+# zygote's RSS at the fork, which every command, the baselines included,
+# shares, so the margins above a baseline are what a command adds.
+ZYGOTE = """
+import json, os, select, signal, sys, time, traceback
+from dcp_optim.__main__ import main
+import torch.distributed.checkpoint  # what the commands import on their first call
+report = sys.stdout
+for line in sys.stdin:
+    argv, out, err, timeout = json.loads(line)
+    report.flush()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    pidfd = os.pidfd_open(pid)
+    if not select.select([pidfd], [], [], timeout)[0]:
+        os.kill(pid, signal.SIGKILL)
+    _, status, usage = os.wait4(pid, 0)
+    os.close(pidfd)
+    code = os.waitstatus_to_exitcode(status)
+    report.write(json.dumps([-9 if code == -signal.SIGKILL else code, time.monotonic() - start,
+                             usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024]) + "\\n")
+    report.flush()
 """
 
 
-def measure(*argv, timeout=60.0):
-    """``python -m dcp_optim *argv`` in a fresh process: (exit status,
-    stdout, stderr, (wall seconds, CPU seconds), peak RSS in bytes), of
-    that process alone.  Killed (exit status -9) after ``timeout``."""
+@pytest.fixture(scope="module")
+def zygote():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            cwd=REPO, env=env, text=True)
+    yield proc
+    proc.stdin.close()  # its loop ends
+    proc.wait(60)
+    proc.stdout.close()
+
+
+def measure(zygote, *argv, timeout=60.0):
+    """``python -m dcp_optim *argv``, as a child of ``zygote``: (exit
+    status, stdout, stderr, (wall seconds, CPU seconds), peak RSS in bytes),
+    of that child alone.  Killed (exit status -9) after ``timeout``."""
     with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "usage.json")
-        with open(os.path.join(tmp, "out"), "w+b") as out, open(os.path.join(tmp, "err"), "w+b") as err:
-            proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, report, sys.executable, "-m", "dcp_optim",
-                                     *map(str, argv)], stdout=out, stderr=err, cwd=REPO, env=env,
-                                    start_new_session=True)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return -9, "", "killed", (timeout, timeout), 0
-            out.seek(0)
-            err.seek(0)
-            with open(report) as f:
-                code, wall, cpu, rss = json.load(f)
-            return code, out.read().decode(), err.read().decode(), (wall, cpu), rss
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        zygote.stdin.write(json.dumps([list(map(str, argv)), out, err, timeout]) + "\n")
+        zygote.stdin.flush()
+        reply = zygote.stdout.readline()
+        assert reply, f"the zygote ended (exit status {zygote.poll()})"
+        code, wall, cpu, rss = json.loads(reply)
+        if code == -9:
+            return -9, "", "killed", (timeout, timeout), 0
+        with open(out, "rb") as o, open(err, "rb") as e:
+            return code, o.read().decode(), e.read().decode(), (wall, cpu), rss
 
 
-def assert_bounded(baseline, bad_argv, *needles):
+def assert_bounded(zygote, baseline, bad_argv, *needles):
     """Run ``bad_argv``; exit 2, one line of stderr holding ``needles``, in
     bounded time and memory above ``baseline`` (a ``measure`` result)."""
-    code, out, err, (wall, cpu), rss = measure(*bad_argv)
+    code, out, err, (wall, cpu), rss = measure(zygote, *bad_argv)
     _, _, _, (base_wall, base_cpu), base_rss = baseline
     # how much slower than its CPU time a run went for want of a core (the
     # baseline's, or this run's when the load rose in between), at most 10:
@@ -768,14 +799,14 @@ def _hash_bomb(use, levels=60):
 
 
 @pytest.mark.process_bounds
-def test_hash_bombs_bounded(clean, tmp_path):
-    baseline = measure("inspect", clean, "-q")
+def test_hash_bombs_bounded(zygote, clean, tmp_path):
+    baseline = measure(zygote, "inspect", clean, "-q")
     assert baseline[0] == 0, baseline[2]
     for use in ("SETITEM", "SETITEMS", "REDUCE", "NEWOBJ"):
         bad = _copy(clean, tmp_path / use)
         _write_metadata(bad, raw=_hash_bomb(use))
         assert len(_hash_bomb(use)) < 1024
-        assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint "
+        assert_bounded(zygote, baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint "
                        "metadata: more work than the budget of")
 
 
@@ -787,25 +818,25 @@ def _nested_refs(levels, refs, leaf):
 
 
 @pytest.mark.process_bounds
-def test_unbounded_repr_and_memo_multiplication_bounded(clean, tmp_path):
+def test_unbounded_repr_and_memo_multiplication_bounded(zygote, clean, tmp_path):
     """A path nested as a list referenced 10 times per level, 30 levels
     deep (its repr in an error message would be 10**30 elements), and a
     20 MB metadata whose chunk list is one chunk repeated 10 million times."""
-    baseline = measure("inspect", clean, "-q")
+    baseline = measure(zygote, "inspect", clean, "-q")
     assert baseline[0] == 0, baseline[2]
     bad = _copy(clean, tmp_path / "repr")
     md = _metadata(bad)
     md.planner_data["model.head.weight"] = ("model", _nested_refs(30, 10, "x"))
     _write_metadata(bad, md)
     assert os.path.getsize(os.path.join(bad, ".metadata")) < 64 << 10
-    assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: ")
+    assert_bounded(zygote, baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: ")
     bad = _copy(clean, tmp_path / "memo")
     md = _metadata(bad)
     meta = md.state_dict_metadata["model.head.weight"]
     meta.chunks = meta.chunks * 10_000_000
     _write_metadata(bad, md)
     assert os.path.getsize(os.path.join(bad, ".metadata")) > 20_000_000
-    assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: "
+    assert_bounded(zygote, baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: "
                    "more work than the budget of")
 
 
@@ -837,11 +868,11 @@ UNCOVERED = {
 
 
 @pytest.mark.process_bounds
-def test_uncovered_tensors_bounded(clean, tmp_path):
+def test_uncovered_tensors_bounded(zygote, clean, tmp_path):
     """A tensor is returned only when every element was written from the
     checkpoint: duplicate, overlapping and missing chunks are refused (both
     modes), naming the region."""
-    baseline = measure("inspect", clean, "--values", "-q")
+    baseline = measure(zygote, "inspect", clean, "--values", "-q")
     assert baseline[0] == 0, baseline[2]
     for case, (size, chunks, text) in UNCOVERED.items():
         bad = _copy(clean, tmp_path / case.replace(", ", "_"))
@@ -849,7 +880,7 @@ def test_uncovered_tensors_bounded(clean, tmp_path):
         for trusted in (False, True):
             with pytest.raises(MalformedCheckpointError, match=re.escape(text)):
                 Checkpoint(bad, trusted=trusted)
-        assert_bounded(baseline, ("inspect", bad, "--values", "-q"),
+        assert_bounded(zygote, baseline, ("inspect", bad, "--values", "-q"),
                        f"{bad}/.metadata: malformed checkpoint metadata: entry 'model.head.weight': ", text)
 
 
@@ -876,10 +907,10 @@ def test_chunk_cover_of_grids():
 
 
 @pytest.mark.process_bounds
-def test_path_integers_bounded(clean, tmp_path):
+def test_path_integers_bounded(zygote, clean, tmp_path):
     """convert rebuilds lists from the saved paths' integers: an index far
     beyond the entries saved under a list, or negative, is refused."""
-    baseline = measure("convert", clean, str(tmp_path / "base_out"), "--to", "flat", "-q")
+    baseline = measure(zygote, "convert", clean, str(tmp_path / "base_out"), "--to", "flat", "-q")
     assert baseline[0] == 0, baseline[2]
     for path, text in [(("extra", 300_000_000), "the path of 'extra.note' uses 'note' where the path of "
                                                 "'extra.step' uses a list index"),
@@ -888,7 +919,7 @@ def test_path_integers_bounded(clean, tmp_path):
         md = _metadata(bad)
         md.planner_data["extra.step"] = path
         _write_metadata(bad, md)
-        assert_bounded(baseline, ("convert", bad, str(tmp_path / "out"), "--to", "flat", "-q"),
+        assert_bounded(zygote, baseline, ("convert", bad, str(tmp_path / "out"), "--to", "flat", "-q"),
                        f"{bad}/.metadata: malformed checkpoint metadata: the path of 'extra.", text)
         assert not (tmp_path / "out").exists()
     # every path of the list an index: the range is checked
@@ -932,10 +963,10 @@ def _symlinked(clean, tmp_path, how):
 
 
 @pytest.mark.process_bounds
-def test_symlinks_out_of_the_folder(clean, tmp_path):
+def test_symlinks_out_of_the_folder(zygote, clean, tmp_path):
     """A .distcp symlinked to a file elsewhere, or read through a symlinked
     subfolder, is refused unless trusted."""
-    baseline = measure("inspect", clean, "--values", "-q")
+    baseline = measure(zygote, "inspect", clean, "--values", "-q")
     assert baseline[0] == 0, baseline[2]
     for how in ("file", "subfolder"):
         base = tmp_path / how
@@ -945,7 +976,7 @@ def test_symlinks_out_of_the_folder(clean, tmp_path):
         real = os.path.realpath(base / "outside" / "__0_0.distcp")
         text = f"the file resolves to {real}, outside the checkpoint directory"
         for argv in (("inspect", bad, "--values", "-q"), ("convert", bad, str(base / "out"), "--to", "flat", "-q")):
-            assert_bounded(baseline, argv, f"{name}: cannot read '", text, "--trust")
+            assert_bounded(zygote, baseline, argv, f"{name}: cannot read '", text, "--trust")
         with pytest.raises(UnsafeCheckpointError, match=re.escape(text)):
             Checkpoint(bad).read(["model.head.weight"])
         # trusted: followed, and the values are those of the clean checkpoint
@@ -960,16 +991,16 @@ def test_symlinks_out_of_the_folder(clean, tmp_path):
 
 
 @pytest.mark.process_bounds
-def test_metadata_size_cap(clean, tmp_path, monkeypatch):
+def test_metadata_size_cap(zygote, clean, tmp_path, monkeypatch):
     """The .metadata file is read with a size cap, checked before reading."""
     from dcp_optim.tools import _safe_unpickle
 
-    baseline = measure("inspect", clean, "-q")
+    baseline = measure(zygote, "inspect", clean, "-q")
     bad = _copy(clean, tmp_path / "bad")
     cap = _safe_unpickle.MAX_METADATA_BYTES
     with open(os.path.join(bad, ".metadata"), "r+b") as f:
         f.truncate(cap + 1)  # sparse: nothing is written
-    assert_bounded(baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: "
+    assert_bounded(zygote, baseline, ("inspect", bad, "-q"), f"{bad}/.metadata: cannot read the checkpoint metadata: "
                    f"the file holds {cap + 1} bytes, more than the {cap} read")
     # the cap itself
     monkeypatch.setattr(_safe_unpickle, "MAX_METADATA_BYTES", 100)
