@@ -34,7 +34,8 @@ $(STAMP): pyproject.toml Makefile
 	# the optimizer corpus (tests/unit/test_optim_corpus.py); torch pinned again.
 	$(PIP) install -q pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 \
 	    bitsandbytes==0.50.2 torch-optimizer==0.3.0 galore-torch==1.0 apollo-torch==1.0.3 adam-mini==1.1.1 \
-	    came-pytorch==0.1.3 torch-optimi==0.2.1 dadaptation==3.2 adan-pytorch==0.1.0 "$(TORCH)"
+	    came-pytorch==0.1.3 torch-optimi==0.2.1 dadaptation==3.2 adan-pytorch==0.1.0 \
+	    heavyball==3.2.1 "$(TORCH)"
 	# mypy (make lint-mypy) checks against torch's own hints: torch pinned.
 	$(PIP) install -q mypy==2.4.1 "$(TORCH)"
 	# build: the sdist and wheel of make test-wheel.

@@ -441,6 +441,122 @@ dcp_tree_paths(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* DCP's load writes a non-tensor leaf back along its saved path, whose
+ * keys are all str(key) (torch's set_element): below a dict key that is
+ * not a str (heavyball's per-view index 0, AggMo's beta 0.9), the value
+ * lands under a new key "0" beside the template's 0, which keeps the
+ * template's value.  A dict holding both a key k that is not a str and
+ * the str str(k) is that "twin".  (No state a DCP save accepted has one:
+ * both keys flatten to the same path, which the save refuses.) */
+
+/* 1 if the dict `d` or a dict below it (through dict values) holds a
+ * twin, 0 if none, -1 on error. */
+static int
+has_str_twin(PyObject *d)
+{
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    int nonstr = 0, nested = 0, found = 0;
+    /* first a pass that calls no Python code: most entries end here */
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        nonstr |= !PyUnicode_Check(key);
+        nested |= PyDict_Check(value);
+    }
+    if (!nonstr && !nested) {
+        return 0;
+    }
+    if (Py_EnterRecursiveCall(" while looking for DCP's string keys")) {
+        return -1;
+    }
+    /* str() of a key runs Python code, which may change the dict: work
+     * on snapshots (new references) of its keys and values */
+    PyObject *keys = nonstr ? PyDict_Keys(d) : NULL;
+    PyObject *values = nested ? PyDict_Values(d) : NULL;
+    if ((nonstr && keys == NULL) || (nested && values == NULL)) {
+        found = -1;
+        goto done;
+    }
+    for (Py_ssize_t i = 0;
+         keys != NULL && found == 0 && i < PyList_GET_SIZE(keys);
+         i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (PyUnicode_Check(k)) {
+            continue;
+        }
+        PyObject *text = PyObject_Str(k);
+        if (text == NULL) {
+            /* a key without a str() has no path: DCP never saved it, so
+             * no twin (torch's load decides what it makes of the key) */
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                found = -1;
+                goto done;
+            }
+            PyErr_Clear();
+            continue;
+        }
+        found = PyDict_Contains(d, text);
+        Py_DECREF(text);
+    }
+    for (Py_ssize_t i = 0;
+         values != NULL && found == 0 && i < PyList_GET_SIZE(values);
+         i++) {
+        PyObject *v = PyList_GET_ITEM(values, i);
+        if (PyDict_Check(v)) {
+            found = has_str_twin(v);
+        }
+    }
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(values);
+    Py_LeaveRecursiveCall();
+    return found;
+}
+
+PyDoc_STRVAR(dcp_str_key_twins__doc__,
+             "str_key_twins(state, /)\n--\n\n"
+             "The keys of `state` whose value is a dict holding, at any depth "
+             "through dicts, a key k that is not a str beside the str str(k) "
+             "(what dcp.load leaves); [] when none does.");
+
+static PyObject *
+dcp_str_key_twins(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (dcp_check_nargs("str_key_twins", nargs, 1) < 0) {
+        return NULL;
+    }
+    PyObject *state = args[0];
+    if (!PyDict_Check(state)) {
+        PyErr_Format(PyExc_TypeError,
+                     "str_key_twins() expects a dict, not %.100s",
+                     Py_TYPE(state)->tp_name);
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    PyObject *items = PyDict_Items(state); /* snapshot: see has_str_twin */
+    if (out == NULL || items == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *entry = PyTuple_GET_ITEM(pair, 1);
+        if (!PyDict_Check(entry)) {
+            continue;
+        }
+        int found = has_str_twin(entry);
+        if (found < 0 ||
+            (found && PyList_Append(out, PyTuple_GET_ITEM(pair, 0)) < 0)) {
+            goto error;
+        }
+    }
+    Py_DECREF(items);
+    return out;
+error:
+    Py_XDECREF(out);
+    Py_XDECREF(items);
+    return NULL;
+}
+
 PyMethodDef dcp_tree_methods[] = {
     {"tree_leaves",
      DCP_FASTCALL(dcp_tree_leaves),
@@ -466,5 +582,9 @@ PyMethodDef dcp_tree_methods[] = {
      DCP_FASTCALL(dcp_tree_paths),
      METH_FASTCALL,
      dcp_tree_paths__doc__},
+    {"str_key_twins",
+     DCP_FASTCALL(dcp_str_key_twins),
+     METH_FASTCALL,
+     dcp_str_key_twins__doc__},
     {NULL, NULL, 0, NULL},
 };

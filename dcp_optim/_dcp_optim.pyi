@@ -200,6 +200,9 @@ def tensors_to(tensors: Any, device: Any, /) -> Any:
 def tree_leaves(ctx: Any, obj: Any, type_check: Any, /) -> Any:
     """The tensor leaves of a state-dict tree, in traversal order."""
 
+def str_key_twins(state: Any, /) -> Any:
+    """The keys of `state` whose value is a dict holding, at any depth through dicts, a key k that is not a str beside the str str(k) (what dcp.load leaves); [] when none does."""
+
 def tree_paths(ctx: Any, obj: Any, /) -> Any:
     """Dotted paths of the tensor leaves, in tree_leaves order."""
 

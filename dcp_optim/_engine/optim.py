@@ -321,8 +321,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         extra, first_wide = _pop_wide(extra)
         if extra and schema_for(target) is None:
             _remember_template(target, extra)
-        if extra and wrapped is None:
-            extra = _in_own_layout(optim, index, extra)
+        if (extra or group_keys) and wrapped is None:
+            extra, group_keys = _in_own_layout(optim, index, extra, group_keys)
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
@@ -341,35 +341,63 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _in_own_layout(optim: _Optimizer, index: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    """Pristine entries (keyed by FQN) as the optimizer's own
-    ``state_dict`` lays out a stepped parameter's: bitsandbytes' 8-bit
-    optimizers nest their quantization state under one key, so a template
-    in the live layout would not match their checkpoints (DCP: "Missing
-    key").  That method runs on a shallow copy of the optimizer whose
-    state is the pristine entries alone (the live optimizer is not
-    touched); its result is re-keyed by FQN.  ``extra`` itself where that
-    raises or leaves an entry out (an override bound to the live
-    optimizer on the instance)."""
+def _in_own_layout(
+    optim: _Optimizer, index: Any, extra: dict[str, Any] | None, group_keys: list[dict[str, Any]] | None
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]] | None]:
+    """Pristine entries (keyed by FQN) and first-step group keys as the
+    optimizer's own ``state_dict`` lays out a stepped optimizer's, so that
+    a template matches its checkpoints (DCP: "Missing key" otherwise):
+
+    * bitsandbytes' 8-bit optimizers nest their quantization state under
+      one key of each entry;
+    * heavyball's drop the group keys starting with "_" (its first step
+      adds ``_orig_shapes``, None on a plain model).
+
+    That method runs on a shallow copy of the optimizer whose state is the
+    pristine entries alone and whose groups are copies of the live ones
+    with the first step's keys added (the live optimizer is not touched);
+    its entries are re-keyed by FQN, and a group key it leaves out is left
+    out.  Each part stands as given where that raises or leaves an entry
+    or a group out (an override bound to the live optimizer on the
+    instance)."""
     # the parameters pristine() filled, under the FQNs it keyed them by
     by_fqn = {fqn: param for param, _, fqn in C.optim_missing(index, optim)}
-    if any(fqn not in by_fqn for fqn in extra):
-        return extra
+    lay_state = bool(extra) and all(fqn in by_fqn for fqn in extra or ())
+    live_groups = optim.param_groups
+    lay_groups = bool(group_keys) and len(group_keys or ()) == len(live_groups)
+    if not (lay_state or lay_groups):
+        return extra, group_keys
     try:
         proxy = object.__new__(type(optim))
         proxy.__dict__.update(optim.__dict__)
         # (a wrapper's ``state`` may be a read-only property: the live
         # layout stands)
-        proxy.state = collections.defaultdict(dict, {by_fqn[fqn]: entry for fqn, entry in extra.items()})
+        proxy.state = collections.defaultdict(
+            dict, {by_fqn[fqn]: entry for fqn, entry in (extra or {}).items()} if lay_state else {})
+        if lay_groups:
+            try:
+                proxy.param_groups = [{**{k: v for k, v in (keys or {}).items() if k not in g}, **g}
+                                      for g, keys in zip(live_groups, group_keys or ())]
+            except Exception:  # noqa: BLE001 - a read-only property: the keys stand
+                lay_groups = False
         osd = state_dict_fn(proxy, "state_dict")()
         osd, _ = _split_own_wide(osd)
+        own_groups = osd["param_groups"]
         C.optim_remap(index, proxy, osd)
         state = osd["state"]
     except Exception:  # noqa: BLE001 - the live layout stands
-        return extra
-    if not isinstance(state, dict) or any(not isinstance(state.get(fqn), dict) for fqn in extra):
-        return extra
-    return {fqn: state[fqn] for fqn in extra}
+        return extra, group_keys
+    if lay_state and (not isinstance(state, dict)
+                      or any(not isinstance(state.get(fqn), dict) for fqn in extra or ())):
+        lay_state = False
+    if lay_groups and (not isinstance(own_groups, list) or len(own_groups) != len(live_groups)
+                       or not all(isinstance(g, dict) for g in own_groups)):
+        lay_groups = False
+    if lay_state:
+        extra = {fqn: state[fqn] for fqn in extra or ()}
+    if lay_groups:
+        group_keys = [{k: own[k] for k in (keys or {}) if k in own} for own, keys in zip(own_groups, group_keys or ())]
+    return extra, group_keys
 
 
 _LAYOUT = ("state", "param_groups")
@@ -1304,6 +1332,58 @@ def _check_loaded_dict(osd: Any, flat: bool) -> None:
                     )
 
 
+# --- DCP's string keys (D32 in docs/differences.md) ---------------------------
+#
+# dcp.load writes a non-tensor leaf back along its saved path, whose keys
+# are all str(key): below a key that is not a str (heavyball keeps each
+# parameter's state under the view index 0, {0: {"step": ...,
+# "is_initialized": {0}}}), the checkpoint's value lands under a new key
+# "0" beside the template's 0, which keeps the template's value (DCP sets
+# a set-valued one to None).  Tensors are loaded in place and are right.
+# Such a "twin" (keys k and str(k) in one dict) cannot come from a state a
+# DCP save accepted (both flatten to one path, which the save refuses):
+# the load folds the checkpoint's values back under their own keys.
+
+
+def _folded(orig: Any, twin: Any) -> Any:
+    """``orig`` with the values of ``twin`` (DCP's copy of its subtree,
+    every key a str) put under its own keys: a copy, never ``orig``."""
+    if not (isinstance(orig, dict) and isinstance(twin, dict)):
+        return twin
+    out = dict(orig)
+    own = {str(k): k for k in orig}
+    for text, value in twin.items():
+        key = own.get(text, text) if isinstance(text, str) else text
+        out[key] = _folded(out[key], value) if key in out else value
+    return out
+
+
+def _without_twins(d: dict[Any, Any]) -> dict[Any, Any]:
+    """A copy of ``d`` with every twin below it folded back."""
+    out = {k: _without_twins(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for key in [k for k in d if not isinstance(k, str)]:
+        text = str(key)
+        if text in out:
+            out[key] = _folded(out[key], out.pop(text))
+    return out
+
+
+def fold_dcp_string_keys(osd: Any) -> Any:
+    """A nested optimizer dict with DCP's twins folded back (a new dict
+    sharing every untouched entry), or ``osd`` itself when it holds none:
+    the caller's dict is never changed."""
+    state = osd.get("state") if isinstance(osd, dict) else None
+    if not isinstance(state, dict):
+        return osd
+    fqns = C.str_key_twins(state)
+    if not fqns:
+        return osd
+    state = dict(state)
+    for fqn in fqns:
+        state[fqn] = _without_twins(state[fqn])
+    return {**osd, "state": state}
+
+
 def _check_steps(state: dict[str, Any]) -> None:
     """A ``step`` that is not a tensor is converted with ``float()`` by
     the optimizer's ``__setstate__`` (Adam & co.) at commit, after other
@@ -1392,6 +1472,8 @@ class OptimLoad:
             _check_optimizer(optim, i)
         self.can_fail = bool(info.fsdp_modules) or not all(_native_load(optim) for optim in optimizers)
         _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
+        if not info.flatten_optimizer_state_dict:
+            osd = self.osd = fold_dcp_string_keys(osd)
         fsdp1 = self.fsdp1 = bool(info.fsdp_modules)
         if fsdp1:
             from .fsdp1 import load_via_fsdp, native_supported

@@ -85,7 +85,7 @@ def _check(world: int, rows: list[tuple[str, str, str, str]]) -> None:
 # of the corpus does.  DCP_OPTIM_MATRIX_CASES runs them here; in the full
 # matrix they would add about 250 s to CI's longest tests.
 CORPUS_ONLY = ("bnb.", "topt.", "galore.", "apollo.", "hf.", "optimi.", "dadapt.", "adan_pytorch.",
-               "adam_mini", "came.")
+               "adam_mini", "came.", "heavyball.")
 
 
 def test_resume_matrix_world1(tmp_path):

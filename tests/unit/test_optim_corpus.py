@@ -3,7 +3,7 @@
 ``lion-pytorch``, ``schedulefree``, ``prodigyopt``, ``bitsandbytes``,
 ``torch-optimizer``, ``galore-torch``, ``apollo-torch``, ``torch-optimi``,
 ``dadaptation``, ``adan-pytorch``, ``adam-mini``, ``came-pytorch``,
-transformers' ``Adafactor`` and ``torch.optim``,
+``heavyball``, transformers' ``Adafactor`` and ``torch.optim``,
 differentially against upstream and torch.
 
 For each, on a tiny model, one process:
@@ -64,6 +64,11 @@ hf_optim = pytest.importorskip("transformers.optimization")
 optimi = pytest.importorskip("optimi")
 dadaptation = pytest.importorskip("dadaptation")
 adan_pytorch = pytest.importorskip("adan_pytorch")
+heavyball = pytest.importorskip("heavyball")
+# heavyball compiles its steps with torch.compile by default (minutes of
+# Inductor on the CPU for a tiny model); its documented switch runs them
+# eagerly, the same update
+heavyball.utils.compile_mode = None
 
 
 class Net(nn.Module):
@@ -211,6 +216,14 @@ def catalogue():
     for dname in ("DAdaptAdaGrad", "DAdaptAdam", "DAdaptAdan", "DAdaptLion", "DAdaptSGD"):
         cls = getattr(dadaptation, dname)
         out[f"dadapt.{dname}"] = (None, lambda m, cls=cls: cls(m.parameters(), lr=1.0))
+    # heavyball: each parameter's state nested under its view index 0
+    # (non-tensor values there: DCP's string keys, D32), private group
+    # keys its state_dict leaves out
+    for hname in ("AdamW", "SGD", "LaProp", "ADOPT", "NAdam", "RMSprop", "SOAP", "Muon", "PSGDKron", "AdEMAMix",
+                  "SFAdamW", "Scion", "SignLaProp", "AdamC", "MuonAdamW", "KLShampoo", "PSGDLRA", "UnscaledAdamW",
+                  "QSGD", "HyperBallAdamW", "SUDSAdamW", "LATHER", "OrthoLaProp", "MSAMLaProp"):
+        cls = getattr(heavyball, hname)
+        out[f"heavyball.{hname}"] = (None, lambda m, cls=cls: cls(m.parameters(), lr=1e-2))
     out["adan_pytorch.Adan"] = (None, lambda m: adan_pytorch.Adan(m.parameters(), lr=1e-2))
     out["adam_mini"] = (None, lambda m: adam_mini.Adam_mini(m.named_parameters(), lr=1e-2, dim=4, n_heads=1))
     out["came.CAME"] = (None, lambda m: came_pytorch.CAME(m.parameters(), lr=1e-2))
@@ -629,6 +642,18 @@ def _stepped_entries(model, opt):
     return out
 
 
+def _stepped_groups(opt):
+    """A stepped optimizer's param groups as a checkpoint holds them: its
+    own ``state_dict()``'s where its class overrides that method
+    (heavyball's leaves out the group keys starting with "_"), else the
+    live ones."""
+    if type(opt).state_dict is torch.optim.Optimizer.state_dict or _wrapper_key(opt) is not None:
+        return opt.param_groups
+    own = opt.state_dict()
+    groups = own.get("param_groups") if isinstance(own, dict) else None
+    return groups if isinstance(groups, list) and len(groups) == len(opt.param_groups) else opt.param_groups
+
+
 def _flat_entry(entry):
     """An entry's state by name, a nested dict's items as "outer.inner"."""
     out = {}
@@ -678,7 +703,7 @@ def _check_template(name, factory, model, opt, real_entries, real_opt, real_keys
                 assert isinstance(have, torch.Tensor) and have.shape == want.shape and have.dtype == want.dtype, (
                     f"{fqn}.{key}: template {tuple(have.shape)} {have.dtype}, step {tuple(want.shape)} {want.dtype}")
     live_keys = [set(g) for g in opt.param_groups]
-    for g, (real_g, tmpl_g) in enumerate(zip(real_opt.param_groups, template["param_groups"])):
+    for g, (real_g, tmpl_g) in enumerate(zip(_stepped_groups(real_opt), template["param_groups"])):
         created = set(real_g) - live_keys[g]
         if held and len(held) == len(real_keys):
             # every parameter holds constructor state: as upstream's

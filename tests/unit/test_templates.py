@@ -474,3 +474,58 @@ def test_optimizer_holding_another_with_its_own_state_is_refused():
     train(model, opt, 1)
     sd = dcp_optim.get_optimizer_state_dict(model, opt)
     assert all("exp_avg" in st for st in sd["state"].values())
+
+
+class PrivateGroupKeys(torch.optim.SGD):
+    """heavyball's pattern: the first step adds a private group key
+    (``_shapes``, None here) and ``state_dict`` leaves out every group key
+    starting with "_", so no checkpoint holds it."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["_shapes"] = None
+            group["steps_taken"] = group.get("steps_taken", 0) + 1
+        return super().step(closure)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            for k in [k for k in g if k.startswith("_")]:
+                del g[k]
+        return sd
+
+
+@pytest.mark.parametrize("impl", [upstream, dcp_optim], ids=["upstream", "dcp_optim"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_template_groups_as_the_optimizers_own_state_dict_lays_them_out(impl, tmp_path):
+    """A never-stepped optimizer's template holds the group keys a first
+    step adds as its own ``state_dict`` lays them out: without the private
+    key it leaves out (dcp.load of a checkpoint would miss it: "Missing
+    key"), with the public one; the template flow resumes bit for bit."""
+    def make(m):
+        return PrivateGroupKeys(m.parameters(), lr=0.1, momentum=0.9)
+
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = make(ref)
+    train(ref, ref_opt, 3)
+    torch.manual_seed(0)
+    src = Net()
+    src_opt = make(src)
+    train(src, src_opt, 2)
+    saved = impl.get_optimizer_state_dict(src, src_opt)
+    assert "_shapes" not in saved["param_groups"][0] and saved["param_groups"][0]["steps_taken"] == 2
+    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
+    dst = Net()
+    dst.load_state_dict(src.state_dict())
+    dst_opt = make(dst)
+    template = impl.get_optimizer_state_dict(dst, dst_opt)
+    assert sorted(template["param_groups"][0]) == sorted(saved["param_groups"][0])
+    if impl is dcp_optim:  # (upstream's dummy step adds the key to the live group)
+        assert "_shapes" not in dst_opt.param_groups[0] and "steps_taken" not in dst_opt.param_groups[0]
+    state = {"optim": template}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    impl.set_optimizer_state_dict(dst, dst_opt, state["optim"])
+    train(dst, dst_opt, 1, start=2)
+    for a, b in zip(ref.parameters(), dst.parameters()):
+        assert torch.equal(a, b)

@@ -614,6 +614,40 @@ def _():
     C.tree_paths(1, TREE)
 
 
+class _NoStr:
+    def __str__(self):
+        raise ValueError("no str")
+
+
+class _BadStr:
+    def __str__(self):
+        raise KeyboardInterrupt
+
+
+@case("str_key_twins", "ok")
+def _():
+    assert C.str_key_twins({"a": {0: {"n": 1}, "0": {"n": 2}}, "b": {"x": {0.5: 1}}, "c": 1,
+                            "d": {"m": {0.5: 1, "0.5": 2}}, "e": {_NoStr(): 1}}) == ["a", "d"]
+
+
+@case("str_key_twins", "not-a-dict", TypeError, "expects a dict")
+def _():
+    C.str_key_twins([])
+
+
+@case("str_key_twins", "str-raises", KeyboardInterrupt)
+def _():
+    C.str_key_twins({"a": {_BadStr(): 1}})
+
+
+@case("str_key_twins", "too-deep", RecursionError)
+def _():
+    deep: dict = {0: 1}
+    for _ in range(100_000):
+        deep = {"x": deep}
+    C.str_key_twins({"a": deep})
+
+
 @case("tensors_to", "ok")
 def _():
     C.tensors_to([FakeTensor(), FakeTensor()], "cpu")
