@@ -59,8 +59,14 @@ build-debug: $(STAMP)
 # leaves a core mostly idle.  Without it `make test` is the whole suite.
 TEST_APART := tests/distributed/test_resume_matrix.py::test_resume_matrix_world2_fsdp2
 TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART),--deselect $(t)))
+# TEST_SPLIT=1 also leaves out the distributed tests that passed whole in
+# this checkout's last `make test-torchrun` (tests/conftest.py: the file
+# TORCHRUN_PASSED, which make test-torchrun writes afresh): CI runs that
+# first, so each of those bodies runs once, on torchrun's process group.
+TORCHRUN_PASSED := $(CURDIR)/.torchrun-passed
 test: build
-	$(PY) -m pytest -q --durations=25 $(TEST_DESELECT) tests
+	$(if $(TEST_SPLIT),DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED)) \
+	    $(PY) -m pytest -q --durations=25 $(TEST_DESELECT) tests
 
 .PHONY: test-apart
 test-apart: build
@@ -106,8 +112,10 @@ TORCHRUN_LIMIT    ?= 600
 
 .PHONY: test-torchrun
 test-torchrun: build
+	rm -f $(TORCHRUN_PASSED)
 	for n in $(TORCHRUN_NPROCS); do \
 	    echo "== torchrun --nproc-per-node=$$n"; \
+	    DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED) \
 	    timeout -k 10 $(TORCHRUN_LIMIT) $(VENV)/bin/torchrun --standalone --nproc-per-node=$$n \
 	        --local-ranks-filter=0 -m pytest -q -p no:cacheprovider --disable-warnings \
 	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || exit 1; \

@@ -45,6 +45,31 @@ if TORCHRUN:
         return dist_tmp_path
 
 
+# CI's split (.ci/run, TEST_SPLIT=1): `make test-torchrun` runs before
+# `make test` and records, in the file this variable names, every test
+# that passed whole under torchrun (rank 0 reports the verdict of every
+# rank); `make test` then leaves those out, since their bodies ran, with
+# the same assertions, on torchrun's process group.  A test that skips
+# under torchrun (it also needs another world size) is not recorded and
+# runs in `make test`.  Without the variable nothing is recorded or left
+# out (a plain `make test` runs everything).
+TORCHRUN_PASSED = os.environ.get("DCP_OPTIM_TORCHRUN_PASSED")
+
+
+def pytest_runtest_logreport(report):
+    if TORCHRUN and TORCHRUN_PASSED and report.when == "call" and report.passed and \
+            os.environ.get("RANK") == "0":
+        with open(TORCHRUN_PASSED, "a") as f:
+            f.write(report.nodeid + "\n")
+
+
+def _passed_under_torchrun() -> set[str]:
+    if TORCHRUN or not TORCHRUN_PASSED or not os.path.exists(TORCHRUN_PASSED):
+        return set()
+    with open(TORCHRUN_PASSED) as f:
+        return {line.strip() for line in f if line.strip()}
+
+
 def _runs_on_ranks(item) -> bool:
     """Whether a test runs rank functions (``tests.support.harness.run_ranks``),
     by its markers: ``dist`` (the module's or its own), and not ``local``
@@ -67,15 +92,20 @@ def pytest_collection_modifyitems(config, items):
     through a fixture; marked ``dist``): a single-process test would find torchrun's process
     group and act collectively (DCP does), and it runs in ``make test``.
     Selected by marker (``dist`` and not ``local``), never by reading the
-    tests' source."""
+    tests' source.  CI's ``make test`` leaves out what passed under
+    torchrun (``TORCHRUN_PASSED``)."""
     keep, drop = [], []
     opted_in = "torchrun" in (config.option.markexpr or "")
+    ran = _passed_under_torchrun()
     for item in items:
         if item.get_closest_marker("torchrun") is not None:
             ok = opted_in and not TORCHRUN
         else:
-            ok = not TORCHRUN or _runs_on_ranks(item)
+            ok = (not TORCHRUN or _runs_on_ranks(item)) and item.nodeid not in ran
         (keep if ok else drop).append(item)
+    if ran:
+        print(f"\n{sum(item.nodeid in ran for item in items)} tests left out: they passed under torchrun "
+              f"({TORCHRUN_PASSED})")
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
