@@ -61,6 +61,19 @@ def train(model, opt, steps, start=0, closure=False):
         opt.zero_grad()
 
 
+def _uninterrupted_and_source(make, steps, saved_at):
+    """Two runs from the same start: ``steps`` steps uninterrupted (its
+    model), and ``saved_at`` steps to save from (its model, optimizer)."""
+    torch.manual_seed(0)
+    ref = Net()
+    train(ref, make(ref), steps)
+    torch.manual_seed(0)
+    src = Net()
+    src_opt = make(src)
+    train(src, src_opt, saved_at)
+    return ref, src, src_opt
+
+
 def _signature(value):
     """Keys at every depth; tensors as (class, shape, dtype, device)."""
     if isinstance(value, dict):
@@ -148,14 +161,7 @@ def test_template_value_types_follow_a_real_step(impl, tmp_path):
     flow (get -> ``dcp.load`` -> set) resumes exactly."""
     topt = pytest.importorskip("torch_optimizer")
     make = lambda m: topt.Lamb(m.parameters(), lr=1e-2)  # noqa: E731
-    torch.manual_seed(0)
-    ref = Net()
-    ref_opt = make(ref)
-    train(ref, ref_opt, 4)
-    torch.manual_seed(0)
-    src = Net()
-    src_opt = make(src)
-    train(src, src_opt, 2)
+    ref, src, src_opt = _uninterrupted_and_source(make, 4, 2)
     assert isinstance(src_opt.state[src.a.weight]["trust_ratio"], torch.Tensor)
     dcp.save({"o": impl.get_optimizer_state_dict(src, src_opt)}, checkpoint_id=str(tmp_path))
     torch.manual_seed(1)
@@ -505,14 +511,7 @@ def test_template_groups_as_the_optimizers_own_state_dict_lays_them_out(impl, tm
     def make(m):
         return PrivateGroupKeys(m.parameters(), lr=0.1, momentum=0.9)
 
-    torch.manual_seed(0)
-    ref = Net()
-    ref_opt = make(ref)
-    train(ref, ref_opt, 3)
-    torch.manual_seed(0)
-    src = Net()
-    src_opt = make(src)
-    train(src, src_opt, 2)
+    ref, src, src_opt = _uninterrupted_and_source(make, 3, 2)
     saved = impl.get_optimizer_state_dict(src, src_opt)
     assert "_shapes" not in saved["param_groups"][0] and saved["param_groups"][0]["steps_taken"] == 2
     dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
