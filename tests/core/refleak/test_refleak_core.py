@@ -640,12 +640,21 @@ def _():
     C.str_key_twins({"a": {_BadStr(): 1}})
 
 
+def _nested(depth):
+    deep: dict = {0: 1}
+    for _ in range(depth):
+        deep = {"x": deep}
+    return deep
+
+
+# deeper than any CPython's C recursion limit; built once (a debug
+# interpreter's collections walk it at every allocation burst)
+_DEEP = _nested(20_000)
+
+
 @case("str_key_twins", "too-deep", RecursionError)
 def _():
-    deep: dict = {0: 1}
-    for _ in range(100_000):
-        deep = {"x": deep}
-    C.str_key_twins({"a": deep})
+    C.str_key_twins({"a": _DEEP})
 
 
 @case("tensors_to", "ok")
