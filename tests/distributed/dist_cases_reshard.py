@@ -406,9 +406,11 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     """Rank 0 is SIGKILLed during a reshard (FSDP2 ``Shard(0)`` -> TP
     ``Shard(1)``, 256-byte buckets: several per peer): ``when`` "mid" in its
     third ``batch_isend_irecv``, "after" once its whole transfer is done
-    (before the last all_reduce).  The survivors raise the backend's
-    error within the group's timeout (10 s); with the undo log (``undo``
-    "1", the default) their templates are as before the call."""
+    (before the last all_reduce); "dense": 1 MiB shards in the default
+    bucket, one ``all_to_all_single`` each -- killed as it issues the
+    third (the first two have written the survivors' templates in place).  The survivors raise the
+    backend's error within the group's timeout (10 s); with the undo log
+    (``undo`` "1", the default) their templates are as before the call."""
     import datetime
     import signal
     import time
@@ -418,16 +420,28 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
     os.environ[_distribute.UNDO_ENV] = undo
     mesh = init_device_mesh("cpu", (ws,))
-    src = {f"t{i}": distribute_tensor(torch.randn(48, 36, generator=torch.Generator().manual_seed(i)),
-                                      mesh, [Shard(0)]) for i in range(3)}
-    tmpl = {k: distribute_tensor(torch.full((48, 36), -1.0), mesh, [Shard(1)]) for k in src}
-    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)  # gloo's pairs connected
+    shape, bucket = ((256 * ws, 1024), None) if when == "dense" else ((48, 36), 256)
+    src = {f"t{i}": distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(i)),
+                                      mesh, [Shard(0)]) for i in range(4)}
+    tmpl = {k: distribute_tensor(torch.full(shape, -1.0), mesh, [Shard(1)]) for k in src}
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)  # gloo's pairs connected
     for t in tmpl.values():
         t.to_local().fill_(-1.0)
     before = _local_tree(tmpl)
     dist.barrier()
     if rank == 0:
-        if when == "mid":
+        if when == "dense":
+            calls = [0]
+            original_a2a = dist.all_to_all_single
+
+            def dying_a2a(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original_a2a(*args, **kwargs)
+
+            dist.all_to_all_single = dying_a2a
+        elif when == "mid":
             calls = [0]
             original = dist.batch_isend_irecv
 
@@ -448,7 +462,7 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
             engine._transfer = transferred_then_dying
     t0 = time.monotonic()
     try:
-        dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+        dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)
         result = "ok"
     except Exception as exc:  # noqa: BLE001 - the verdict is returned
         result = f"{type(exc).__name__}: {exc}"
