@@ -134,6 +134,19 @@ def template(kind: str, ws: int, flatten: bool):
     return model, optim, {"model": msd, "optim": osd}
 
 
+_MESH_RANKS: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    """A mesh's ranks in row-major order, once per mesh object (torch
+    rebuilds ``DeviceMesh.mesh`` on every access: most of the matrix's
+    comparison time); the mesh is kept with them, so its id is not reused."""
+    hit = _MESH_RANKS.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = _MESH_RANKS[id(mesh)] = (mesh, tuple(mesh.mesh.reshape(-1).tolist()))
+    return hit[1]
+
+
 def _local_tree(tree: Any) -> Any:
     """DTensors as (placements, mesh ranks, local shard): what each rank
     holds, compared exactly."""
@@ -142,7 +155,7 @@ def _local_tree(tree: Any) -> Any:
     if isinstance(tree, DTensor):
         return (
             tuple(str(p) for p in tree.placements),
-            tuple(tree.device_mesh.mesh.reshape(-1).tolist()),
+            _mesh_ranks(tree.device_mesh),
             tuple(tree.shape),
             tree.to_local().detach().clone(),
         )
@@ -153,17 +166,22 @@ def _local_tree(tree: Any) -> Any:
 
 def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KINDS) -> list[str]:
     """Every (source, destination) pair: reshard_state_dict's result equals
-    dcp.save + dcp.load into the same template, bit for bit."""
+    dcp.save + dcp.load into the same template, bit for bit.  Each
+    destination's two templates (DCP's and reshard's) are built once and
+    poisoned before every source (``_poison``: a tensor neither writes
+    fails the comparison)."""
     done = []
+    templates = {d: (template(d, ws, flatten)[2], template(d, ws, flatten)[2]) for d in dests}
     for src_kind in sources:
         _, _, src = trained_state(src_kind, ws, flatten)
         ckpt = os.path.join(path, f"{src_kind}-{int(flatten)}")
         dcp.save(src, checkpoint_id=ckpt)
         before = _local_tree(src)
         for dst_kind in dests:
-            _, _, expected = template(dst_kind, ws, flatten)
+            expected, tmpl = templates[dst_kind]
+            _poison(expected)
+            _poison(tmpl)
             dcp.load(expected, checkpoint_id=ckpt)
-            _, _, tmpl = template(dst_kind, ws, flatten)
             agreed = engine.agreement_info()
             got = dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
             # every rank passes both dicts and the layouts agree: the
@@ -181,6 +199,20 @@ def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KI
         assert_same_tree(before, _local_tree(src))  # the source is untouched
     dist.barrier()
     return done
+
+
+def _poison(tree: Any) -> None:
+    """Every tensor of ``tree`` (a DTensor's local shard) set to a value no
+    load gives: NaN (unequal to itself, so ``torch.equal`` fails on it),
+    -7 for integers, True for booleans."""
+    if isinstance(tree, dict):
+        for v in tree.values():
+            _poison(v)
+        return
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if isinstance(tree, DTensor) else tree
+        with torch.no_grad():
+            local.fill_(float("nan") if local.is_floating_point() else (True if local.dtype == torch.bool else -7))
 
 
 def fsdp1_source(rank: int, ws: int, path: str, flatten: bool, dests=KINDS) -> list[str]:
