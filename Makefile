@@ -64,6 +64,14 @@ venv: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $(BUILT)
+
+# The marker of the last `make build` (.ci/run's side chain waits for it,
+# then makes test-early, which must not build again: rewriting the core in
+# place under the main chain's running tests would crash them).
+BUILT := .build-done
+$(BUILT):
+	$(MAKE) build
 
 build-debug: $(STAMP)
 	DCP_OPTIM_DEBUG=1 $(PY) setup.py -q build_ext --inplace --force
@@ -73,7 +81,12 @@ build-debug: $(STAMP)
 # and `make test-apart` runs it: CI runs it beside lint, whose phase
 # leaves a core mostly idle.  Without it `make test` is the whole suite.
 TEST_APART := tests/distributed/test_resume_matrix.py::test_resume_matrix_world2_fsdp2
-TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART),--deselect $(t)))
+# TEST_EARLY: likewise left out, and run by `make test-early`, which CI
+# runs in the first phase, beside make test-torchrun, once that has built
+# the package (the benchmarks' real-flows smoke test: its own launches,
+# about 100 s, one core).
+TEST_EARLY := tests/distributed/test_flows_bench.py
+TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART) $(TEST_EARLY),--deselect $(t)))
 # TEST_SPLIT=1 also leaves out the distributed tests that passed whole in
 # this checkout's last `make test-torchrun` (tests/conftest.py: the file
 # TORCHRUN_PASSED, which make test-torchrun writes afresh): CI runs that
@@ -83,9 +96,13 @@ test: build
 	$(if $(TEST_SPLIT),DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED)) \
 	    $(PY) -m pytest -q --durations=25 $(TEST_DESELECT) tests
 
-.PHONY: test-apart
+.PHONY: test-apart test-early
 test-apart: build
 	$(PY) -m pytest -q --durations=5 $(TEST_APART)
+
+# against the last `make build` (BUILT), without building again
+test-early: $(BUILT)
+	$(PY) -m pytest -q --durations=5 $(TEST_EARLY)
 
 test-fast: build
 	$(PY) -m pytest -q -m "not dist and not slow" tests
@@ -393,7 +410,7 @@ test-wheel: $(STAMP)
 	@grep -q "License-Expression: BSD-3-Clause" $(WHEEL_DIR)/venv/lib/python*/site-packages/dcp_optim-*.dist-info/METADATA \
 	    || { echo "test-wheel: no SPDX license in the wheel's metadata" >&2; exit 1; }
 
-CI_TARGETS := test-torchrun lint test test-asan test-apart test-refleak test-valgrind test-pyversions test-wheel
+CI_TARGETS := test-torchrun lint test test-asan test-apart test-early test-refleak test-valgrind test-pyversions test-wheel
 ci: export TEST_SPLIT := 1
 ci: $(CI_TARGETS)
 
