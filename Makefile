@@ -83,9 +83,11 @@ build-debug: $(STAMP)
 TEST_APART := tests/distributed/test_resume_matrix.py::test_resume_matrix_world2_fsdp2
 # TEST_EARLY: likewise left out, and run by `make test-early`, which CI
 # runs in the first phase, beside make test-torchrun, once that has built
-# the package (the benchmarks' real-flows smoke test: its own launches,
-# about 100 s, one core).
-TEST_EARLY := tests/distributed/test_flows_bench.py
+# the package: the benchmarks' real-flows smoke test (its own launches,
+# about 120 s) and the resume matrix at world 1 (about 50 s), which fit in
+# that phase's idle time.
+TEST_EARLY := tests/distributed/test_flows_bench.py \
+              tests/distributed/test_resume_matrix.py::test_resume_matrix_world1
 TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART) $(TEST_EARLY),--deselect $(t)))
 # TEST_SPLIT=1 also leaves out the distributed tests that passed whole in
 # this checkout's last `make test-torchrun` (tests/conftest.py: the file
