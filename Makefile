@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	# "torch" requirement anywhere would pull a several-GB CUDA build.
 	# --no-compile: pip would byte-compile every file it installs (torch,
 	# transformers and lightning hold thousands); Python compiles what the
-	# tests import, on first import.  One call instead of one per group
-	# took the venv from about 185 s to 66 s here, with the same freeze.
+	# tests import, on first import (see the warm-up below).  One call
+	# instead of one per group took pip from about 185 s to 57-66 s here,
+	# with the same versions.
 	#   numpy, pytest, pytest-timeout, hypothesis: the test suite;
 	#   accelerate: the client test drives its FSDP save/load helpers;
 	#   matplotlib: the benchmark plot;
@@ -48,8 +49,8 @@ $(STAMP): pyproject.toml Makefile
 	    build
 	# Bytecode, once, for what the test processes import, so that no process
 	# compiles torch again (every one would where PYTHONDONTWRITEBYTECODE is
-	# set, as on some CI runners): about 27 s here against 60 s for
-	# compiling all of site-packages.
+	# set in the environment, as in this project's sandbox shell): about
+	# 27 s here against 60 s for compiling all of site-packages.
 	PYTHONDONTWRITEBYTECODE= $(PY) -c "import torch, torch.distributed.checkpoint.state_dict, \
 	    torch.distributed.fsdp, torch.distributed.tensor.parallel, torch.multiprocessing, \
 	    torch.testing._internal.distributed.fake_pg, torch.distributed._shard.sharded_tensor, \
