@@ -168,8 +168,9 @@ def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KI
     """Every (source, destination) pair: reshard_state_dict's result equals
     dcp.save + dcp.load into the same template, bit for bit.  Each
     destination's two templates (DCP's and reshard's) are built once and
-    poisoned before every source (``_poison``: a tensor neither writes
-    fails the comparison)."""
+    poisoned before every source (``_poison``): a tensor that DCP writes
+    and reshard leaves alone fails the comparison, whatever the previous
+    source wrote there."""
     done = []
     templates = {d: (template(d, ws, flatten)[2], template(d, ws, flatten)[2]) for d in dests}
     for src_kind in sources:
@@ -203,8 +204,8 @@ def matrix(rank: int, ws: int, path: str, flatten: bool, sources=KINDS, dests=KI
 
 def _poison(tree: Any) -> None:
     """Every tensor of ``tree`` (a DTensor's local shard) set to a value no
-    load gives: NaN (unequal to itself, so ``torch.equal`` fails on it),
-    -7 for integers, True for booleans."""
+    load of these checkpoints gives: NaN (its bits differ from any loaded
+    float), -7 for integers, True for booleans."""
     if isinstance(tree, dict):
         for v in tree.values():
             _poison(v)
@@ -440,9 +441,10 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     third ``batch_isend_irecv``, "after" once its whole transfer is done
     (before the last all_reduce); "dense": 1 MiB shards in the default
     bucket, one ``all_to_all_single`` each -- killed as it issues the
-    third (the first two have written the survivors' templates in place).  The survivors raise the
-    backend's error within the group's timeout (10 s); with the undo log
-    (``undo`` "1", the default) their templates are as before the call."""
+    third (the first two have written the survivors' templates in place).
+    The survivors raise the backend's error within the group's timeout
+    (10 s); with the undo log (``undo`` "1", the default) their templates
+    are as before the call."""
     import datetime
     import signal
     import time
@@ -462,28 +464,19 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     before = _local_tree(tmpl)
     dist.barrier()
     if rank == 0:
-        if when == "dense":
+        if when in ("dense", "mid"):
+            # the collective of that path: killed as it is called the third time
+            name = "all_to_all_single" if when == "dense" else "batch_isend_irecv"
             calls = [0]
-            original_a2a = dist.all_to_all_single
+            original = getattr(dist, name)
 
-            def dying_a2a(*args, **kwargs):
+            def dying(*args, **kwargs):
                 calls[0] += 1
                 if calls[0] == 3:
                     os.kill(os.getpid(), signal.SIGKILL)
-                return original_a2a(*args, **kwargs)
+                return original(*args, **kwargs)
 
-            dist.all_to_all_single = dying_a2a
-        elif when == "mid":
-            calls = [0]
-            original = dist.batch_isend_irecv
-
-            def dying(ops):
-                calls[0] += 1
-                if calls[0] == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return original(ops)
-
-            dist.batch_isend_irecv = dying
+            setattr(dist, name, dying)
         else:
             transfer = engine._transfer
 

@@ -90,15 +90,16 @@ def test_peak_memory_is_two_buckets_and_the_undo_log(undo, rows):
         assert r["kept_peak_delta"] <= 12 * 2**20, r
 
 
-@pytest.mark.parametrize(("ws", "when", "undo"), [(3, "mid", "1"), (3, "mid", "0"), (2, "after", "1"),
-                                             (2, "dense", "1"), (4, "dense", "0")])
+@pytest.mark.parametrize(("ws", "when", "undo"),
+                         [(3, "mid", "1"), (3, "mid", "0"), (2, "after", "1"), (2, "dense", "1"), (4, "dense", "0")])
 def test_a_rank_killed_during_the_transfer(ws, when, undo):
     """Rank 0 SIGKILLed in its third bucket ("mid"), or after its whole
     transfer but before the last all_reduce ("after": the survivor has
     received everything, and would return a written template without that
     agreement), or as it issues its third dense collective ("dense": the
-    first two wrote the survivors' shards in place): every survivor raises within the group's 10 s timeout;
-    with the undo log (the default) its template is as before the call,
+    first two wrote the survivors' shards in place): every survivor raises
+    within the group's 10 s timeout; with the undo log (the default) its
+    template is as before the call,
     without it (DCP_OPTIM_STREAM_UNDO=0) the buckets received so far
     stay written."""
     with pytest.raises(AssertionError) as info:
