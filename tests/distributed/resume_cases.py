@@ -6,7 +6,8 @@ torch.optim and the wrappers), torchao's low-bit AdamWs, LBFGS and
 accelerate's ``AcceleratedOptimizer``, in both formats, the whole flow
 users run:
 
-1. the uninterrupted run: ``STEPS + RESUMED`` steps;
+1. the uninterrupted run: ``STEPS + RESUMED`` steps (once per case: it
+   does not depend on the format);
 2. the interrupted run: ``STEPS`` steps, ``get_optimizer_state_dict``,
    ``dcp.save``;
 3. a fresh model (the trained weights loaded) and a never-stepped
@@ -248,8 +249,8 @@ def _train(model, opt, steps: range, mode: str | None, world: int) -> str | None
     return None
 
 
-def run_case(name: str, case: dict[str, Any], fmt: str, world: int, root: str) -> tuple[str, str]:
-    """(verdict, reason) of one case in one format."""
+def _case_mesh(world: int) -> Any:
+    """The mesh the cases run on (None at world 1)."""
     mesh = None
     if world > 1:
         # the cases' collectives on a group of their own, with a short
@@ -267,30 +268,51 @@ def run_case(name: str, case: dict[str, Any], fmt: str, world: int, root: str) -
             _GROUP["mesh"] = DeviceMesh.from_group(
                 dist.new_group(backend="gloo", timeout=CASE_TIMEOUT), "cpu", mesh_dim_names=(f"case{_GROUP['n']}",))
         mesh = _GROUP["mesh"]
-    verdict, reason = _run_case(name, case, fmt, world, root, mesh)
-    if verdict != "resumed":
-        _GROUP.pop("mesh", None)
-    return verdict, reason
+    return mesh
 
 
 _GROUP: dict[str, Any] = {}  # "mesh": the cases' mesh, "n": meshes made
 
 
-def _run_case(name, case, fmt, world, root, mesh) -> tuple[str, str]:
-    options = FORMATS[fmt]
-    mode = case["mode"]
-    # 1. the uninterrupted run
+def run_case(name: str, case: dict[str, Any], world: int, root: str) -> list[tuple[str, str]]:
+    """[(verdict, reason)] of one case, one per format (FORMATS' order).
+
+    The uninterrupted run does not depend on the format: it runs once, and
+    both formats' resumes are compared with it."""
+    expected, failure = _uninterrupted(case, world, _case_mesh(world))
+    if failure is not None:
+        _GROUP.pop("mesh", None)
+        return [("not run", f"the uninterrupted run fails: {failure}")] * len(FORMATS)
+    verdicts = []
+    for fmt in FORMATS:
+        if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
+            with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{dist.get_rank() if world > 1 else 0}", "a") as trace:
+                print(name, fmt, flush=True, file=trace)
+        verdict, reason = _resume(name, case, fmt, world, root, _case_mesh(world), expected)
+        if verdict != "resumed":
+            _GROUP.pop("mesh", None)
+        verdicts.append((verdict, reason))
+    return verdicts
+
+
+def _uninterrupted(case, world, mesh) -> tuple[dict[str, torch.Tensor], str | None]:
+    """1. the uninterrupted run: its parameters, or why it fails."""
     failure = None
     try:
         ref_model, ref_opt = _build(case, world, mesh=mesh)
     except _ERRORS as exc:  # noqa: BLE001 - a verdict
         failure = _reason(exc)
-    failure = _agree(world, failure) or _train(ref_model, ref_opt, range(STEPS + RESUMED), mode, world)
+    failure = _agree(world, failure) or _train(ref_model, ref_opt, range(STEPS + RESUMED), case["mode"], world)
     if failure is not None:
-        return "not run", f"the uninterrupted run fails: {failure}"
-    expected = _params(ref_model)
-    del ref_model, ref_opt
-    # 2. + 3. interrupt, save, resume into a never-stepped optimizer
+        return {}, failure
+    return _params(ref_model), None
+
+
+def _resume(name, case, fmt, world, root, mesh, expected) -> tuple[str, str]:
+    """2. + 3. + 4. interrupt, save, resume into a never-stepped optimizer,
+    train on; the verdict against the uninterrupted run's ``expected``."""
+    options = FORMATS[fmt]
+    mode = case["mode"]
     path = os.path.join(root, f"{name}-{fmt}".replace("/", "_"))
     model, opt = _build(case, world, mesh=mesh)
     failure = _train(model, opt, range(STEPS), mode, world)
@@ -358,15 +380,11 @@ def run_matrix(rank: int, world: int, names: list[str], root: str) -> list[tuple
             for fmt in FORMATS:
                 out.append((name, fmt, "not run", case["skip"]))
             continue
-        for fmt in FORMATS:
-            if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
-                with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{rank}", "a") as trace:
-                    print(name, fmt, flush=True, file=trace)
-            try:
-                verdict, reason = run_case(name, case, fmt, world, root)
-            except Exception as exc:  # noqa: BLE001 - the harness itself broke: a failure
-                verdict, reason = "diverged", "matrix error: " + _reason(exc) + " " + traceback.format_exc()[-400:]
-            out.append((name, fmt, verdict, reason))
+        try:
+            verdicts = run_case(name, case, world, root)
+        except Exception as exc:  # noqa: BLE001 - the harness itself broke: a failure
+            verdicts = [("diverged", "matrix error: " + _reason(exc) + " " + traceback.format_exc()[-400:])] * len(FORMATS)
+        out.extend((name, fmt, verdict, reason) for fmt, (verdict, reason) in zip(FORMATS, verdicts))
         if rank == 0:
             shutil.rmtree(os.path.join(root), ignore_errors=True)
             os.makedirs(root, exist_ok=True)
