@@ -95,8 +95,15 @@ TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART) $(TEST_EARLY),--des
 # TORCHRUN_PASSED, which make test-torchrun writes afresh): CI runs that
 # first, so each of those bodies runs once, on torchrun's process group.
 TORCHRUN_PASSED := $(CURDIR)/.torchrun-passed
+# TEST_SPLIT=1 leaves out, last, the tests the sanitizer runs
+# (test-asan-suite and test-asan-tools, in the same CI run: ASAN_TESTS
+# less the ASAN_LEFT_OUT markers; tests/conftest.py): there the same
+# assertions run on the ASan+UBSan build of the core, with its C asserts
+# on.  The release build is what test-torchrun, test-early, test-apart,
+# the rest of make test and test-wheel run.
 test: build
-	$(if $(TEST_SPLIT),DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED)) \
+	$(if $(TEST_SPLIT),DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED) \
+	    DCP_OPTIM_SANITIZED_TESTS="$(ASAN_TESTS)" DCP_OPTIM_SANITIZED_LEFT_OUT="$(ASAN_LEFT_OUT)") \
 	    $(PY) -m pytest -q --durations=25 $(TEST_DESELECT) tests
 
 .PHONY: test-apart test-early
@@ -197,7 +204,9 @@ clean:
 #                       tests (tests/core/test_cpylint.py), ruff, mypy
 #   make format         clang-format -i on csrc/ (rewrites files)
 #   make build-asan     ASan+UBSan build of the core into build/asan/
-#   make test-asan      the single-process suite on the ASan build
+#   make test-asan      the single-process suite on the ASan build (built
+#                       afresh); CI makes its two parts, test-asan-suite
+#                       and test-asan-tools, against the last build-asan
 #   make build-refleak  debug build of the core for python3.11d
 #   make test-refleak   refcount-leak checks of every C entry point on the
 #                       debug interpreter (torch-free, fake classes)
@@ -213,8 +222,6 @@ CLANG_FORMAT ?= clang-format
 CPPCHECK     ?= cppcheck
 TIDY_JOBS    ?= 2
 RUFF_PATHS   ?= dcp_optim tests benchmarks tools setup.py
-# Single-process part of the suite (what runs under the sanitizers).
-UNIT_MARK    ?= not dist and not slow
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 # ASan + UBSan: a separate build directory (the in-place release .so stays
@@ -294,6 +301,14 @@ build-asan: $(STAMP)
 	    --build-lib $(ASAN_DIR) --build-temp $(ASAN_DIR)/tmp
 	cd dcp_optim && find . -name __pycache__ -prune -o -type f ! -name '*.so' \
 	    -exec cp -p --parents {} $(CURDIR)/$(ASAN_DIR)/dcp_optim/ \;
+	touch $(ASAN_BUILT)
+
+# The marker of the last build-asan: CI builds it once, beside lint, and
+# then makes test-asan-suite and test-asan-tools at the same time, which
+# must not build again (each would rewrite the core under the other).
+ASAN_BUILT := $(ASAN_DIR)/.built
+$(ASAN_BUILT):
+	$(MAKE) build-asan
 
 # The folders that drive the C core from one process (tests/core,
 # tests/unit) and the tools' tests that feed it checkpoint keys and shard
@@ -301,20 +316,41 @@ build-asan: $(STAMP)
 # tools' tests (trainers, patch(), the GPU script), tests/gpu's CPU bodies
 # and the local tests among tests/distributed reach the core through the
 # same entry points and run in make test (a third of the sanitizer's time).
-ASAN_TESTS   ?= tests/core tests/unit tests/tools/test_hostile_checkpoints.py \
-                tests/tools/test_fuzz_checkpoints.py tests/tools/test_cli.py tests/tools/test_convert.py
-# process_bounds: the hostile-checkpoint tests that time fresh CLI processes
-# against a baseline (about a third of the run under the sanitizer);
-# the in-process hostile and fuzz tests drive the same code under it.
+# Two parts, which CI runs side by side: about three quarters of the time
+# and one quarter.
+ASAN_SUITE_TESTS := tests/core tests/unit
+ASAN_TOOLS_TESTS := tests/tools/test_hostile_checkpoints.py tests/tools/test_fuzz_checkpoints.py \
+                    tests/tools/test_cli.py tests/tools/test_convert.py
+ASAN_TESTS   := $(ASAN_SUITE_TESTS) $(ASAN_TOOLS_TESTS)
+# The markers of the tests among ASAN_TESTS that the sanitizer leaves to
+# make test.  process_bounds: the hostile-checkpoint tests that time fresh
+# CLI processes against a baseline (about a third of the run under the
+# sanitizer); the in-process hostile and fuzz tests drive the same code
+# under it.
+ASAN_LEFT_OUT := dist slow process_bounds
+ASAN_MARK      = $(wordlist 2,100,$(foreach m,$(ASAN_LEFT_OUT),and not $(m)))
 # LD_PRELOAD goes on the real interpreter binary (.venv/bin/python is a
 # symlink to it), never on a shell shim.  --capture=sys: with pytest's
 # default fd capture a sanitizer report written to fd 2 lands in the
 # capture file and is lost when the process dies.
-test-asan: build-asan
-	$(ASAN_ENV) $(PY) -c "import dcp_optim._dcp_optim as m; \
-	    assert m.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), m.__file__"
+asan_pytest = $(ASAN_ENV) $(PY) -c "import dcp_optim._dcp_optim as m; \
+	    assert m.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), m.__file__" && \
 	$(ASAN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) --capture=sys --import-mode=append \
-	    -m "$(UNIT_MARK) and not process_bounds" $(ASAN_TESTS)
+	    -m "$(ASAN_MARK)" $(1)
+
+.PHONY: test-asan-suite test-asan-tools asan-selection
+# ASAN_TESTS, ASAN_LEFT_OUT and the -m expression, for tests/tools/test_ci_split.py
+asan-selection:
+	@echo '$(ASAN_TESTS)|$(ASAN_LEFT_OUT)|$(ASAN_MARK)'
+
+test-asan: build-asan
+	$(call asan_pytest,$(ASAN_TESTS))
+
+test-asan-suite: $(ASAN_BUILT)
+	$(call asan_pytest,$(ASAN_SUITE_TESTS))
+
+test-asan-tools: $(ASAN_BUILT)
+	$(call asan_pytest,$(ASAN_TOOLS_TESTS))
 
 # Debian's interpreters come with setuptools 66, which rejects pyproject.toml's
 # SPDX `license` string (PEP 639, setuptools 77): the core alone is built
@@ -413,7 +449,8 @@ test-wheel: $(STAMP)
 	@grep -q "License-Expression: BSD-3-Clause" $(WHEEL_DIR)/venv/lib/python*/site-packages/dcp_optim-*.dist-info/METADATA \
 	    || { echo "test-wheel: no SPDX license in the wheel's metadata" >&2; exit 1; }
 
-CI_TARGETS := test-torchrun lint test test-asan test-apart test-early test-refleak test-valgrind test-pyversions test-wheel
+CI_TARGETS := test-torchrun lint test build-asan test-asan-suite test-asan-tools test-apart test-early \
+              test-refleak test-valgrind test-pyversions test-wheel
 ci: export TEST_SPLIT := 1
 ci: $(CI_TARGETS)
 

@@ -63,6 +63,22 @@ def pytest_runtest_logreport(report):
             f.write(report.nodeid + "\n")
 
 
+# CI's split, second part: `make test` also leaves out the tests that the
+# sanitizer's run (make test-asan-suite and test-asan-tools, in the same CI
+# run) makes on the ASan+UBSan build of the core: those under the paths
+# in DCP_OPTIM_SANITIZED_TESTS that carry none of the markers in
+# DCP_OPTIM_SANITIZED_LEFT_OUT (the Makefile's ASAN_TESTS and ASAN_LEFT_OUT,
+# from which it builds the sanitizer's -m expression).
+SANITIZED_TESTS = os.environ.get("DCP_OPTIM_SANITIZED_TESTS", "").split()
+SANITIZED_LEFT_OUT = os.environ.get("DCP_OPTIM_SANITIZED_LEFT_OUT", "").split()
+
+
+def _sanitizer_runs(item) -> bool:
+    path = item.nodeid.split("::", 1)[0]
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in SANITIZED_TESTS) and \
+        not any(item.get_closest_marker(m) is not None for m in SANITIZED_LEFT_OUT)
+
+
 def _passed_under_torchrun() -> set[str]:
     if TORCHRUN or not TORCHRUN_PASSED or not os.path.exists(TORCHRUN_PASSED):
         return set()
@@ -93,19 +109,27 @@ def pytest_collection_modifyitems(config, items):
     group and act collectively (DCP does), and it runs in ``make test``.
     Selected by marker (``dist`` and not ``local``), never by reading the
     tests' source.  CI's ``make test`` leaves out what passed under
-    torchrun (``TORCHRUN_PASSED``)."""
+    torchrun (``TORCHRUN_PASSED``) and what the sanitizer runs
+    (``SANITIZED_TESTS``)."""
     keep, drop = [], []
     opted_in = "torchrun" in (config.option.markexpr or "")
     ran = _passed_under_torchrun()
+    sanitized = 0
     for item in items:
         if item.get_closest_marker("torchrun") is not None:
             ok = opted_in and not TORCHRUN
         else:
             ok = (not TORCHRUN or _runs_on_ranks(item)) and item.nodeid not in ran
+        if ok and SANITIZED_TESTS and _sanitizer_runs(item):
+            ok = False
+            sanitized += 1
         (keep if ok else drop).append(item)
     if ran:
         print(f"\n{sum(item.nodeid in ran for item in items)} tests left out: they passed under torchrun "
               f"({TORCHRUN_PASSED})")
+    if SANITIZED_TESTS:
+        print(f"\n{sanitized} tests left out: the sanitizer's run makes them ({' '.join(SANITIZED_TESTS)}, "
+              f"less the markers {' '.join(SANITIZED_LEFT_OUT) or '(none)'})")
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
