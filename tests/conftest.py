@@ -69,8 +69,10 @@ def pytest_runtest_logreport(report):
 # in DCP_OPTIM_SANITIZED_TESTS that carry none of the markers in
 # DCP_OPTIM_SANITIZED_LEFT_OUT (the Makefile's ASAN_TESTS and ASAN_LEFT_OUT,
 # from which it builds the sanitizer's -m expression).
-SANITIZED_TESTS = os.environ.get("DCP_OPTIM_SANITIZED_TESTS", "").split()
-SANITIZED_LEFT_OUT = os.environ.get("DCP_OPTIM_SANITIZED_LEFT_OUT", "").split()
+# Taken out of the environment: the pytest runs that tests start themselves
+# (tools/gpu-check.sh's, tests/tools/test_ci_split.py's) select their own.
+SANITIZED_TESTS = os.environ.pop("DCP_OPTIM_SANITIZED_TESTS", "").split()
+SANITIZED_LEFT_OUT = os.environ.pop("DCP_OPTIM_SANITIZED_LEFT_OUT", "").split()
 
 
 def _sanitizer_runs(item) -> bool:

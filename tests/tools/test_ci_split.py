@@ -28,8 +28,11 @@ FILES = [
 
 
 def _env() -> dict[str, str]:
+    # make's own variables, and CI's other split (DCP_OPTIM_TORCHRUN_PASSED
+    # would leave out what passed under torchrun)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS") and not k.startswith("DCP_OPTIM_SANITIZED")}
+           if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "DCP_OPTIM_TORCHRUN_PASSED")
+           and not k.startswith("DCP_OPTIM_SANITIZED")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
