@@ -96,7 +96,7 @@ TEST_DESELECT = $(if $(TEST_SPLIT),$(foreach t,$(TEST_APART) $(TEST_EARLY),--des
 # first, so each of those bodies runs once, on torchrun's process group.
 TORCHRUN_PASSED := $(CURDIR)/.torchrun-passed
 # TEST_SPLIT=1 leaves out, last, the tests the sanitizer runs
-# (test-asan-suite and test-asan-tools, in the same CI run: ASAN_TESTS
+# (test-asan-suite and test-asan-hostile, in the same CI run: ASAN_TESTS
 # less the ASAN_LEFT_OUT markers; tests/conftest.py): there the same
 # assertions run on the ASan+UBSan build of the core, with its C asserts
 # on.  The release build is what test-torchrun, test-early, test-apart,
@@ -206,7 +206,7 @@ clean:
 #   make build-asan     ASan+UBSan build of the core into build/asan/
 #   make test-asan      the single-process suite on the ASan build (built
 #                       afresh); CI makes its two parts, test-asan-suite
-#                       and test-asan-tools, against the last build-asan
+#                       and test-asan-hostile, against the last build-asan
 #   make build-refleak  debug build of the core for python3.11d
 #   make test-refleak   refcount-leak checks of every C entry point on the
 #                       debug interpreter (torch-free, fake classes)
@@ -304,7 +304,7 @@ build-asan: $(STAMP)
 	touch $(ASAN_BUILT)
 
 # The marker of the last build-asan: CI builds it once, beside lint, and
-# then makes test-asan-suite and test-asan-tools at the same time, which
+# then makes test-asan-suite and test-asan-hostile at the same time, which
 # must not build again (each would rewrite the core under the other).
 ASAN_BUILT := $(ASAN_DIR)/.built
 $(ASAN_BUILT):
@@ -316,12 +316,13 @@ $(ASAN_BUILT):
 # tools' tests (trainers, patch(), the GPU script), tests/gpu's CPU bodies
 # and the local tests among tests/distributed reach the core through the
 # same entry points and run in make test (a third of the sanitizer's time).
-# Two parts, which CI runs side by side: about three quarters of the time
-# and one quarter.
-ASAN_SUITE_TESTS := tests/core tests/unit
-ASAN_TOOLS_TESTS := tests/tools/test_hostile_checkpoints.py tests/tools/test_fuzz_checkpoints.py \
-                    tests/tools/test_cli.py tests/tools/test_convert.py
-ASAN_TESTS   := $(ASAN_SUITE_TESTS) $(ASAN_TOOLS_TESTS)
+# Two parts, which CI runs side by side (CI27: 603 s and 141 s, the
+# second after make test's 547 s): the hostile-checkpoint tests, and the
+# rest.
+ASAN_HOSTILE_TESTS := tests/tools/test_hostile_checkpoints.py
+ASAN_SUITE_TESTS   := tests/core tests/unit tests/tools/test_fuzz_checkpoints.py \
+                      tests/tools/test_cli.py tests/tools/test_convert.py
+ASAN_TESTS   := $(ASAN_SUITE_TESTS) $(ASAN_HOSTILE_TESTS)
 # The markers of the tests among ASAN_TESTS that the sanitizer leaves to
 # make test.  process_bounds: the hostile-checkpoint tests that time fresh
 # CLI processes against a baseline (about a third of the run under the
@@ -338,7 +339,7 @@ asan_pytest = $(ASAN_ENV) $(PY) -c "import dcp_optim._dcp_optim as m; \
 	$(ASAN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) --capture=sys --import-mode=append \
 	    -m "$(ASAN_MARK)" $(1)
 
-.PHONY: test-asan-suite test-asan-tools asan-selection
+.PHONY: test-asan-suite test-asan-hostile asan-selection
 # ASAN_TESTS, ASAN_LEFT_OUT and the -m expression, for tests/tools/test_ci_split.py
 asan-selection:
 	@echo '$(ASAN_TESTS)|$(ASAN_LEFT_OUT)|$(ASAN_MARK)'
@@ -349,8 +350,8 @@ test-asan: build-asan
 test-asan-suite: $(ASAN_BUILT)
 	$(call asan_pytest,$(ASAN_SUITE_TESTS))
 
-test-asan-tools: $(ASAN_BUILT)
-	$(call asan_pytest,$(ASAN_TOOLS_TESTS))
+test-asan-hostile: $(ASAN_BUILT)
+	$(call asan_pytest,$(ASAN_HOSTILE_TESTS))
 
 # Debian's interpreters come with setuptools 66, which rejects pyproject.toml's
 # SPDX `license` string (PEP 639, setuptools 77): the core alone is built
@@ -449,7 +450,7 @@ test-wheel: $(STAMP)
 	@grep -q "License-Expression: BSD-3-Clause" $(WHEEL_DIR)/venv/lib/python*/site-packages/dcp_optim-*.dist-info/METADATA \
 	    || { echo "test-wheel: no SPDX license in the wheel's metadata" >&2; exit 1; }
 
-CI_TARGETS := test-torchrun lint test build-asan test-asan-suite test-asan-tools test-apart test-early \
+CI_TARGETS := test-torchrun lint test build-asan test-asan-suite test-asan-hostile test-apart test-early \
               test-refleak test-valgrind test-pyversions test-wheel
 ci: export TEST_SPLIT := 1
 ci: $(CI_TARGETS)

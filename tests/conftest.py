@@ -64,7 +64,7 @@ def pytest_runtest_logreport(report):
 
 
 # CI's split, second part: `make test` also leaves out the tests that the
-# sanitizer's run (make test-asan-suite and test-asan-tools, in the same CI
+# sanitizer's run (make test-asan-suite and test-asan-hostile, in the same CI
 # run) makes on the ASan+UBSan build of the core: those under the paths
 # in DCP_OPTIM_SANITIZED_TESTS that carry none of the markers in
 # DCP_OPTIM_SANITIZED_LEFT_OUT (the Makefile's ASAN_TESTS and ASAN_LEFT_OUT,

@@ -1,7 +1,7 @@
 """CI's split of the suite between `make test` and the sanitizer's run.
 
 Under ``TEST_SPLIT=1`` (``.ci/run``, ``make ci``), ``make test`` leaves out
-the tests that ``make test-asan-suite`` and ``make test-asan-tools`` make on
+the tests that ``make test-asan-suite`` and ``make test-asan-hostile`` make on
 the ASan build (tests/conftest.py, from the Makefile's ``ASAN_TESTS`` and
 ``ASAN_LEFT_OUT``).  If the two selections drifted apart, CI would run some
 tests twice or, worse, none of them at all.  Two collections (no test
