@@ -264,12 +264,13 @@ def mesh_all_gather_object(mesh: Any | None, obj: Any) -> tuple[list[Any], list[
     return flat, mesh.mesh.flatten().tolist()
 
 
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """``all_gather_into_tensor``.  torch 2.13 renamed it (the old name now
     warns) to ``all_gather_single``; older releases only have the former.
-    Looked up per call so that tools wrapping torch.distributed see it."""
+    Looked up per call so that tools wrapping torch.distributed see it.
+    Its work where ``async_op``."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def mesh_all_gather_bytes(mesh: Any | None, data: bytes) -> tuple[list[bytes], list[int]]:

@@ -441,7 +441,7 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     third ``batch_isend_irecv``, "after" once its whole transfer is done
     (before the last all_reduce); "dense": 1 MiB shards in the default
     bucket, one ``all_to_all_single`` each -- killed as it issues the
-    third (the first two have written the survivors' templates in place).
+    third (the first two, issued, write the survivors' templates in place).
     The survivors raise the backend's error within the group's timeout
     (10 s); with the undo log (``undo`` "1", the default) their templates
     are as before the call."""
