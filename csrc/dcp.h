@@ -24,6 +24,8 @@
  *   load_jobs.c  the job lists of model and optimizer full loads
  *   gather.c   full gathers: GatherPlan, packing and unpacking buckets
  *   fsdp1.c    FSDP1 flat-parameter <-> original-parameter mapping
+ *   model_save.c  nn.Module.state_dict() built natively, where torch's
+ *              call would run none of the model's own code
  *
  * Conventions (see docs/contributing.md): functions document their return
  * contract; "new reference or NULL with an exception set" unless said
@@ -104,7 +106,13 @@
     X(copy, "copy")                                  \
     X(metadata, "_metadata")                         \
     X(get, "get")                                    \
-    X(pop, "pop")
+    X(pop, "pop")                                    \
+    X(state_dict, "state_dict")                      \
+    X(save_to_sd, "_save_to_state_dict")             \
+    X(sd_pre_hooks, "_state_dict_pre_hooks")         \
+    X(sd_hooks, "_state_dict_hooks")                 \
+    X(version_attr, "_version")                      \
+    X(version, "version")
 
 /* The exception contract.  An error a caller can cause through the public
  * API (a wrong key, shape, dtype or type in a state dict, an unknown FQN,
@@ -176,24 +184,27 @@ dcp_get_state_by_type(PyTypeObject *tp)
  * torch.  One field list generates the struct, traverse, clear and the
  * constructor's keywords.
  */
-#define DCP_CONTEXT_FIELDS(X)                                            \
-    X(module_type)           /* torch.nn.Module */                       \
-    X(tensor_type)           /* torch.Tensor */                          \
-    X(dtensor_type)          /* DTensor class, or None */                \
-    X(ddp_types)             /* tuple: classes stripping "module." */    \
-    X(compiled_types)        /* tuple: classes stripping "_orig_mod." */ \
-    X(fsdp1_types)           /* tuple: FSDP1 FullyShardedDataParallel */ \
-    X(base_named_children)   /* nn.Module.named_children */              \
-    X(base_named_parameters) /* nn.Module.named_parameters */            \
-    X(base_named_buffers)    /* nn.Module.named_buffers */               \
-    X(base_get_extra_state)  /* nn.Module.get_extra_state */             \
-    X(extra_state_marker)    /* class of the _extra_state marker */      \
-    X(defaultdict_type)      /* collections.defaultdict */               \
-    X(dict_type)             /* dict (defaultdict's factory) */          \
-    X(float32)               /* torch.float32 */                         \
-    X(cpu_device)            /* torch.device("cpu") */                   \
-    X(bytesio_type)          /* io.BytesIO */                            \
-    X(deepcopy)              /* copy.deepcopy */
+#define DCP_CONTEXT_FIELDS(X)                                              \
+    X(module_type)             /* torch.nn.Module */                       \
+    X(tensor_type)             /* torch.Tensor */                          \
+    X(dtensor_type)            /* DTensor class, or None */                \
+    X(ddp_types)               /* tuple: classes stripping "module." */    \
+    X(compiled_types)          /* tuple: classes stripping "_orig_mod." */ \
+    X(fsdp1_types)             /* tuple: FSDP1 FullyShardedDataParallel */ \
+    X(base_named_children)     /* nn.Module.named_children */              \
+    X(base_named_parameters)   /* nn.Module.named_parameters */            \
+    X(base_named_buffers)      /* nn.Module.named_buffers */               \
+    X(base_get_extra_state)    /* nn.Module.get_extra_state */             \
+    X(extra_state_marker)      /* class of the _extra_state marker */      \
+    X(defaultdict_type)        /* collections.defaultdict */               \
+    X(dict_type)               /* dict (defaultdict's factory) */          \
+    X(float32)                 /* torch.float32 */                         \
+    X(cpu_device)              /* torch.device("cpu") */                   \
+    X(bytesio_type)            /* io.BytesIO */                            \
+    X(deepcopy)                /* copy.deepcopy */                         \
+    X(base_state_dict)         /* nn.Module.state_dict, or None */         \
+    X(base_save_to_state_dict) /* nn.Module._save_to_state_dict */         \
+    X(ordereddict_type)        /* collections.OrderedDict */
 
 typedef struct {
     PyObject_HEAD
@@ -470,6 +481,7 @@ extern PyMethodDef dcp_tree_methods[];           /* tree.c */
 extern PyMethodDef dcp_model_load_methods[];     /* model_load.c */
 extern PyMethodDef dcp_schema_methods[];         /* schema.c */
 extern PyMethodDef dcp_fsdp1_methods[];          /* fsdp1.c */
+extern PyMethodDef dcp_model_save_methods[];     /* model_save.c */
 extern PyMethodDef dcp_shard_geometry_methods[]; /* shard_geometry.c */
 extern PyMethodDef dcp_pack_methods[];           /* pack.c */
 extern PyMethodDef dcp_full_load_methods[];      /* full_load.c */

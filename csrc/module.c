@@ -127,6 +127,7 @@ dcp_module_exec(PyObject *module)
         dcp_model_load_methods,
         dcp_schema_methods,
         dcp_fsdp1_methods,
+        dcp_model_save_methods,
         dcp_shard_geometry_methods,
         dcp_pack_methods,
         dcp_full_load_methods,

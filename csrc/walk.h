@@ -1,8 +1,9 @@
 /* Declarations shared by the files of the module walk: walk.c (the walk
  * itself), model_index.c (the ModelIndex type it fills), walk_cache.c
- * (the walk trace that replays an unchanged tree) and walk_types.c (the
- * type facts both read).  Internal to those
- * four files; the rest of the core sees ModelIndex through dcp.h.
+ * (the walk trace that replays an unchanged tree), walk_types.c (the
+ * type facts both read) and model_save.c (the model state dict built
+ * natively, from the same type facts).  Internal to those five files;
+ * the rest of the core sees ModelIndex through dcp.h.
  */
 #ifndef DCP_WALK_H
 #define DCP_WALK_H
@@ -28,6 +29,10 @@ enum {
      * nn.Module's, or get_extra_state and set_extra_state are not both
      * overridden or both inherited.  Recorded in index->load_modules. */
     TF_LOAD_RULES = 1 << 10,
+    /* Saves by rules of its own: state_dict or _save_to_state_dict is not
+     * nn.Module's, or the class defines one of the state-dict hook
+     * registries (model_save.c then leaves the tree to torch). */
+    TF_SAVE_RULES = 1 << 11,
 };
 
 /* Types whose walk calls user code or depends on more than the module

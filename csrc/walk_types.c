@@ -110,6 +110,42 @@ type_has_load_rules(dcp_state *st,
     return (!same) != (get_overridden != 0);
 }
 
+/* 1 if instances of `tp` save by rules of their own (TF_SAVE_RULES):
+ * `state_dict` or `_save_to_state_dict` is not nn.Module's, or the class
+ * defines `_state_dict_pre_hooks` or `_state_dict_hooks` (torch reads
+ * them from the instance; a class attribute would shadow nothing and be
+ * what torch iterates when the instance has none).  0 if not, -1 on
+ * error.  Without the base methods in the Context (fake classes), every
+ * type counts as saving by its own rules. */
+static int
+type_has_save_rules(dcp_state *st, dcp_Context *ctx, PyTypeObject *tp)
+{
+    if (ctx->base_state_dict == Py_None ||
+        ctx->base_save_to_state_dict == Py_None) {
+        return 1;
+    }
+    int r = type_overrides(tp, st->str_state_dict, ctx->base_state_dict);
+    if (r == 0) {
+        r = type_overrides(
+            tp, st->str_save_to_sd, ctx->base_save_to_state_dict);
+    }
+    if (r != 0) {
+        return r;
+    }
+    PyObject *names[2] = {st->str_sd_pre_hooks, st->str_sd_hooks};
+    for (int i = 0; i < 2; i++) {
+        PyObject *found = dcp_type_lookup(tp, names[i]);
+        if (found != NULL) {
+            Py_DECREF(found);
+            return 1;
+        }
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* The TF_* flags of type(module) (>= TF_KNOWN), or -1 on error.  With
  * `plain_only`, a type without TF_PLAIN gets TF_KNOWN alone: the
  * isinstance() checks below read module.__class__, which such a type may
@@ -155,6 +191,10 @@ dcp_type_flags_compute(dcp_state *st,
         return -1;
     }
     flags |= r ? TF_LOAD_RULES : 0;
+    if ((r = type_has_save_rules(st, ctx, tp)) < 0) {
+        return -1;
+    }
+    flags |= r ? TF_SAVE_RULES : 0;
     if ((r = dcp_isinstance_any(module, ctx->ddp_types)) < 0) {
         return -1;
     }

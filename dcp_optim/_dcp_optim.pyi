@@ -98,6 +98,9 @@ class LoadPlan:
 def broadcast_jobs(meta: Any, full: Any, local: Any, device: Any, dtensor_cls: Any, tensor_cls: Any, /) -> Any:
     """The work list of a model broadcast."""
 
+def plain_state_dict(ctx: Any, model: Any, /) -> Any:
+    """model.state_dict() built natively where torch's call would run none of the model's code; else None."""
+
 def canonicalize_model_keys(ctx: Any, model: Any, state_dict: Any, modifiers_name: Any, /) -> Any:
     """Rename the keys of a fresh model.state_dict() to canonical FQNs, in place, as upstream does."""
 

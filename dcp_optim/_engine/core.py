@@ -11,6 +11,7 @@ import collections
 import copy
 import io
 import sys
+from typing import Any
 
 try:
     from .. import _dcp_optim as C
@@ -64,7 +65,19 @@ def _build(compiled_types: tuple[type, ...]) -> C.Context:
         cpu_device=torch.device("cpu"),
         bytesio_type=io.BytesIO,
         deepcopy=copy.deepcopy,
+        base_state_dict=_torch_own(nn.Module.state_dict),
+        base_save_to_state_dict=_torch_own(nn.Module._save_to_state_dict),
+        ordereddict_type=collections.OrderedDict,
     )
+
+
+def _torch_own(method: Any) -> Any:
+    """``method`` when it is torch's own ``nn.Module`` method, else None:
+    a library that replaced it on the class before this import would
+    otherwise count as torch's rules, and the native state dict
+    (``C.plain_state_dict``) would skip it.  None turns that path off."""
+    own = getattr(method, "__module__", None) == "torch.nn.modules.module"
+    return method if own and getattr(method, "__qualname__", "").startswith("Module.") else None
 
 
 _plain_context = _build(())

@@ -47,8 +47,13 @@ def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
         with resharded_on_failure(info), info.fsdp_context():
             state_dict = state_dict_fn(model, "state_dict")()
     else:
-        with info.fsdp_context():
-            state_dict = state_dict_fn(model, "state_dict")()
+        # torch's model.state_dict() built in C where that call would run
+        # none of the model's own code (no hooks, no overridden save
+        # methods: csrc/model_save.c); torch's call everywhere else
+        state_dict = C.plain_state_dict(context(), model)
+        if state_dict is None:
+            with info.fsdp_context():
+                state_dict = state_dict_fn(model, "state_dict")()
     if not _keys_are_canonical(info.index, state_dict):
         C.canonicalize_model_keys(context(), model, state_dict, info.dsd_fqn_modifiers)
     if info.submodule_prefixes:

@@ -243,6 +243,8 @@ class FakeDTensor(FakeTensor):
 class FakeModule:
     """The attributes and named_* methods of nn.Module that the walk reads."""
 
+    _version = 1
+
     def __init__(self):
         self._parameters = {}
         self._buffers = {}
@@ -250,6 +252,11 @@ class FakeModule:
         self._non_persistent_buffers_set = set()
         self._load_state_dict_pre_hooks = {}
         self._load_state_dict_post_hooks = {}
+        self._state_dict_pre_hooks = {}
+        self._state_dict_hooks = {}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        raise NotImplementedError  # the base method plain_state_dict compares with
 
     def __getattr__(self, name):
         # nn.Module's: registered members are attributes.

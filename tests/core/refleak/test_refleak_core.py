@@ -272,6 +272,46 @@ def _():
     C.get_fqns(CTX, MODEL, 5, "_fqn_modifiers", True, True)
 
 
+# the Context of the native model state dict: FakeModule's save methods
+# stand for nn.Module's
+SAVE_CTX = make_context(C, base_state_dict=fakes.FakeModule.state_dict,
+                        base_save_to_state_dict=fakes.FakeModule._save_to_state_dict,
+                        ordereddict_type=collections.OrderedDict)
+
+
+class _DetachFails(FakeTensor):
+    def detach(self):
+        raise ValueError("detach failed")
+
+
+@case("plain_state_dict", "ok")
+def _():
+    sd = C.plain_state_dict(SAVE_CTX, MODEL)
+    # torch's order: a module's own members before its children's
+    assert sorted(sd) == sorted(MODEL.state_dict()) and next(iter(sd)) == "running", list(sd)
+    assert list(sd._metadata) == ["", "a", "b"], sd._metadata
+
+
+@case("plain_state_dict", "not-plain")
+def _():
+    assert C.plain_state_dict(CTX, MODEL) is None  # no base methods: torch's call
+    hooked = small_model()
+    hooked._modules["b"]._state_dict_hooks[0] = print
+    assert C.plain_state_dict(SAVE_CTX, hooked) is None
+
+
+@case("plain_state_dict", "detach-raises", ValueError, "detach failed")
+def _():
+    m = small_model()
+    m._modules["a"]._parameters["weight"] = _DetachFails((2, 3))
+    C.plain_state_dict(SAVE_CTX, m)
+
+
+@case("plain_state_dict", "arity", TypeError, "takes exactly 2 arguments")
+def _():
+    C.plain_state_dict(SAVE_CTX)
+
+
 @case("canonicalize_model_keys", "ok")
 def _():
     sd = DDP_MODEL.state_dict()
