@@ -90,13 +90,9 @@ sd_no_hooks(PyObject *inst, PyObject *name)
 static int
 sd_members(PyObject *inst, PyObject *name, PyObject **out)
 {
-    int rc = dcp_dict_get_ref(inst, name, out);
+    int rc = dcp_dict_attr_exact(inst, name, out);
     if (rc <= 0) {
         return rc;
-    }
-    if (!PyDict_CheckExact(*out)) {
-        Py_CLEAR(*out);
-        return 0;
     }
     PyObject *key, *value;
     Py_ssize_t pos = 0;

@@ -79,6 +79,7 @@ long dcp_type_flags_compute(dcp_state *st,
                             PyObject *module,
                             int plain_only);
 int dcp_plain_len(PyObject *obj);
+int dcp_dict_attr_exact(PyObject *inst, PyObject *name, PyObject **out);
 
 /* model_index.c */
 dcp_ModelIndex *dcp_index_create(dcp_state *st,

@@ -195,25 +195,6 @@ rp_type_flags(dcp_replay *r, PyObject *module)
     return flags;
 }
 
-/* module.<name>, read from the instance __dict__ `inst` -- what
- * getattr() returns for a TF_PLAIN type, whose classes define no such
- * name -- when it is an exact dict: 1 with a new reference in *out; 0 when
- * it is something else or missing (getattr would ask __getattr__); -1 on
- * error. */
-static int
-rp_dict_attr(PyObject *inst, PyObject *name, PyObject **out)
-{
-    int rc = dcp_dict_get_ref(inst, name, out);
-    if (rc <= 0) {
-        return rc;
-    }
-    if (!PyDict_CheckExact(*out)) {
-        Py_CLEAR(*out);
-        return 0;
-    }
-    return 1;
-}
-
 /* Identity dedup within one container (named_* yields a value once):
  * a short linear scan for the usual handful of members, a map beyond. */
 #define RP_SMALL_DEDUP 16 /* scan cost stays below a map's calloc */
@@ -290,7 +271,7 @@ rp_load_hooks(dcp_replay *r, PyObject *inst, PyObject *module, long flags)
         return 1;
     }
     PyObject *children = NULL;
-    rc = rp_dict_attr(inst, st->str_modules, &children);
+    rc = dcp_dict_attr_exact(inst, st->str_modules, &children);
     if (rc <= 0) {
         return rc;
     }
@@ -424,7 +405,7 @@ rp_visit(dcp_replay *r, PyObject *module)
         goto done;
     }
     /* named_parameters() order */
-    if ((rc = rp_dict_attr(inst, st->str_parameters, &params)) <= 0) {
+    if ((rc = dcp_dict_attr_exact(inst, st->str_parameters, &params)) <= 0) {
         goto done;
     }
     rc = 0;
@@ -462,7 +443,7 @@ rp_visit(dcp_replay *r, PyObject *module)
         goto done;
     }
     /* children */
-    if ((rc = rp_dict_attr(inst, st->str_modules, &children)) <= 0) {
+    if ((rc = dcp_dict_attr_exact(inst, st->str_modules, &children)) <= 0) {
         goto done;
     }
     rc = 0;
@@ -517,7 +498,7 @@ rp_visit(dcp_replay *r, PyObject *module)
         goto done;
     }
     /* the module's own buffers, then parameters */
-    if ((rc = rp_dict_attr(inst, st->str_buffers, &buffers)) <= 0) {
+    if ((rc = dcp_dict_attr_exact(inst, st->str_buffers, &buffers)) <= 0) {
         goto done;
     }
     rc = 0;

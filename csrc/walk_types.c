@@ -110,6 +110,25 @@ type_has_load_rules(dcp_state *st,
     return (!same) != (get_overridden != 0);
 }
 
+/* module.<name>, read from the instance __dict__ `inst` -- what
+ * getattr() returns for a TF_PLAIN type, whose classes define no such
+ * name -- when it is an exact dict: 1 with a new reference in *out; 0 when
+ * it is something else or missing (getattr would ask __getattr__); -1 on
+ * error. */
+int
+dcp_dict_attr_exact(PyObject *inst, PyObject *name, PyObject **out)
+{
+    int rc = dcp_dict_get_ref(inst, name, out);
+    if (rc <= 0) {
+        return rc;
+    }
+    if (!PyDict_CheckExact(*out)) {
+        Py_CLEAR(*out);
+        return 0;
+    }
+    return 1;
+}
+
 /* 1 if instances of `tp` save by rules of their own (TF_SAVE_RULES):
  * `state_dict` or `_save_to_state_dict` is not nn.Module's, or the class
  * defines `_state_dict_pre_hooks` or `_state_dict_hooks` (torch reads
