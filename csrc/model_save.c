@@ -41,31 +41,22 @@
 typedef struct {
     dcp_state *st;
     dcp_Context *ctx;
-    dcp_ptrmap types;   /* type -> 1 (saves by nn.Module's rules) or 0 */
+    dcp_ptrmap types;   /* type -> TF_* flags (dcp_type_flags_cached) */
     PyObject *dest;     /* second pass: the OrderedDict being filled */
     PyObject *metadata; /* its _metadata */
 } sd_walk;
 
 /* 1 if type(module) saves by nn.Module's rules (see the top), 0 if not,
- * -1 on error.  Once per type and call. */
+ * -1 on error.  The flags once per type and call. */
 static int
 sd_type_ok(sd_walk *s, PyObject *module)
 {
-    PyTypeObject *tp = Py_TYPE(module);
-    Py_ssize_t cached = dcp_ptrmap_get(&s->types, tp);
-    if (cached >= 0) {
-        return (int)cached;
-    }
-    long flags = dcp_type_flags_compute(s->st, s->ctx, module, 1);
+    long flags = dcp_type_flags_cached(s->st, s->ctx, &s->types, module);
     if (flags < 0) {
         return -1;
     }
-    int ok = (flags & TF_PLAIN) &&
-             !(flags & (TF_EXTRA_STATE | TF_SAVE_RULES | TF_FSDP1));
-    if (dcp_ptrmap_setdefault(&s->types, tp, ok) == -2) {
-        return -1;
-    }
-    return ok;
+    return (flags & TF_PLAIN) &&
+           !(flags & (TF_EXTRA_STATE | TF_SAVE_RULES | TF_FSDP1));
 }
 
 /* 1 if the instance __dict__ entry `name` is a dict-like hook registry

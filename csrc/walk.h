@@ -78,6 +78,10 @@ long dcp_type_flags_compute(dcp_state *st,
                             dcp_Context *ctx,
                             PyObject *module,
                             int plain_only);
+long dcp_type_flags_cached(dcp_state *st,
+                           dcp_Context *ctx,
+                           dcp_ptrmap *types,
+                           PyObject *module);
 int dcp_plain_len(PyObject *obj);
 int dcp_dict_attr_exact(PyObject *inst, PyObject *name, PyObject **out);
 

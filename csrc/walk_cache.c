@@ -183,16 +183,7 @@ rp_name(dcp_replay *r, PyObject *name)
 static long
 rp_type_flags(dcp_replay *r, PyObject *module)
 {
-    PyTypeObject *tp = Py_TYPE(module);
-    Py_ssize_t cached = dcp_ptrmap_get(&r->types, tp);
-    if (cached >= 0) {
-        return (long)cached;
-    }
-    long flags = dcp_type_flags_compute(r->st, r->ctx, module, 1);
-    if (flags < 0 || dcp_ptrmap_setdefault(&r->types, tp, flags) == -2) {
-        return -1;
-    }
-    return flags;
+    return dcp_type_flags_cached(r->st, r->ctx, &r->types, module);
 }
 
 /* Identity dedup within one container (named_* yields a value once):

@@ -110,6 +110,27 @@ type_has_load_rules(dcp_state *st,
     return (!same) != (get_overridden != 0);
 }
 
+/* dcp_type_flags_compute(st, ctx, module, 1) -- what a replay or the
+ * native state dict may read: no user code -- once per type for as long as
+ * `types` (type -> flags) lives; -1 on error. */
+long
+dcp_type_flags_cached(dcp_state *st,
+                      dcp_Context *ctx,
+                      dcp_ptrmap *types,
+                      PyObject *module)
+{
+    PyTypeObject *tp = Py_TYPE(module);
+    Py_ssize_t cached = dcp_ptrmap_get(types, tp);
+    if (cached >= 0) {
+        return (long)cached;
+    }
+    long flags = dcp_type_flags_compute(st, ctx, module, 1);
+    if (flags < 0 || dcp_ptrmap_setdefault(types, tp, flags) == -2) {
+        return -1;
+    }
+    return flags;
+}
+
 /* module.<name>, read from the instance __dict__ `inst` -- what
  * getattr() returns for a TF_PLAIN type, whose classes define no such
  * name -- when it is an exact dict: 1 with a new reference in *out; 0 when
