@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.deps-stamp
 export DCP_OPTIM_WERROR ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all venv build build-debug test test-fast test-dist test-gpu demo bench clean
+.PHONY: all venv build build-debug test test-fast test-dist test-gpu demo bench bench-targets clean
 
 all: build
 
@@ -183,6 +183,11 @@ test-torchrun-20x: build
 BENCH_ARGS ?=
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# Every speed target of issues 26 and 27 from one run, ending with one table
+# of them (benchmarks/targets.py; about 25 min on 2 cores).
+bench-targets: build
+	$(PY) -m benchmarks --sections targets $(BENCH_ARGS)
 
 # The CUDA suite (tests/gpu) on cuda:0 with this virtualenv's torch, after
 # the CPU-side checks (tests/unit/test_device_rules.py, the suite's bodies on

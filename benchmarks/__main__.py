@@ -27,7 +27,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "7 (opt-in, or 'reshard') in-memory resharding against gather+slice and DCP save+load, "
                    "8 (opt-in, or 'transport') full gets and broadcast loads against the raw collective "
                    "moving the same bytes, 9 (opt-in, or 'flows') real flows: the first call and the fixed "
-                   "cost per call, Lightning Fabric's and torchtune's save and load at 2 ranks")
+                   "cost per call, Lightning Fabric's and torchtune's save and load at 2 ranks; "
+                   "'targets': every speed target of issues 26 and 27 in one run (sections 1, 3, 5, 7, 8, 9 "
+                   "narrowed to the targets' cases; ends with one table of them, benchmarks/targets.py)")
     p.add_argument("--tmpl-layers", type=int, default=100,
                    help="section 6: Linear(dim, dim) layers (default 100: 100M parameters at dim 1000)")
     p.add_argument("--tmpl-dim", type=int, default=1000, help="section 6: layer width (default 1000)")
@@ -39,6 +41,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale-layouts", default=None, help="section 5: fsdp,dp_tp (quick: fsdp)")
     p.add_argument("--scale-models", default="rows,tiles", help="section 5: rows,tiles")
     p.add_argument("--scale-ops", default=None, help="section 5: operations (default all)")
+    p.add_argument("--scale-impls", default=None, help="section 5: upstream,dcp_optim (default both)")
     p.add_argument("--scale-reps", type=int, default=None, help="section 5: timed calls, best of (default 3, quick 1)")
     p.add_argument("--ops", help="section 1 operations to run: comma-separated ids or prefixes, e.g. set_,get_model")
     p.add_argument("--layout", choices=("tree", "flat"), default="tree",
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     from .common import environment
 
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if "targets" in sections:
+        from . import targets
+
+        sections.update(targets.SECTIONS)
+        targets.apply_defaults(args)
     if "templates" in sections:
         sections.add("6")
     if "reshard" in sections:
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         ns = argparse.Namespace(
             worlds=args.scale_worlds, big=args.scale_big, quick=args.quick, ranks=args.scale_ranks,
             layouts=args.scale_layouts or ("fsdp" if args.quick else "fsdp,dp_tp"),
-            models=args.scale_models, ops=args.scale_ops, reps=args.scale_reps,
+            models=args.scale_models, ops=args.scale_ops, reps=args.scale_reps, impls=args.scale_impls,
             saved_world=scale.SAVED_WORLD,
         )
         s5 = scale.run_from_args(ns, out_dir=os.path.dirname(os.path.abspath(json_path)))
@@ -252,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         scale_plot = os.path.splitext(plot_path)[0] + "-scale.png"
         err = scale.plot(s5, scale_plot)
         print(err if err else f"scale plot: {os.path.abspath(scale_plot)}")
+    # last, from the JSON written above: the run's targets in one table
+    from . import targets as targets_table
+
+    summary = targets_table.table(out)
+    if summary:
+        print("\n== Targets of issues 26 and 27, this run (measured beside the target) ==")
+        print(summary)
     print(f"total wall time: {out['wall_s']:.0f} s")
     return 0
 

@@ -123,39 +123,71 @@ def _cpu(r: dict | None) -> float | None:
     return r.get("cpu_median_s")
 
 
+def bookkeeping_targets(s1: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 26 requirement 3, as data: per (operation, size) of
+    ``TARGETS`` x ``TARGET_SIZES``, dcp_optim's and the floor's CPU-time
+    medians (the calling thread's, ``time.thread_time``: what the calls
+    consumed, not how long other processes held the CPU), their ratio
+    (None where either is missing) and whether it is within the limit."""
+    idx = _index(s1)
+    out = []
+    for op, limit in TARGETS:
+        for n in TARGET_SIZES:
+            dc, fl = idx.get((n, op, "dcp_optim")), idx.get((n, op, "floor"))
+            cd, cf = _cpu(dc), _cpu(fl)
+            ratio = cd / cf if cd is not None and cf else None
+            out.append({"op": op, "n": n, "limit": limit, "dcp": dc, "floor": fl, "cpu_dcp": cd,
+                        "cpu_floor": cf, "ratio": ratio, "met": ratio is not None and ratio <= limit})
+    return out
+
+
+def growth_targets(s1: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 26 requirement 3's per-tensor cost, as data: per operation of
+    ``TARGETS``, microseconds per tensor at the smallest and the largest
+    of ``TARGET_SIZES`` for dcp_optim and the floor, and their growth
+    (None where not measured)."""
+    idx = _index(s1)
+    lo, hi = TARGET_SIZES[0], TARGET_SIZES[-1]
+    out = []
+    for op, _ in TARGETS:
+        cells: dict[str, tuple[float, float, float] | None] = {}
+        for impl in ("dcp_optim", "floor"):
+            a, b = _cpu(idx.get((lo, op, impl))), _cpu(idx.get((hi, op, impl)))
+            cells[impl] = (a / lo * 1e6, b / hi * 1e6, (b / hi) / (a / lo)) if a and b else None
+        ours = cells["dcp_optim"]
+        out.append({"op": op, "lo": lo, "hi": hi, "ours": ours, "floor": cells["floor"],
+                    "limit": PER_TENSOR_GROWTH_LIMIT,
+                    "met": ours is not None and ours[2] <= PER_TENSOR_GROWTH_LIMIT})
+    return out
+
+
 def table_targets(s1: dict[str, Any]) -> str:
     """Issue 26 requirement 3: each target's measured dcp_optim/floor ratio
     beside the target at 10k and 200k tensors, then dcp_optim's per-tensor
     cost from the smallest to the largest of those sizes (the floor's
     beside it).  Every figure comes from this run.  The verdict is on the
-    ratio of CPU-time medians (the calling thread's, ``time.thread_time``:
-    what the calls consumed, not how long other processes held the CPU);
-    the wall-time ratio is shown beside it."""
-    idx = _index(s1)
+    ratio of CPU-time medians (``bookkeeping_targets``); the wall-time
+    ratio is shown beside it."""
     rows = []
-    for op, limit in TARGETS:
-        for n in TARGET_SIZES:
-            dc, fl = idx.get((n, op, "dcp_optim")), idx.get((n, op, "floor"))
-            cd, cf = _cpu(dc), _cpu(fl)
-            if cd is None or not cf:
-                ratio, verdict = "-", "not measured"
-            else:
-                ratio = f"{cd / cf:.2f}"
-                verdict = "met" if cd / cf <= limit else "NOT MET"
-            reps = f"{(dc or {}).get('reps', 0)}/{(fl or {}).get('reps', 0)}"
-            rows.append(
-                [
-                    op,
-                    f"{n:,}",
-                    "-" if cd is None else fmt_time(cd),
-                    "-" if cf is None else fmt_time(cf),
-                    ratio,
-                    f"<= {limit:.2f}",
-                    verdict,
-                    _ratio(dc, fl),
-                    reps,
-                ]
-            )
+    for t in bookkeeping_targets(s1):
+        dc, fl, cd, cf = t["dcp"], t["floor"], t["cpu_dcp"], t["cpu_floor"]
+        if t["ratio"] is None:
+            ratio, verdict = "-", "not measured"
+        else:
+            ratio, verdict = f"{t['ratio']:.2f}", "met" if t["met"] else "NOT MET"
+        rows.append(
+            [
+                t["op"],
+                f"{t['n']:,}",
+                "-" if cd is None else fmt_time(cd),
+                "-" if cf is None else fmt_time(cf),
+                ratio,
+                f"<= {t['limit']:.2f}",
+                verdict,
+                _ratio(dc, fl),
+                f"{(dc or {}).get('reps', 0)}/{(fl or {}).get('reps', 0)}",
+            ]
+        )
     out = _grid(
         [
             "target: dcp_optim / floor",
@@ -172,28 +204,19 @@ def table_targets(s1: dict[str, Any]) -> str:
     )
     lo, hi = TARGET_SIZES[0], TARGET_SIZES[-1]
     rows = []
-    for op, _ in TARGETS:
-        cells: list[tuple[float, float, float] | None] = []
-        for impl in ("dcp_optim", "floor"):
-            a, b = _cpu(idx.get((lo, op, impl))), _cpu(idx.get((hi, op, impl)))
-            if a and b:
-                ua, ub = a / lo * 1e6, b / hi * 1e6
-                cells.append((ua, ub, ub / ua))
-            else:
-                cells.append(None)
-        ours, base = cells
+    for g in growth_targets(s1):
+        ours, base = g["ours"], g["floor"]
         if ours is None:
-            rows.append([op, "-", "-", "-", f"<= {PER_TENSOR_GROWTH_LIMIT:.2f}", "not measured", "-"])
+            rows.append([g["op"], "-", "-", "-", f"<= {g['limit']:.2f}", "not measured", "-"])
             continue
-        verdict = "met" if ours[2] <= PER_TENSOR_GROWTH_LIMIT else "NOT MET"
         rows.append(
             [
-                op,
+                g["op"],
                 f"{ours[0]:.2f}",
                 f"{ours[1]:.2f}",
                 f"{ours[2]:.2f}",
-                f"<= {PER_TENSOR_GROWTH_LIMIT:.2f}",
-                verdict,
+                f"<= {g['limit']:.2f}",
+                "met" if g["met"] else "NOT MET",
                 f"{base[2]:.2f}" if base else "-",
             ]
         )
@@ -210,6 +233,7 @@ def table_targets(s1: dict[str, Any]) -> str:
         rows,
     )
     floors: dict[str, Any] = {}
+    idx = _index(s1)
     for op, _ in TARGETS:
         for n in TARGET_SIZES:
             fl = idx.get((n, op, "floor"))

@@ -985,14 +985,15 @@ def memory_estimate_mb(model_name: str, world: int) -> float:
 
 def run_scale(
     worlds, ranks=(0, 1), layouts=("fsdp", "dp_tp"), models=("rows", "tiles"), ops=None, reps=3,
-    timeout_s=1800.0, out_dir="bench-out", saved_world=SAVED_WORLD,
+    timeout_s=1800.0, out_dir="bench-out", saved_world=SAVED_WORLD, impls=None,
 ) -> dict[str, Any]:
     import tempfile
 
     res: dict[str, Any] = {
         "config": {
             "worlds": list(worlds), "ranks": list(ranks), "layouts": list(layouts), "models": list(models),
-            "ops": list(ops or OPS), "reps": reps, "saved_world": saved_world, "tp": TP,
+            "ops": list(ops or OPS), "impls": list(impls or IMPLS), "reps": reps, "saved_world": saved_world,
+            "tp": TP,
             "alpha_s": ALPHA_S, "bandwidth_Bps": BANDWIDTH_BPS, "control_bytes": CONTROL_BYTES,
             "mem_limit_mb": MEM_LIMIT_MB,
             "timing": "process CPU time (time.process_time), best of reps after one warm-up",
@@ -1019,7 +1020,8 @@ def run_scale(
                     for rank in ranks:
                         cfg = {
                             "passes": [{"world": world, "model": model_name, "layout": layout, "rank": rank}],
-                            "ops": list(ops or OPS), "reps": reps, "saved_world": saved_world,
+                            "ops": list(ops or OPS), "impls": list(impls or IMPLS), "reps": reps,
+                            "saved_world": saved_world,
                             "script_out": script if rank == 0 else None,
                             "script_in": script if rank != 0 else None,
                         }
@@ -1158,6 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="fsdp,dp_tp")
     p.add_argument("--models", default="rows,tiles")
     p.add_argument("--ops", help="comma-separated operations (default all)")
+    p.add_argument("--impls", help="comma-separated implementations (default upstream,dcp_optim)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--saved-world", type=int, default=SAVED_WORLD)
     p.add_argument("--json", dest="json_path")
@@ -1191,6 +1194,7 @@ def run_from_args(args, out_dir: str = "bench-out") -> dict[str, Any]:
         layouts=[x for x in args.layouts.split(",") if x],
         models=[x for x in args.models.split(",") if x],
         ops=[x for x in args.ops.split(",")] if args.ops else None,
+        impls=[x for x in args.impls.split(",") if x] if getattr(args, "impls", None) else None,
         reps=reps,
         out_dir=out_dir,
         saved_world=args.saved_world,

@@ -20,14 +20,21 @@ tensor in that rank's segment of a buffer, one strided copy per tensor,
 and copies its own rows straight into its shards; each receiver copies
 its rows out of its segment.
 
-Which tensors take this path is decided from the templates' layouts
-(``scatter_jobs``); the ranks agree on it before data moves
+Only tensors whose chunk per rank holds at least
+``SCATTER_MIN_CHUNK_BYTES`` take this path: the source's cost of a scatter
+grows with the world (a list entry per rank), so at large worlds, where
+chunks are small, tensors are broadcast instead.  The source's inputs of a
+step are built in a constant number of torch calls (``_source_inputs``).
+
+Which tensors take this path is decided from the templates' layouts and
+the shared metadata (``scatter_jobs``); the ranks agree on it before data moves
 (``paths_digest``, an agreement flag), because a rank that broadcast
 where another scatters would leave both waiting.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import deque
 from typing import Any
@@ -42,6 +49,14 @@ DIRECT_BYTES = 1 << 20
 # Plans of scatter jobs never split a tensor into row chunks (the
 # executor steps through rows itself).
 NO_CHUNKING = 1 << 62
+# A tensor is scattered only where each rank's chunk of it holds at least
+# this many bytes.  A scatter costs the source a list entry per rank, in
+# torch's own Python (about 2-3 us each, whatever the bytes): amortized
+# over 64 KiB per rank that is about a tenth of a host copy of the same
+# bytes, while over the few bytes per rank of a large world it would be
+# the whole call (a 1 MiB tensor over 16384 ranks is 64 bytes a rank).
+# Smaller chunks are broadcast, with a constant number of calls per bucket.
+SCATTER_MIN_CHUNK_BYTES = 64 << 10
 
 
 def _align(n: int) -> int:
@@ -58,7 +73,8 @@ def scatter_jobs(jobs: list[tuple[Any, Any, Any]], route: Any) -> list[int]:
     """Indices of the jobs a broadcast load scatters: a DTensor template
     sharded ``Shard(0)`` on a 1-D mesh whose ranks are the route's group
     in its rank order, living on the route's device, and a full value of
-    at least one row and one byte.  Depends on the templates' layouts
+    at least one row whose chunk per rank holds at least
+    ``SCATTER_MIN_CHUNK_BYTES``.  Depends on the templates' layouts
     (agreed through ``paths_digest``) and the shared metadata."""
     if len(route.stages) != 1:
         return []
@@ -76,6 +92,8 @@ def scatter_jobs(jobs: list[tuple[Any, Any, Any]], route: Any) -> list[int]:
             continue
         shape = tuple(value.shape)
         if not shape or shape[0] < 1 or any(d < 1 for d in shape):
+            continue
+        if -(-shape[0] // len(ranks)) * math.prod(shape[1:]) * value.dtype.itemsize < SCATTER_MIN_CHUNK_BYTES:
             continue
         mesh = template.device_mesh
         ok = meshes.get(id(mesh))
@@ -161,6 +179,58 @@ def _source_rows(piece: _Piece, rank: int, device: torch.device) -> tuple[torch.
     if real:
         out[: real * piece.row_bytes].view(value.dtype).view(part.shape).copy_(part)
     return out, nbytes
+
+
+def _whole_ranks(piece: _Piece, world: int) -> int:
+    """How many leading ranks hold the piece's rows whole: rank ``r`` does
+    while ``r * chunk + start + rows <= n`` (every rank before a partial
+    or empty chunk; ``real_rows``)."""
+    return max(0, min(world, (piece.n - piece.start - piece.rows) // piece.chunk + 1))
+
+
+def _source_inputs(piece: _Piece, world: int, device: torch.device) -> tuple[list[torch.Tensor], int]:
+    """Every rank's input of a one-piece unit's scatter, in a number of
+    torch calls that does not grow with the world: the ranks holding the
+    piece's rows whole as one strided selection of the value (views of
+    it where it is contiguous on the stream's device, else one copy), the
+    rank with a partial chunk (at most one) padded, and the ranks past the
+    last row sharing one unwritten buffer (what they receive is never
+    read).  Returns the inputs and the bytes their copies took."""
+    whole = _whole_ranks(piece, world)
+    step = piece.rows * piece.row_bytes
+    inputs: list[torch.Tensor] = []
+    nbytes = 0
+    if whole:
+        value = piece.value.detach()
+        if value.is_contiguous() and value.device == device:
+            flat = value.reshape(-1).view(torch.uint8)
+            # as_strided's offset is into the storage: the value's own first
+            rows = flat.as_strided(
+                (whole, step), (piece.chunk * piece.row_bytes, 1), flat.storage_offset() + piece.start * piece.row_bytes
+            )
+        else:
+            # rows [r * chunk + start, + rows) of ranks r < whole, through the
+            # value's own strides (its last chunk may be shorter than `chunk`
+            # while this step's rows of it are whole)
+            stride0 = value.stride(0)
+            picked = value.as_strided(
+                (whole, piece.rows, *value.shape[1:]),
+                (piece.chunk * stride0, stride0, *value.stride()[1:]),
+                value.storage_offset() + piece.start * stride0,
+            )
+            rows = torch.empty((whole, step), dtype=torch.uint8, device=device)
+            rows.view(value.dtype).view(picked.shape).copy_(picked)
+            nbytes += whole * step
+        inputs.extend(rows.unbind(0))
+    if whole < world and piece.real_rows(whole):
+        part, copied = _source_rows(piece, whole, device)
+        inputs.append(part)
+        nbytes += copied
+    if len(inputs) < world:
+        idle = torch.empty(step, dtype=torch.uint8, device=device)
+        inputs.extend([idle] * (world - len(inputs)))
+        nbytes += step
+    return inputs, nbytes
 
 
 def _pack(buf: torch.Tensor, seg: int, world: int, pieces: list[_Piece], me: int) -> None:
@@ -249,9 +319,7 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
         # the destinations: the source's copies, a receiver's scratch
         inputs, nbytes = None, 0
         if source and len(pieces) == 1:
-            rows = [_source_rows(pieces[0], r, device) for r in range(world)]
-            inputs = [t for t, _ in rows]
-            nbytes = sum(n for _, n in rows)
+            inputs, nbytes = _source_inputs(pieces[0], world, device)
         elif source:
             buf = torch.empty(world * unit_bytes, dtype=torch.uint8, device=device)
             _pack(buf, unit_bytes, world, pieces, me)

@@ -97,10 +97,12 @@ def direct_broadcast_case(rank: int, ws: int, bucket_mb: float | None) -> list[s
 
 def _scatter_model(ws: int, shard_dim_of_first: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP2 layers of every kind a scatter meets: a weight of 2 MiB (1027
-    rows: uneven at 2 and 3 ranks), smaller weights and biases, a layer of
-    2 rows (a rank without rows at 3), and BatchNorm, whose running
-    statistics are plain tensors (broadcast) and whose counter is 0-dim.
-    ``shard_dim_of_first``: the dim FSDP2 shards the first layer on."""
+    rows: uneven at 2 and 3 ranks), smaller weights, a weight of 2 rows of
+    64 KiB (a rank without rows at 3), biases and a layer of 2 small rows
+    (chunks under ``SCATTER_MIN_CHUNK_BYTES``: broadcast), and BatchNorm,
+    whose running statistics are plain tensors (broadcast) and whose
+    counter is 0-dim.  ``shard_dim_of_first``: the dim FSDP2 shards the
+    first layer on."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -108,7 +110,7 @@ def _scatter_model(ws: int, shard_dim_of_first: int = 0) -> tuple[nn.Module, tor
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(512, 1027), nn.Linear(1027, 64), nn.Linear(64, 1027, bias=False), nn.Linear(3, 2),
-        nn.BatchNorm1d(5),
+        nn.Linear(16384, 2, bias=False), nn.BatchNorm1d(5),
     )
     for i, layer in enumerate(model):
         dim = shard_dim_of_first if i == 0 else 0
@@ -120,9 +122,10 @@ def _scatter_model(ws: int, shard_dim_of_first: int = 0) -> tuple[nn.Module, tor
 def scatter_case(rank: int, ws: int, bucket_kib: int | None) -> dict[str, Any]:
     """Broadcast loads of a model and its Adam state where every
     parameter is sharded on dim 0 over the whole group: each rank receives
-    its own rows by ``scatter`` (no tensor is broadcast but BatchNorm's
-    plain buffers), bit for bit as upstream's broadcast loads.  Returns
-    the collectives counted on each load."""
+    its own rows by ``scatter`` where its chunk is large enough (the
+    others, and BatchNorm's plain buffers, are broadcast), bit for bit as
+    upstream's broadcast loads.  Returns the collectives counted on each
+    load."""
     from .dist_cases import CollectiveCounter
 
     ours_m, ours_o = _scatter_model(ws)

@@ -134,35 +134,56 @@ def test_broadcast_load_sends_large_tensors_directly(ws, bucket_mb):
     assert results == [["model", "optim"]] * ws
 
 
+# (rows, row bytes) of the weights of dist_cases_transport._scatter_model
+_SCATTER_MODEL_WEIGHTS = ((1027, 512 * 4), (64, 1027 * 4), (1027, 64 * 4), (2, 3 * 4), (2, 16384 * 4))
+_SCATTER_MODEL_BIASES = ((1027, 4), (64, 4), (2, 4))
+
+
+def _scattered(shapes, ws):
+    """The (rows, row bytes) of ``shapes`` whose chunk per rank holds at
+    least ``SCATTER_MIN_CHUNK_BYTES``: the tensors a broadcast load
+    scatters."""
+    from dcp_optim._engine.scatter_load import SCATTER_MIN_CHUNK_BYTES
+
+    return [(rows, rb) for rows, rb in shapes if -(-rows // ws) * rb >= SCATTER_MIN_CHUNK_BYTES]
+
+
 @pytest.mark.parametrize("ws", [2, 3])
 def test_broadcast_load_scatters_each_rank_its_rows(ws):
     """Where every parameter is sharded on dim 0 over the whole group, a
     broadcast load scatters each rank its own rows (1/W of the bytes)
     instead of broadcasting whole tensors, bit for bit as upstream's load
-    (uneven shards, a rank without rows at 3, a non-contiguous source).
-    Adaptive bucket: the 2 MiB weight (and each of its two Adam states)
-    travels in one scatter of its own, the smaller tensors share one, and
-    only BatchNorm's plain buffers are broadcast.  A 64 KiB bucket splits
-    every tensor of 64 KiB or more into scatters of whole rows within it."""
+    (uneven shards, a rank without rows at 3, a non-contiguous source),
+    wherever each rank's chunk holds at least ``SCATTER_MIN_CHUNK_BYTES``;
+    smaller ones (the biases, a 2x3 weight) are broadcast.  Adaptive
+    bucket: the 2 MiB weight (and each of its two Adam states) travels in
+    one scatter of its own, the other scattered tensors share one, and the
+    broadcast tensors one bucket.  A 64 KiB bucket splits every scattered
+    tensor of 64 KiB or more into scatters of whole rows within it."""
+    from dcp_optim._engine.scatter_load import SCATTER_MIN_CHUNK_BYTES
+
     from . import dist_cases_transport
 
+    scattered = _scattered(_SCATTER_MODEL_WEIGHTS, ws)
+    # the rule leaves this model's shapes on both sides of the threshold
+    assert len(scattered) == 4 and not _scattered(_SCATTER_MODEL_BIASES, ws)
+    assert (2, 16384 * 4) in scattered and SCATTER_MIN_CHUNK_BYTES == 64 * 1024
     adaptive = run_ranks(ws, dist_cases_transport.scatter_case, None, timeout=300)
     for counts in adaptive:
         assert counts["model"].get("scatter") == 2 and counts["model"].get("broadcast") == 1, counts
-        assert counts["optim"].get("scatter") == 3 and "broadcast" not in counts["optim"], counts
+        assert counts["optim"].get("scatter") == 3 and counts["optim"].get("broadcast") == 1, counts
     small = run_ranks(ws, dist_cases_transport.scatter_case, 64, timeout=300)
-    # the three weights of 64 KiB or more, in steps of k rows of every
-    # rank's chunk (W * k rows within the bucket), and one packed scatter
+    # every scattered weight is 64 KiB or more: steps of k rows of every
+    # rank's chunk (W * k rows within the bucket), no packed scatter
     kib = 1024
-    chunks = {}  # (rows, row bytes) of each such weight
-    for rows, row_bytes in ((1027, 512 * 4), (64, 1027 * 4), (1027, 64 * 4)):
+    chunks = {}  # (rows, row bytes) of each scattered weight -> its steps
+    for rows, row_bytes in scattered:
         chunk = -(-rows // ws)
-        k = (64 * kib) // (ws * row_bytes)
+        k = max(1, (64 * kib) // (ws * row_bytes))
         chunks[(rows, row_bytes)] = -(-chunk // k)
-    model_scatters = sum(chunks.values()) + 1
     for counts in small:
-        assert counts["model"].get("scatter") == model_scatters, (counts, chunks)
-        assert counts["optim"].get("scatter") == 2 * sum(chunks.values()) + 1, (counts, chunks)
+        assert counts["model"].get("scatter") == sum(chunks.values()), (counts, chunks)
+        assert counts["optim"].get("scatter") == 2 * sum(chunks.values()), (counts, chunks)
 
 
 def test_broadcast_load_where_ranks_shard_a_tensor_differently_broadcasts():

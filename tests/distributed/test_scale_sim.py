@@ -120,18 +120,25 @@ def test_wire_model(runs):
         assert up["recv_bytes"] <= dcp["recv_bytes"] <= up["recv_bytes"] + 2 * record
         for impl in ("upstream", "dcp_optim"):
             assert ops["sharded_get_model"][impl]["collectives"] == 0
-        # a broadcast load: upstream broadcasts every tensor whole; dcp_optim
-        # scatters FSDP2's shards (dim 0 over the whole group), so the
-        # source sends each rank its rows once and a receiver gets its
-        # shards' bytes (even shards at W=8), besides the metadata broadcast
+        # a broadcast load: upstream broadcasts every tensor whole, and so
+        # does dcp_optim here: FSDP2's shards would be scattered (dim 0 over
+        # the whole group), but only where a rank's chunk holds at least
+        # SCATTER_MIN_CHUNK_BYTES, and this model's chunks hold at most
+        # 96 x 16 x 4 bytes (the scatter path is counted and compared with
+        # upstream on gloo: test_collectives).  Bucketed, with the metadata
+        # broadcast besides: at most a few collectives, not one per tensor.
+        from dcp_optim._engine.scatter_load import SCATTER_MIN_CHUNK_BYTES
+
+        assert 96 * 16 * 4 < SCATTER_MIN_CHUNK_BYTES
         up, dcp = ops["bcast_set_model"]["upstream"], ops["bcast_set_model"]["dcp_optim"]
+        assert dcp["collectives"] < up["collectives"], (dcp, up)
         if p["rank"] == 0:
             assert up["sent_bytes"] >= full and up["recv_bytes"] < full
-            assert dcp["sent_bytes"] >= full * (w - 1) // w and dcp["recv_bytes"] < full // w
+            assert dcp["sent_bytes"] >= full and dcp["recv_bytes"] < full // w
         else:
             # a receiver sends at most its agreement records
             assert up["recv_bytes"] >= full and up["sent_bytes"] <= 3 * record
-            assert full // w <= dcp["recv_bytes"] < full // 2, (dcp, full)
+            assert full <= dcp["recv_bytes"] <= full + full // 2, (dcp, full)
             assert dcp["sent_bytes"] <= 3 * record
 
 

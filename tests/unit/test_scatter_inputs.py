@@ -1,0 +1,85 @@
+"""The source's inputs of a scattered tensor's step (dcp_optim/_engine/
+scatter_load.py): built in a number of torch calls that does not grow with
+the world, they must hold, rank by rank, exactly the bytes the per-rank
+construction (``_source_rows``) gives -- for every step of every chunking,
+uneven last chunks, ranks without rows, and values that are views,
+non-contiguous or offset into their storage.  No process group needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_optim._engine import scatter_load as S
+
+
+def _pieces(value: torch.Tensor, world: int, k: int):
+    """The one-piece steps ``_units`` cuts ``value`` into: ``k`` rows of
+    every rank's chunk at a time."""
+    n = value.shape[0]
+    row_bytes = value.dtype.itemsize * (value.numel() // n if n else 0)
+    chunk = -(-n // world)
+    for start in range(0, chunk, k):
+        yield S._Piece(value, None, n, chunk, start, min(k, chunk - start), row_bytes, 0)
+
+
+def _values():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 7, generator=g)
+    yield "contiguous", base
+    yield "1-d", torch.randn(37, generator=g)
+    yield "transposed", torch.randn(7, 64, generator=g).t()
+    yield "offset view", torch.randn(70, 7, generator=g)[5:69]
+    yield "row-strided", torch.randn(128, 7, generator=g)[::2]
+    yield "int16", torch.arange(64 * 3, dtype=torch.int16).view(64, 3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 63, 64, 100])
+@pytest.mark.parametrize("k", [1, 2, 5, 1000])
+def test_inputs_match_the_per_rank_construction(world, k):
+    device = torch.device("cpu")
+    for label, value in _values():
+        for piece in _pieces(value, world, k):
+            inputs, nbytes = S._source_inputs(piece, world, device)
+            assert len(inputs) == world, label
+            step = piece.rows * piece.row_bytes
+            expected_copies = 0
+            for rank, got in enumerate(inputs):
+                want, copied = S._source_rows(piece, rank, device)
+                assert got.dtype == torch.uint8 and got.shape == (step,) and got.is_contiguous(), (label, rank)
+                real = piece.real_rows(rank) * piece.row_bytes
+                # what the rank keeps: its real rows, byte for byte; the
+                # padding past them is never read
+                assert torch.equal(got[:real], want[:real]), (label, world, k, piece.start, rank)
+                expected_copies += copied
+            # a contiguous value: nothing copied where the per-rank
+            # construction viewed, at most one step beyond its copies (the
+            # shared idle buffer); any value: at most a step per rank and
+            # the idle one (what the unit's memory accounting allows)
+            if value.is_contiguous():
+                assert nbytes <= expected_copies + step, (label, nbytes, expected_copies)
+            assert nbytes <= (world + 1) * step, (label, nbytes)
+            if value.is_contiguous() and S._whole_ranks(piece, world) == world:
+                assert nbytes == 0, label
+
+
+def test_whole_ranks_counts_the_ranks_holding_every_row():
+    value = torch.zeros(10, 2)
+    for world in (1, 2, 3, 4, 7, 10, 11, 40):
+        for k in (1, 3):
+            for piece in _pieces(value, world, k):
+                whole = S._whole_ranks(piece, world)
+                assert all(piece.real_rows(r) == piece.rows for r in range(whole))
+                assert all(piece.real_rows(r) < piece.rows for r in range(whole, world))
+
+
+def test_idle_ranks_share_one_buffer_and_views_alias_the_value():
+    """Ranks past the last row send one shared, never-read buffer; a
+    contiguous value is sent from its own memory."""
+    value = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
+    piece = next(_pieces(value, 8, 1))  # chunk 1: ranks 6 and 7 hold no row
+    inputs, nbytes = S._source_inputs(piece, 8, torch.device("cpu"))
+    assert inputs[6].data_ptr() == inputs[7].data_ptr()
+    assert nbytes == piece.rows * piece.row_bytes
+    for rank in range(6):
+        assert inputs[rank].data_ptr() == value.data_ptr() + rank * 16
