@@ -35,7 +35,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .collectives import bucket_bytes
 from .core import C, context
-from .scatter_load import DIRECT_BYTES, NO_CHUNKING, paths_digest, run_scatter, scatter_jobs
+from .scatter_load import (
+    DIRECT_BYTES,
+    NO_CHUNKING,
+    OwnFailure,
+    paths_digest,
+    run_scatter,
+    scatter_jobs,
+)
 
 _CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
@@ -232,7 +239,25 @@ def run_full_load(
 
 def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None) -> None:
     """The buckets of ``plan``, broadcast from the route's source, each
-    rank keeping its rows of every chunk."""
+    rank keeping its rows of every chunk.  A failure of this rank's own
+    (packing, the undo log's copy, extracting: not the backend's) does not
+    end its part in the stream, whose every broadcast the peers wait in:
+    it stops writing, keeps taking part, and raises the failure once the
+    stream is done (as ``run_scatter`` does)."""
+    failure = OwnFailure()
+    attempt = failure.attempt
+
+    def land(chunks: list[tuple], buf: torch.Tensor, data: torch.Tensor | None = None) -> None:
+        if undo is not None:
+            undo.save(chunks)
+        _extract_rows(buf, chunks, data)
+
+    def send(run: list[tuple], buf: torch.Tensor) -> torch.Tensor | None:
+        data = _direct_bytes(run, buf.device)
+        if data is None:
+            _pack_rows(buf, run)
+        return data
+
     # One buffer for the whole stream: re-allocating per bucket lets
     # the allocator keep several freed buckets resident.
     storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
@@ -241,11 +266,9 @@ def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None) -> None:
         chunks = plan.chunks(b)
         if len(route.stages) != 1:
             if route.is_source:
-                _pack_rows(buf, chunks)
+                attempt(_pack_rows, buf, chunks)
             route.broadcast(buf)
-            if undo is not None:
-                undo.save(chunks)
-            _extract_rows(buf, chunks)
+            attempt(land, chunks, buf)
             continue
         # One collective per run of small chunks (packed) and per
         # large chunk (sent from the source's own tensor where its
@@ -257,16 +280,13 @@ def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None) -> None:
         for run in _runs(chunks):
             view, data = _run_view(buf, run), None
             if route.is_source:
-                data = _direct_bytes(run, buf.device)
-                if data is None:
-                    _pack_rows(buf, run)
+                data = attempt(send, run, buf)
             pending.append((route.broadcast(view if data is None else data, async_op=True), run, data))
         for work, run, data in pending:
             work.wait()
-            if undo is not None:
-                undo.save(run)
-            _extract_rows(buf, run, data)
+            attempt(land, run, buf, data)
         del pending
+    failure.raise_if_any()
 
 
 UNDO_ENV = "DCP_OPTIM_STREAM_UNDO"

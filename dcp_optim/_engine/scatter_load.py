@@ -277,11 +277,22 @@ def _unpack(out: torch.Tensor, rank: int, pieces: list[_Piece]) -> None:
         p.dest[p.start : p.start + real].copy_(rows)
 
 
+def _is_step(unit_bytes: int, pieces: list[_Piece]) -> bool:
+    """Whether a unit is one tensor's rows and nothing else (a step of
+    ``_units``, or a packed unit of one tensor whose size needed no
+    alignment): every rank's part of it is those rows.  A packed unit is
+    aligned past its pieces: where a rank received one in place, its
+    buffer would be smaller than what the source sends (gloo's scatter
+    sends every rank the size of the source's own buffer)."""
+    return len(pieces) == 1 and pieces[0].rows * pieces[0].row_bytes == unit_bytes
+
+
 def _landing(unit_bytes: int, pieces: list[_Piece], rank: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """Where this rank receives a unit: its destination rows themselves
-    (a one-piece unit whose rows it holds whole, in a contiguous dest),
-    else a scratch buffer to unpack (second value True)."""
-    if len(pieces) == 1:
+    """Where this rank receives a unit (``unit_bytes``, on every rank):
+    its destination rows themselves (a step whose rows it holds whole, in
+    a contiguous dest), else a scratch buffer to unpack (second value
+    True)."""
+    if _is_step(unit_bytes, pieces):
         p = pieces[0]
         dest = p.dest
         if dest is not None and p.real_rows(rank) == p.rows and dest.is_contiguous() and dest.device == device:
@@ -294,7 +305,15 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
     ``dests`` (their plan's destinations), in the units of ``_units``.
     The scatters are in flight together while the buffers they hold stay
     within two buckets; ``undo`` (or None) keeps each live destination
-    before the first write to it.  Returns the number of scatters."""
+    before the first write to it.  Returns the number of scatters.
+
+    A failure of this rank's own (packing, landing, unpacking: not the
+    backend's) does not end its part in the stream: the peers are waiting
+    in the same sequence of scatters.  It keeps issuing every remaining
+    scatter through a sink buffer that no live tensor shares (writing
+    nothing more), and raises the failure once the stream is done; the
+    load's agreement then fails on every rank, whose undo logs put back
+    what the stream wrote (garbage, after a source's failure)."""
     group, src = route.stages[0]
     world = dist.get_world_size(group)
     me = dist.get_rank() if group is None else dist.get_group_rank(group, dist.get_rank())
@@ -302,35 +321,26 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
     device = route.device
     pending: deque[tuple[Any, torch.Tensor, bool, list[_Piece], int]] = deque()
     held = 0
+    failure = OwnFailure()
+    sink = _Sink(device)
 
     def finish_oldest() -> None:
         nonlocal held
         work, out, scratch, pieces, nbytes = pending.popleft()
         work.wait()
         if scratch:
-            _unpack(out, me, pieces)
+            failure.attempt(_unpack, out, me, pieces)
         held -= nbytes
 
     units = _units(jobs, dests, world, budget)
     for unit_bytes, pieces in units:
-        if undo is not None:
-            undo.save_dests([p.dest for p in pieces])
         # what the unit holds until it completes, beyond the values and
         # the destinations: the source's copies, a receiver's scratch
-        inputs, nbytes = None, 0
-        if source and len(pieces) == 1:
-            inputs, nbytes = _source_inputs(pieces[0], world, device)
-        elif source:
-            buf = torch.empty(world * unit_bytes, dtype=torch.uint8, device=device)
-            _pack(buf, unit_bytes, world, pieces, me)
-            _own_rows(me, pieces)
-            inputs = list(buf.view(world, unit_bytes).unbind(0))
-            nbytes = world * unit_bytes
-        out, scratch = _landing(unit_bytes, pieces, me, device)
-        # the source's own rows are in place already: what the scatter
-        # writes into its landing is the unpacked segment, never read
-        scratch = scratch and not (source and len(pieces) > 1)
-        nbytes += unit_bytes if scratch else 0
+        prepared = failure.attempt(_prepare_unit, unit_bytes, pieces, world, me, source, device, undo)
+        if prepared is None:  # this rank failed: it takes part, writing nothing
+            out = sink.recv(unit_bytes)
+            prepared = ([sink.send(unit_bytes)] * world if source else None), 0, out, False
+        inputs, nbytes, out, scratch = prepared
         while pending and held + nbytes > 2 * budget:
             finish_oldest()
         work = dist.scatter(out, inputs, src=src, group=group, async_op=True)
@@ -338,5 +348,76 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
         held += nbytes
     while pending:
         finish_oldest()
+    failure.raise_if_any()
     return len(units)
 
+
+def _prepare_unit(unit_bytes: int, pieces: list[_Piece], world: int, me: int, source: bool,
+                  device: torch.device, undo: Any) -> tuple[Any, int, torch.Tensor, bool]:
+    """One unit's scatter arguments on this rank: (the source's inputs or
+    None, the bytes of the copies the unit holds, where this rank
+    receives, whether that is a scratch to unpack)."""
+    if undo is not None:
+        undo.save_dests([p.dest for p in pieces])
+    inputs, nbytes = None, 0
+    step = _is_step(unit_bytes, pieces)
+    if source and step:
+        inputs, nbytes = _source_inputs(pieces[0], world, device)
+    elif source:
+        buf = torch.empty(world * unit_bytes, dtype=torch.uint8, device=device)
+        _pack(buf, unit_bytes, world, pieces, me)
+        _own_rows(me, pieces)
+        inputs = list(buf.view(world, unit_bytes).unbind(0))
+        nbytes = world * unit_bytes
+    out, scratch = _landing(unit_bytes, pieces, me, device)
+    # the source's own rows are in place already: what the scatter
+    # writes into its landing is the unpacked segment, never read
+    scratch = scratch and not (source and not step)
+    return inputs, nbytes + (unit_bytes if scratch else 0), out, scratch
+
+
+class OwnFailure:
+    """The first failure of this rank's own code (not the backend's)
+    inside a stream: the steps after it are skipped, while the caller
+    keeps taking part in the stream's collectives, and it is raised once
+    they are all issued and waited for."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def attempt(self, step: Any, *args: Any) -> Any:
+        """``step(*args)``, or None where it raised or an earlier step did."""
+        if self.error is not None:
+            return None
+        try:
+            return step(*args)
+        except Exception as exc:  # noqa: BLE001 - raised by raise_if_any
+            self.error = exc
+            return None
+
+    def raise_if_any(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Sink:
+    """Where a stream's collectives go after this rank failed on its own:
+    two buffers (what it sends, what it receives) that no live tensor
+    shares, grown to the largest unit seen, allocated only after a
+    failure."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def _get(self, which: str, nbytes: int) -> torch.Tensor:
+        buf = self.buffers.get(which)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    def send(self, nbytes: int) -> torch.Tensor:
+        return self._get("send", nbytes)
+
+    def recv(self, nbytes: int) -> torch.Tensor:
+        return self._get("recv", nbytes)

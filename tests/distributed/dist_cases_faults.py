@@ -234,6 +234,19 @@ def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
     return out
 
 
+def _stream_load_inputs(ws: int, timeout_s: int) -> tuple[Any, ...]:
+    """The group's timeout set, a trained model and optimizer to load into,
+    the full dicts of another (seed 5) to load, and this rank's shards
+    before the load: (model, optim, model dict, optimizer dict, snapshot)."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = build(mesh)
+    src, src_optim = build(mesh, seed=5)
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=full)
+    return model, optim, msd, osd, _local_snapshot(model, optim)
+
+
 def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str, Any]:
     """A broadcast load whose source (rank 0) is SIGKILLed while it sends
     the eighth collective of its stream (64-byte buckets: a row or two
@@ -246,16 +259,14 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
 
     from dcp_optim._engine import collectives as _collectives
     from dcp_optim._engine import distribute as _distribute
+    from dcp_optim._engine import scatter_load as _scatter
 
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
-    mesh = init_device_mesh("cpu", (ws,))
-    model, optim = build(mesh)
-    src, src_optim = build(mesh, seed=5)
-    full = dcp_optim.StateDictOptions(full_state_dict=True)
-    msd, osd = dcp_optim.get_state_dict(src, src_optim, options=full)
-    before = _local_snapshot(model, optim)
+    model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=10)
     os.environ[_distribute.UNDO_ENV] = undo
     _collectives.set_bucket_bytes(64)
+    # this model's chunks are far under the scatter threshold: scattered
+    # anyway (every rank alike), so that the kill lands in a scatter
+    _scatter.SCATTER_MIN_CHUNK_BYTES = 1
     if rank == 0:
         # the eighth collective of the stream, broadcast or scatter (the
         # model's tensors are sharded on dim 0: they are scattered); the
@@ -292,6 +303,61 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
             model, optim, osd if rank == 0 else {}, options=bopts)
     result, seconds = _timed(call)
     return {"result": result, "seconds": seconds,
+            "unchanged": _same(before, _local_snapshot(model, optim))}
+
+
+def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) -> dict[str, Any]:
+    """A broadcast load in which one rank fails on its own -- an exception
+    in our code, not the backend's -- in the middle of its stream (64-byte
+    buckets): the source (``who`` "source") while preparing the third unit
+    it sends, or the last rank ("receiver") while landing the third it
+    receives; ``path`` "scatter" (every tensor scattered) or "broadcast"
+    (none).  The failing rank keeps meeting the others in every remaining
+    collective, so every rank raises the failing rank's error well within
+    the group's timeout (30 s), and no rank's model or optimizer changed
+    (the others received what the failed source sent in place of data:
+    their undo logs put it back)."""
+    from dcp_optim._engine import collectives as _collectives
+    from dcp_optim._engine import distribute as _distribute
+    from dcp_optim._engine import scatter_load as _scatter
+
+    model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=30)
+    bad = 0 if who == "source" else ws - 1
+    names = (("_source_inputs", "_pack") if path == "scatter" else ("_pack_rows", "_direct_bytes")) \
+        if who == "source" else (("_landing",) if path == "scatter" else ("_extract_rows",))
+    saved = [(m, n, getattr(m, n)) for m in (_scatter, _distribute) for n in names if hasattr(m, n)]
+    assert len(saved) == len(names), names
+    calls = [0]
+
+    def failing(fn):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError(f"injected failure on rank {rank}")
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    previous_limit = _scatter.SCATTER_MIN_CHUNK_BYTES
+    previous_bucket = _collectives.set_bucket_bytes(64)
+    _scatter.SCATTER_MIN_CHUNK_BYTES = 1 if path == "scatter" else 1 << 62
+    if rank == bad:
+        for m, n, fn in saved:
+            setattr(m, n, failing(fn))
+    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    try:
+        if part == "model":
+            result, seconds = _timed(lambda: dcp_optim.set_model_state_dict(
+                model, msd if rank == 0 else {}, options=bopts))
+        else:
+            result, seconds = _timed(lambda: dcp_optim.set_optimizer_state_dict(
+                model, optim, osd if rank == 0 else {}, options=bopts))
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+        _scatter.SCATTER_MIN_CHUNK_BYTES = previous_limit
+        _collectives.set_bucket_bytes(previous_bucket)
+    return {"result": result, "seconds": seconds, "calls": calls[0],
             "unchanged": _same(before, _local_snapshot(model, optim))}
 
 

@@ -99,6 +99,25 @@ def test_a_source_killed_mid_stream(part, undo):
     assert survivor["unchanged"] is (undo == "1"), survivor
 
 
+@pytest.mark.parametrize("path", ["scatter", "broadcast"])
+@pytest.mark.parametrize("who", ["source", "receiver"])
+@pytest.mark.parametrize("part", ["model", "optim"])
+def test_a_rank_failing_on_its_own_mid_stream(part, who, path):
+    """An exception of our own code on one rank in the middle of a
+    broadcast load's stream (the source preparing its third unit, or a
+    receiver landing its third): that rank keeps taking part in every
+    remaining collective instead of leaving the others waiting in them
+    until the group's timeout, so every rank raises the failing rank's
+    error within seconds, and nothing changed on any rank."""
+    records = run_ranks(3, cases.fails_mid_stream_case, part, who, path, timeout=120)
+    bad = 0 if who == "source" else 2
+    assert records[bad]["calls"] >= 3, records
+    for rank, rec in enumerate(records):
+        assert rec["result"].startswith("RuntimeError") and "injected failure on rank" in rec["result"], (rank, rec)
+        assert rec["seconds"] < 20, (rank, rec)
+        assert rec["unchanged"], (rank, rec)
+
+
 def assert_safe(records) -> None:
     """The fault matrix's acceptance, on one dcp_optim cell: every rank
     ended (killed, or with a result: no hang); every surviving rank that
