@@ -204,7 +204,7 @@ def _source_inputs(piece: _Piece, world: int, device: torch.device) -> tuple[lis
         value = piece.value.detach()
         if value.is_contiguous() and value.device == device:
             flat = value.reshape(-1).view(torch.uint8)
-            # as_strided's offset is into the storage: the value's own first
+            # as_strided's offset counts from the storage's start: add the view's own
             rows = flat.as_strided(
                 (whole, step), (piece.chunk * piece.row_bytes, 1), flat.storage_offset() + piece.start * piece.row_bytes
             )
