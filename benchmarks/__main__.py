@@ -77,14 +77,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from . import report
+    from . import report, targets
     from .bookkeeping import run_bookkeeping, scaling, select_ops
     from .common import environment
 
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if "targets" in sections:
-        from . import targets
-
         sections.update(targets.SECTIONS)
         targets.apply_defaults(args)
     if "templates" in sections:
@@ -261,9 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         err = scale.plot(s5, scale_plot)
         print(err if err else f"scale plot: {os.path.abspath(scale_plot)}")
     # last, from the JSON written above: the run's targets in one table
-    from . import targets as targets_table
-
-    summary = targets_table.table(out)
+    summary = targets.table(out)
     if summary:
         print("\n== Targets of issues 26 and 27, this run (measured beside the target) ==")
         print(summary)

@@ -91,6 +91,13 @@ def _bookkeeping(s1: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _against_smallest(by_world: dict[int, Any]) -> list[tuple[int, Any, int, Any]]:
+    """(the smallest world, its entry, a larger world, its entry) for each
+    larger world of ``by_world``."""
+    worlds = sorted(by_world)
+    return [(worlds[0], by_world[worlds[0]], w, by_world[w]) for w in worlds[1:]]
+
+
 def _scale(s5: dict[str, Any]) -> list[list[str]]:
     """Per (model, layout, rank, operation): dcp_optim's CPU time at each
     larger world over its time at the smallest one."""
@@ -102,12 +109,10 @@ def _scale(s5: dict[str, Any]) -> list[list[str]]:
                 series.setdefault((r["model"], r["layout"], r["rank"], op), {})[r["world"]] = ms
     rows = []
     for (model, layout, rank, op), by_world in series.items():
-        worlds = sorted(by_world)
-        for w in worlds[1:]:
-            ratio = by_world[w] / by_world[worlds[0]]
-            rows.append(_row("26.2", f"{op} rank {rank} ({model}/{layout}): CPU at W={w} / W={worlds[0]} "
-                             f"({by_world[w]:.1f} / {by_world[worlds[0]]:.1f} ms)", ratio,
-                             f"<= {FLAT_LIMIT:.2f}", ratio <= FLAT_LIMIT))
+        for w0, lo, w, hi in _against_smallest(by_world):
+            ratio = hi / lo
+            rows.append(_row("26.2", f"{op} rank {rank} ({model}/{layout}): CPU at W={w} / W={w0} "
+                             f"({hi:.1f} / {lo:.1f} ms)", ratio, f"<= {FLAT_LIMIT:.2f}", ratio <= FLAT_LIMIT))
     return rows
 
 
@@ -148,13 +153,10 @@ def _reshard(s7: dict[str, Any]) -> list[list[str]]:
     for s in s7.get("fake_scaling", []):
         series.setdefault(s["pair"], {})[s["world"]] = s
     for pair, by_world in series.items():
-        worlds = sorted(by_world)
-        lo = by_world[worlds[0]]
-        for w in worlds[1:]:
-            s = by_world[w]
+        for w0, lo, w, s in _against_smallest(by_world):
             ratio = s["repeat_cpu_s"] / lo["repeat_cpu_s"] if lo["repeat_cpu_s"] else None
             exact = s["recv_bytes"] + s["local_bytes"] == s["dst_shard_bytes"]
-            rows.append(_row("27.5", f"reshard {pair} (fake group): repeat CPU at W={w} / W={worlds[0]}; "
+            rows.append(_row("27.5", f"reshard {pair} (fake group): repeat CPU at W={w} / W={w0}; "
                              f"bytes received + copied = shard: {exact}", ratio, f"<= {FLAT_LIMIT:.2f}",
                              None if ratio is None else ratio <= FLAT_LIMIT and exact))
     return rows

@@ -306,6 +306,16 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
             "unchanged": _same(before, _local_snapshot(model, optim))}
 
 
+# per (who fails, path): the functions of the stream that rank calls per
+# unit, one of which raises on its third call
+_FAILING_STEPS = {
+    ("source", "scatter"): ("_source_inputs", "_pack"),
+    ("source", "broadcast"): ("_pack_rows", "_direct_bytes"),
+    ("receiver", "scatter"): ("_landing",),
+    ("receiver", "broadcast"): ("_extract_rows",),
+}
+
+
 def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) -> dict[str, Any]:
     """A broadcast load in which one rank fails on its own -- an exception
     in our code, not the backend's -- in the middle of its stream (64-byte
@@ -323,8 +333,7 @@ def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) ->
 
     model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=30)
     bad = 0 if who == "source" else ws - 1
-    names = (("_source_inputs", "_pack") if path == "scatter" else ("_pack_rows", "_direct_bytes")) \
-        if who == "source" else (("_landing",) if path == "scatter" else ("_extract_rows",))
+    names = _FAILING_STEPS[who, path]
     saved = [(m, n, getattr(m, n)) for m in (_scatter, _distribute) for n in names if hasattr(m, n)]
     assert len(saved) == len(names), names
     calls = [0]
