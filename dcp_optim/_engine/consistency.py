@@ -145,22 +145,33 @@ def await_arrival(mesh: Any | None, what: str) -> None:
     ranks, group = _meeting_group(mesh)
     seq = _meetings.get(group, 0) + 1
     _meetings[group] = seq
-    base = f"{_ARRIVE}/{group}/{seq}"
-    mine = f"{base}/r{dist.get_rank()}"
+    meet(store, f"{_ARRIVE}/{group}", seq, ranks, dist.get_rank(), what, bound)
+
+
+def meet(store: Any, prefix: str, seq: int, ranks: tuple[int, ...], rank: int, what: str, bound: float) -> None:
+    """Meeting ``seq`` of ``ranks`` on ``store`` under ``prefix``, as
+    ``rank`` (see ``await_arrival``).  A constant number of store
+    operations per rank (set, add, then the last to arrive marks the
+    meeting complete and the others wait for that mark); only on a
+    timeout does a rank look up who is missing, one key per rank."""
+    base = f"{prefix}/{seq}"
+    mine = f"{base}/r{rank}"
     store.set(mine, what)
     if store.add(f"{base}/n", 1) == len(ranks):
         state = bytes(store.compare_set(f"{base}/all", "", "1"))
         if state == b"1":
             # every rank is past the previous meeting: its keys can go
-            _delete(store, f"{_ARRIVE}/{group}/{seq - 1}/all", f"{_ARRIVE}/{group}/{seq - 1}/n")
+            _delete(store, f"{prefix}/{seq - 1}/all", f"{prefix}/{seq - 1}/n")
     else:
         try:
             store.wait([f"{base}/all"], timedelta(seconds=bound))
+            # set: by the last rank to arrive ("1"), or by one that timed out
+            state = bytes(store.get(f"{base}/all"))
         except RuntimeError:  # the store's timeout (DistStoreError)
-            pass
-        missing = [r for r in ranks if not store.check([f"{base}/r{r}"])]
-        desired = _ABANDONED.decode() + repr(missing)
-        state = bytes(store.compare_set(f"{base}/all", "", desired))
+            # only now the ranks that are not here (one lookup each)
+            missing = [r for r in ranks if not store.check([f"{base}/r{r}"])]
+            desired = _ABANDONED.decode() + repr(missing)
+            state = bytes(store.compare_set(f"{base}/all", "", desired))
     if state.startswith(_ABANDONED):
         missing_text = state[len(_ABANDONED):].decode()
         raise errors.StateDictRuntimeError(
