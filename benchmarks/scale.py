@@ -34,7 +34,10 @@ through the same shims):
   two wire broadcasts (size, then payload of the recorded length) are
   still issued on the fake group so that they are counted.
   ``all_gather_object`` delivers this rank's object in every slot (each
-  pickled and unpickled, as received).
+  pickled and unpickled, as received).  dcp_optim's broadcast loads send
+  the source's payload (its metadata, with a small load's tensors) as one
+  broadcast of bytes (``_engine.payload.broadcast_payload``): recorded and
+  delivered the same way, the broadcast itself issued on the fake group.
 * tensor broadcasts are the fake group's: a receiving rank's buffers keep
   whatever they held (the data is meaningless, the shapes and the work of
   cutting shards out of buckets are real).
@@ -209,12 +212,41 @@ class Shims:
             else:
                 shims.filled["broadcast_object_list_recorded"] += 1
 
+        # dcp_optim's broadcast loads send the source's payload (metadata,
+        # and a small load's tensors) as one broadcast of a byte tensor:
+        # recorded and replayed like broadcast_object_list's
+        from dcp_optim._engine import payload as _payload
+
+        orig["broadcast_payload"] = _payload.broadcast_payload
+
+        def broadcast_payload(stages, is_source, payload, size):
+            # (a receiver's size comes from the first agreement's flags,
+            # which the fake group's all-reduce leaves as this rank's own:
+            # the recording's length stands in for it)
+            if is_source:
+                data = orig["broadcast_payload"](stages, is_source, payload, size)  # on the fake group: counted
+                shims.script.setdefault(shims.key, []).append(bytes(data.numpy()))
+                shims.filled["payload_recorded"] += 1
+                return data
+            recorded = shims.script.get(shims.key, [])
+            if shims.pos >= len(recorded):
+                raise RuntimeError(
+                    f"scale harness: no payload recorded by the source for {shims.key!r} "
+                    f"(#{shims.pos}); run rank 0 first"
+                )
+            sent = recorded[shims.pos]
+            shims.pos += 1
+            orig["broadcast_payload"](stages, is_source, payload, len(sent))
+            shims.filled["payload_replayed"] += 1
+            return torch.frombuffer(bytearray(sent), dtype=torch.uint8)
+
         new = {
             "all_gather_into_tensor": all_gather_into_tensor,
             "all_gather_single": all_gather_single,
             "all_gather": all_gather,
             "all_gather_object": all_gather_object,
             "broadcast_object_list": broadcast_object_list,
+            "broadcast_payload": broadcast_payload,
         }
         by_id = {id(fn): new[name] for name, fn in orig.items() if fn is not None}
         for mname, mod in list(sys.modules.items()):

@@ -37,6 +37,7 @@ from ._engine.core import C, context
 from ._engine.model import ModelLoad, get_model, unflatten_model_state_dict
 from ._engine.optim import OptimLoad, get_optim, init_optim_state
 from ._engine.own_calls import PATCH_MARK
+from ._engine.payload import OutgoingPayload, encode_payload, payload_flags
 from ._engine.pipeline import LoadPart, Prepared
 from .options import StateDictOptions
 
@@ -426,23 +427,27 @@ def _run_load(
     every rank runs, and is agreed on, before any data moves or anything
     is installed (atomic, the same error on every rank):
 
-    1. ``plan`` every part (without broadcast, ``validate`` too);
+    1. ``plan`` every part (without broadcast, ``validate`` too; with
+       it, the source encodes its payload, ``_engine.payload``);
     2. one agreement: options, D15, the full dicts' structure, every
-       rank's verdict;
-    3. broadcast loads: the source's metadata (one object broadcast),
-       ``validate`` on every rank, one agreement;
+       rank's verdict (and the source's payload size);
+    3. broadcast loads: the source's payload (one broadcast), ``validate``
+       on every rank, one agreement;
     4. ``move`` (data movement, the checks on the moved data), one more
        agreement, then ``commit`` -- which cannot fail on bad input.  A
        sharded load moves no data between ranks and writes nothing before
        commit: its ``move`` runs before the agreement of step 2, which is
        its only one (except into FSDP1 models, whose sharded move
-       exchanges shards: after it, as above).
+       exchanges shards: after it, as above).  Likewise a broadcast load
+       whose tensors came inline with the payload: its ``move`` slices
+       them locally into new tensors, before the agreement of step 3.
 
     Agreements are fixed-size all-reduces (``_engine.consistency.Agreement``)
     among the ranks of the model's mesh (FSDP1: its device mesh or process
     group), made whenever the load communicates or the model holds
     sharded tensors; a plain model's
     sharded load runs alone on each rank, as upstream's does."""
+    from ._engine.consistency import first_rank
     from ._engine.distribute import route_for
 
     bcast = bool(getattr(options, "broadcast_from_rank0", False))
@@ -462,6 +467,14 @@ def _run_load(
             metas, error = _phase(lambda p: p.plan(), parts, error)
             if not (bcast and agreement is not None):  # alone: the source's metadata is its own
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), error)
+            payload = None
+            if bcast and agreement is not None and error is None:
+                # the source encodes what it sends now: its size (and an
+                # encoding failure) is agreed on at the first agreement
+                try:
+                    payload = _source_payload(parts, metas, info)
+                except Exception as exc:  # noqa: BLE001 - agreed on below
+                    error = exc
             prepared: list[Prepared | None] = []
             # FSDP1's sharded move exchanges shards across its group: it
             # runs after the first agreement, as full loads' moves do
@@ -470,16 +483,33 @@ def _run_load(
                 prepared, error = _phase(lambda p: p.move(), parts, error)
             # which parts' commits can fail on this rank: 1 the model's, 2 the optimizers'
             fallible = sum(bit for p in parts if p.can_fail for bit in (_FALLIBLE[p.name],))
-            per_rank = _agree_or_abort(parts, agreement, error, (*has, fallible), _flags_check(api, info))
+            per_rank = _agree_or_abort(
+                parts, agreement, error, (*has, fallible, *payload_flags(payload)), _flags_check(api, info)
+            )
             assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
                 parts = _source_parts(api, parts, per_rank, info, optimizers)
-                metas = route_for(info.index, None).broadcast_object(tuple(metas[: len(parts)]))
-                _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), None)
-                paths = _agree(agreement, error, _paths_flags(parts, error))
-                if not _same_paths(paths):
-                    for part in parts:
-                        part.broadcast_all()
+                route = route_for(info.index, None)
+                # the payload's size, as the source announced it (where the
+                # source is the agreement's first rank: else it travels too)
+                announced = per_rank[0][3:7] if first_rank(agreement.mesh) == route.source else None
+                sent, values = route.send_payload(payload, announced)
+                if values is not None:  # inline: every rank holds the source's tensors
+                    for part, value in zip(parts, values):
+                        part.take_inline(value)
+                _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, sent)), None)
+                if values is not None:
+                    # no collective in the moves and nothing written before
+                    # commit (as a sharded load's): they run before the one
+                    # agreement left
+                    prepared, error = _phase(lambda p: p.move(), parts, error)
+                    moves_first = True
+                    _agree_or_abort(parts, agreement, error)
+                else:
+                    paths = _agree(agreement, error, _paths_flags(parts, error))
+                    if not _same_paths(paths):
+                        for part in parts:
+                            part.broadcast_all()
             if not moves_first:
                 # on broadcast loads every part runs even after one failed
                 # (its stream is a collective the others wait in)
@@ -500,6 +530,19 @@ def _run_load(
     result.optim_missing_keys = optim_report.missing_keys if optim_report else []
     result.optim_unexpected_keys = optim_report.unexpected_keys if optim_report else []
     return (result, info.handle_model), optimizers
+
+
+def _source_payload(parts: list[LoadPart], metas: list[Any], info: Any) -> OutgoingPayload | None:
+    """On a broadcast load's source: what it sends every rank (``metas``,
+    one per part, and where the load is small its tensors inline); None
+    on the other ranks.  Never inline into FSDP1 models, whose optimizer
+    moves can make collectives of FSDP's own."""
+    from ._engine.distribute import route_for
+
+    if not route_for(info.index, None).is_source:
+        return None
+    values = None if info.fsdp_modules else [part.inline_values() for part in parts]
+    return encode_payload(tuple(metas), values)
 
 
 def _holds_fsdp1(model: Any, info: Any) -> bool:

@@ -116,6 +116,12 @@ def _mesh_ranks(mesh: Any | None) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
+def first_rank(mesh: Any | None) -> int:
+    """The global rank at index 0 of ``mesh`` (None: the default group):
+    the rank whose flags an agreement reports first (``RankFlags.first``)."""
+    return 0 if mesh is None else int(mesh.mesh[(0,) * mesh.mesh.dim()])
+
+
 # per mesh (None: the default group, by its size), its ranks and the
 # digest naming its meetings: computed once per mesh, not per call
 _groups: dict[Any, tuple[tuple[int, ...], str]] = {}

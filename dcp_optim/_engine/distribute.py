@@ -35,6 +35,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .collectives import bucket_bytes
 from .core import C, context
+from .payload import (
+    MetadataPickler,
+    OutgoingPayload,
+    broadcast_payload,
+    decode_payload,
+    payload_from_flags,
+)
 from .scatter_load import (
     DIRECT_BYTES,
     NO_CHUNKING,
@@ -111,11 +118,12 @@ class Route:
     def broadcast_object(self, obj: Any) -> Any:
         """``obj`` from the source to every rank of the route (the source
         gets ``obj`` itself back).  It travels pickled by
-        ``_MetadataPickler``: the 0-dim tensors of the metadata (an
-        optimizer's ``step``, one per parameter) as their dtype and bytes."""
+        ``MetadataPickler``: the 0-dim tensors of the metadata (an
+        optimizer's ``step``, one per parameter) as their dtype and bytes.
+        (Loads with an agreement send theirs by ``send_payload``.)"""
         if self.is_source:
             buf = io.BytesIO()
-            _MetadataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+            MetadataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
             payload: Any = buf.getvalue()
         else:
             payload = None
@@ -125,35 +133,22 @@ class Route:
             payload = box[0]
         return obj if self.is_source else pickle.loads(payload)
 
-
-class _MetadataPickler(pickle.Pickler):
-    """Pickles a plain 0-dim CPU tensor (exact type, strided, no autograd,
-    no conjugate or negative bit) as its dtype and bytes, rebuilt as a new
-    tensor of its own storage, as torch's unpickling gives it; torch's own
-    reduction writes a ``torch.save`` archive per tensor (about 0.4 ms
-    each).  Everything else is pickled as usual."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.dim() == 0
-            and obj.device.type == "cpu"
-            and obj.layout is torch.strided
-            and not obj.requires_grad
-            and not obj.is_conj()
-            and not obj.is_neg()
-            and not obj.is_quantized
-        ):
-            raw = bytes(obj.reshape(1).view(torch.uint8).tolist())
-            return _scalar_tensor, (str(obj.dtype).removeprefix("torch."), raw)
-        return NotImplemented
-
-
-def _scalar_tensor(dtype: str, raw: bytes) -> torch.Tensor:
-    """The 0-dim tensor of ``dtype`` whose bytes are ``raw``."""
-    out = torch.empty((), dtype=getattr(torch, dtype))
-    out.reshape(1).view(torch.uint8).copy_(torch.tensor(list(raw), dtype=torch.uint8))
-    return out
+    def send_payload(
+        self, payload: OutgoingPayload | None, flags: tuple[int, ...] | None
+    ) -> tuple[tuple, tuple | None]:
+        """A load's payload (``payload``'s module) from the source to every
+        rank of the route, its size learnt from the source's agreement
+        ``flags`` (None: not known, it travels first): (metas, inline
+        values or None).  The source gets its own back."""
+        size = payload_from_flags(flags) if flags is not None else None
+        if size is None:  # too large for the flags: size and payload travel
+            metas = self.broadcast_object(payload.metas if payload is not None else None)
+            return metas, None
+        data = broadcast_payload(self.stages, self.is_source, payload, size)
+        if self.is_source:
+            assert payload is not None
+            return payload.metas, tuple(payload.values) if payload.inline and payload.values is not None else None
+        return decode_payload(data)
 
 
 def route_for(index: Any, device: torch.device | None) -> Route:
@@ -526,6 +521,9 @@ class ModelFullLoad:
         # parameter's global shape (whatever else is known about the load).
         check_global_shapes(self.keys, self.jobs)
 
+    # inline loads (``payload``): the source's dict, as every rank received it
+    inline_full: dict[str, Any] | None = None
+
     def _validate_stream(self, meta: Any) -> None:
         route = self.route
         if not isinstance(meta, dict):
@@ -535,7 +533,7 @@ class ModelFullLoad:
             )
         self.meta = meta
         keys, jobs, non_tensor = _broadcast_jobs(
-            meta, self.full if route.is_source else None, self.local, self.device
+            meta, self.full if route.is_source else self.inline_full, self.local, self.device
         )
         check_global_shapes(keys, jobs)
         out = dict(self.local)
@@ -567,8 +565,8 @@ class ModelFullLoad:
 
     def move(self) -> dict[str, Any]:
         route = self.route
-        if not in_place_allowed(self.info):
-            self.in_place = False
+        if not in_place_allowed(self.info) or self.inline_full is not None:
+            self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if route is None:
             if self.jobs:
@@ -576,10 +574,14 @@ class ModelFullLoad:
                 C.write_slots([(self.merged, key) for key in self.keys], values)
             return self.merged
         out = self.out
-        values = run_full_load(
-            self.jobs, route=route, offload=_CPU if self.cpu_offload else None, in_place=self.in_place,
-            undo=self.undo, scattered=self.scattered,
-        )
+        offload = _CPU if self.cpu_offload else None
+        if self.inline_full is not None:
+            values = run_full_load(self.jobs, route=None, offload=offload)
+        else:
+            values = run_full_load(
+                self.jobs, route=route, offload=offload, in_place=self.in_place, undo=self.undo,
+                scattered=self.scattered,
+            )
         C.write_slots([(out, k) for k in self.keys], values)
         if self.strict:
             for key in [k for k in out if k not in self.meta]:
@@ -596,6 +598,13 @@ class ModelFullLoad:
     def stream_paths(self) -> int:
         self.scattered = _scattered(self.jobs, self.route)
         return paths_digest(len(self.jobs), self.scattered)
+
+    def inline_values(self) -> Any:
+        """What travels inline from the source (its dict), else None."""
+        return self.full if self.route is not None and self.route.is_source else None
+
+    def take_inline(self, values: Any) -> None:
+        self.inline_full = values
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into live tensors (the load failed
@@ -704,6 +713,9 @@ class OptimLocalize:
         meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
         return (meta_state, groups, fqn_group, empties, unexpected)
 
+    # inline loads (``payload``): the source's state, as every rank received it
+    inline_state: Any = None
+
     def validate(self, payload: Any = None) -> None:
         state, groups, fqn_group, empties, unexpected = self.view
         route = self.route
@@ -715,6 +727,8 @@ class OptimLocalize:
                 )
             if not route.is_source:
                 state, groups, fqn_group, empties, unexpected = payload
+                if self.inline_state is not None:
+                    state = self.inline_state
         full = self.full
         existing = self.held() if full and self.held is not None and self.precheck is not None else None
         new_state, jobs, slots, n_held = C.optim_state_jobs(
@@ -737,12 +751,14 @@ class OptimLocalize:
             C.write_slots(slots, [None] * len(slots))
 
     def move(self) -> tuple:
-        if not in_place_allowed(self.info):
-            self.in_place = False
+        inline = self.inline_state is not None
+        if inline or not in_place_allowed(self.info):
+            self.in_place = False  # inline: sliced into new tensors, as the model's
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if self.jobs:
             values = run_full_load(
-                self.jobs, route=self.route, in_place=self.in_place, undo=self.undo, scattered=self.scattered
+                self.jobs, route=None if inline else self.route, in_place=self.in_place, undo=self.undo,
+                scattered=self.scattered,
             )
             C.write_slots(self.slots, values)
         return self.result
@@ -754,6 +770,13 @@ class OptimLocalize:
         jobs = getattr(self, "jobs", [])
         self.scattered = _scattered(jobs, self.route)
         return paths_digest(len(jobs), self.scattered)
+
+    def inline_values(self) -> Any:
+        """What travels inline from the source (its state), else None."""
+        return self.view[0] if self.route is not None and self.route.is_source else None
+
+    def take_inline(self, values: Any) -> None:
+        self.inline_state = values
 
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizer's live state."""

@@ -311,6 +311,16 @@ class ModelLoad:
         if self.full_load is not None:
             self.full_load.scattered = []
 
+    def inline_values(self) -> Any:
+        """On a broadcast load's source: the dict whose tensors may travel
+        inline (``payload``), else None."""
+        return self.full_load.inline_values() if self.full_load is not None else None
+
+    def take_inline(self, values: Any) -> None:
+        """The source's dict arrived inline: ``move`` slices it locally."""
+        if self.full_load is not None and values is not None:
+            self.full_load.take_inline(values)
+
     def abort(self) -> None:
         """Put back what ``move`` wrote into live tensors (an in-place
         full or broadcast load) when the load fails after it."""

@@ -1574,6 +1574,16 @@ class OptimLoad:
         if self.localize is not None:
             self.localize.scattered = []
 
+    def inline_values(self) -> Any:
+        """On a broadcast load's source: the state whose tensors may
+        travel inline (``payload``), else None."""
+        return self.localize.inline_values() if self.localize is not None else None
+
+    def take_inline(self, values: Any) -> None:
+        """The source's state arrived inline: ``move`` slices it locally."""
+        if self.localize is not None and values is not None:
+            self.localize.take_inline(values)
+
     def abort(self) -> None:
         """Put back what ``move`` wrote into the optimizers' held state (an
         in-place full or broadcast load) when the load fails after it."""

@@ -93,6 +93,14 @@ class LoadPart(Protocol):
     # ... and, where the ranks' digests differ, every tensor is broadcast
     def broadcast_all(self) -> None: ...
 
+    # small broadcast loads (``payload``): on the source, the tree whose
+    # tensors travel with the metadata (None: nothing to send) ...
+    def inline_values(self) -> Any: ...
+
+    # ... and, on every rank, that tree as received: ``move`` then slices
+    # it locally, with no collective and nothing written before commit
+    def take_inline(self, values: Any) -> None: ...
+
 
 def run_alone(part: LoadPart, info: Any) -> Prepared:
     """Plan, validate and move ``part`` without agreeing with other ranks;

@@ -474,19 +474,29 @@ def submesh_case(rank: int, ws: int) -> dict[str, Any]:
     optim = make_optimizer(model)
     train(model, optim, seed=seed)
     full_m, full_o = dcp_optim.get_state_dict(model, optim, options=Opts(full_state_dict=True))
-    # broadcast load from the mesh's first rank into a fresh model
-    fresh = fsdp2_model(mesh, seed=seed + 10)
-    fresh_optim = make_optimizer(fresh)
-    source = rank == ranks[0]
-    dcp_optim.set_state_dict(
-        fresh, fresh_optim,
-        model_state_dict=dict(full_m) if source else {},
-        optim_state_dict=full_o if source else {},
-        options=Opts(full_state_dict=True, broadcast_from_rank0=True),
-    )
-    back_m, back_o = dcp_optim.get_state_dict(fresh, fresh_optim, options=Opts(full_state_dict=True))
-    assert_same_tree(full_m, back_m)
-    assert_same_tree(full_o["state"], back_o["state"])
+    # broadcast load from the mesh's first rank into a fresh model: this
+    # small model's tensors travel inline with the metadata, then (inline
+    # off) streamed, each within the mesh
+    from dcp_optim._engine import payload as _payload
+
+    inline_bytes = _payload.INLINE_BYTES
+    for inline in (inline_bytes, 0):
+        _payload.INLINE_BYTES = inline
+        fresh = fsdp2_model(mesh, seed=seed + 10)
+        fresh_optim = make_optimizer(fresh)
+        source = rank == ranks[0]
+        try:
+            dcp_optim.set_state_dict(
+                fresh, fresh_optim,
+                model_state_dict=dict(full_m) if source else {},
+                optim_state_dict=full_o if source else {},
+                options=Opts(full_state_dict=True, broadcast_from_rank0=True),
+            )
+        finally:
+            _payload.INLINE_BYTES = inline_bytes
+        back_m, back_o = dcp_optim.get_state_dict(fresh, fresh_optim, options=Opts(full_state_dict=True))
+        assert_same_tree(full_m, back_m)
+        assert_same_tree(full_o["state"], back_o["state"])
     dist.barrier()
     return {"rank": rank, "mesh": ranks, "keys": len(back_m), "gathers": gather_exactness_cases(rank, ws)}
 

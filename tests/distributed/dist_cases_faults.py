@@ -237,7 +237,12 @@ def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
 def _stream_load_inputs(ws: int, timeout_s: int) -> tuple[Any, ...]:
     """The group's timeout set, a trained model and optimizer to load into,
     the full dicts of another (seed 5) to load, and this rank's shards
-    before the load: (model, optim, model dict, optimizer dict, snapshot)."""
+    before the load: (model, optim, model dict, optimizer dict, snapshot).
+    The load streams: this model is small enough to travel inline with
+    the source's metadata otherwise (``payload.INLINE_BYTES``)."""
+    from dcp_optim._engine import payload as _payload
+
+    _payload.INLINE_BYTES = 0
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     mesh = init_device_mesh("cpu", (ws,))
     model, optim = build(mesh)

@@ -31,6 +31,9 @@ PATHS = {
     "sharded": {},
     "full": {"full_state_dict": True},
     "broadcast": {"full_state_dict": True, "broadcast_from_rank0": True},
+    # the same load with its tensors streamed, not inline with the
+    # source's metadata (which this small model's are otherwise)
+    "streamed": {"full_state_dict": True, "broadcast_from_rank0": True},
 }
 
 
@@ -89,7 +92,12 @@ def precision_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                     out["upstream"] = "ok"
                 except Exception as exc:  # noqa: BLE001 - reported
                     out["upstream"] = f"{type(exc).__name__}: {exc}"[:300]
+                from dcp_optim._engine import payload as _payload
+
+                inline_bytes = _payload.INLINE_BYTES
                 try:
+                    if path == "streamed":
+                        _payload.INLINE_BYTES = 0
                     model, optim, loaded = _load_and_step(dcp_optim, mesh, osd, flat, options)
                     for key, (kind, dtype, placements) in loaded.items():
                         assert kind == "DTensor" and dtype == torch.float32, (key, kind, dtype)
@@ -104,6 +112,8 @@ def precision_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                     out["dcp_optim"] = "ok"
                 except Exception as exc:  # noqa: BLE001 - reported
                     out["dcp_optim"] = f"{type(exc).__name__}: {exc}"[:300] or traceback.format_exc(limit=2)
+                finally:
+                    _payload.INLINE_BYTES = inline_bytes
     results["schema_less_fsdp2"] = {"dcp_optim": _run(lambda: _schema_less(mesh))}
     results["extras_broadcast"] = {"dcp_optim": _run(lambda: _extras_broadcast(mesh, rank))}
     return results

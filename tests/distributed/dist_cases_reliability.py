@@ -279,18 +279,28 @@ def reliability_suite(rank: int, ws: int) -> dict[str, Any]:
             model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flat)))
         out[f"d6{'[flat]' if flat else ''}"] = {"dcp_optim": result}
 
-    # The collectives of a load (what the README's cost line states): per
+    # The collectives of a load (the sequence docs/architecture.md states): per
     # mode, every torch.distributed call and the bytes of its input.
+    # "broadcast": this small model's tensors travel inline with the
+    # source's metadata; "streamed": the same load with inlining off.
+    from dcp_optim._engine import payload as _payload
+
     src_model, src_optim = build(mesh, seed=4)
-    for mode in ("sharded", "full", "broadcast"):
-        opts = dcp_optim.StateDictOptions(full_state_dict=mode != "sharded", broadcast_from_rank0=mode == "broadcast")
+    inline_bytes = _payload.INLINE_BYTES
+    for mode in ("sharded", "full", "broadcast", "streamed"):
+        bcast = mode in ("broadcast", "streamed")
+        opts = dcp_optim.StateDictOptions(full_state_dict=mode != "sharded", broadcast_from_rank0=bcast)
         msd, osd = dcp_optim.get_state_dict(src_model, src_optim, options=opts)
-        if mode == "broadcast" and rank != 0:
+        if bcast and rank != 0:
             msd, osd = {}, {}
         model, optim = build(mesh)
-        with CollectiveRecorder() as rec:
-            result = _outcome(lambda: dcp_optim.set_state_dict(
-                model, optim, model_state_dict=msd, optim_state_dict=osd, options=opts))
+        _payload.INLINE_BYTES = 0 if mode == "streamed" else inline_bytes
+        try:
+            with CollectiveRecorder() as rec:
+                result = _outcome(lambda: dcp_optim.set_state_dict(
+                    model, optim, model_state_dict=msd, optim_state_dict=osd, options=opts))
+        finally:
+            _payload.INLINE_BYTES = inline_bytes
         out[f"collectives[{mode}]"] = {"dcp_optim": (result, rec.calls)}
     dist.barrier()
     return out
@@ -616,6 +626,10 @@ def dying_rank_case(rank: int, ws: int, where: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (ws,))
     model, optim = build(mesh)
     msd = dcp_optim.get_model_state_dict(model, options=dcp_optim.StateDictOptions(full_state_dict=True))
+    if where == "stream":
+        from dcp_optim._engine import payload as _payload
+
+        _payload.INLINE_BYTES = 0  # streamed: this small model would travel inline
     if rank == 1:
         from dcp_optim._engine import consistency as _consistency
         from dcp_optim._engine import distribute as _distribute

@@ -61,7 +61,8 @@ PATHS = {
     "get-full": "full getter (get_state_dict, full_state_dict)",
     "sharded": "sharded set_state_dict",
     "full": "full set_state_dict (every rank holds the dict)",
-    "broadcast": "broadcast set_state_dict (rank 0 holds the dict)",
+    "broadcast": "broadcast set_state_dict (rank 0 holds the dict), its tensors streamed",
+    "inline": "broadcast set_state_dict of a small dict, its tensors inline with the metadata",
     "flat": "full set_state_dict, flattened optimizer dict",
     "fsdp1-get-full": "FSDP1: full getter",
     "fsdp1-sharded": "FSDP1: sharded set_state_dict (no device mesh: ShardedTensors)",
@@ -221,8 +222,14 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
     model, optim = _build(mesh, fault, rank, 0, path)
     src, src_optim = _build(mesh, fault, rank, 3, path)  # "order": rank 0's layout everywhere
     flat = path == "flat"
-    full = path.removeprefix("fsdp1-") in ("full", "broadcast", "flat", "get-full")
-    bcast = path.endswith("broadcast")
+    full = path.removeprefix("fsdp1-") in ("full", "broadcast", "inline", "flat", "get-full")
+    bcast = path.endswith("broadcast") or path == "inline"
+    if path != "inline":
+        # this model is small enough to travel inline: streamed unless
+        # the path is inline's (FSDP1's broadcast loads always stream)
+        from dcp_optim._engine import payload as _payload
+
+        _payload.INLINE_BYTES = 0
     get_opts = dcp_optim.StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=flat)
     msd, osd = dcp_optim.get_state_dict(src, src_optim, options=get_opts)
     if bcast and rank != 0:
@@ -265,10 +272,10 @@ def cell(rank: int, ws: int, fault: str, path: str, impl: str) -> dict[str, Any]
             model.load_state_dict = armed_load  # type: ignore[method-assign]
     if fault == "kill-agree" and rank == 1:
         # the last agreement of the load: the first of a sharded load, the
-        # one after the data moved of full and FSDP1 sharded (second) and
-        # broadcast (third) loads; upstream has none: its last collective
-        # before installing
-        last = 1 if path == "sharded" else (3 if bcast else 2)
+        # one after the data moved of full, FSDP1 sharded and inline
+        # broadcast (second) and streamed broadcast (third) loads;
+        # upstream has none: its last collective before installing
+        last = 1 if path == "sharded" else (3 if bcast and path != "inline" else 2)
         if impl == "dcp_optim":
             import dcp_optim.state_dict as ours
 

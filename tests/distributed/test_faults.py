@@ -135,12 +135,13 @@ def assert_safe(records) -> None:
     assert len({rec["result"].split(":")[0] for rec in survivors}) == 1, records
 
 
-@pytest.mark.parametrize("path", ["full", "broadcast", "flat"])
+@pytest.mark.parametrize("path", ["full", "broadcast", "inline", "flat"])
 def test_peer_killed_before_the_last_agreement_changes_nothing(path):
-    """Rank 1 dies after the data moved (an in-place full or broadcast
-    load writes shards straight into the live tensors) and before the
-    last agreement: rank 0's agreement fails at once, and what the move
-    wrote is put back (the fault matrix's "kill-agree" cells)."""
+    """Rank 1 dies after the data moved (an in-place full or streamed
+    broadcast load writes shards straight into the live tensors; an
+    inline one into new tensors) and before the last agreement: rank 0's
+    agreement fails at once, and what the move wrote is put back (the
+    fault matrix's "kill-agree" cells)."""
     from .fault_matrix import run_cell
 
     r0, r1 = records = run_cell("kill-agree", path, "dcp_optim")

@@ -116,14 +116,17 @@ def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
     assert "rank(s) [0]: nothing (no such entry)" in a
 
 
-@pytest.mark.parametrize("mode", ["sharded", "full", "broadcast"])
+@pytest.mark.parametrize("mode", ["sharded", "full", "broadcast", "streamed"])
 def test_load_collectives_are_the_readmes(reliability, mode):
-    """The README's cost line: all-reduces of one fixed-size record per
+    """The load sequence of docs/architecture.md: all-reduces of one fixed-size record per
     load (consistency.RECORD_WORDS int64 words, each with its negation:
-    sharded: one, full: two, broadcast: three -- the same bytes at any
-    world size), plus, on broadcast loads, the metadata broadcast and the
-    data collectives (FSDP2's shards on dim 0: scatters); nothing else (no all-gather: the flags of the ranks
-    past the source agree)."""
+    sharded: one, full: two, broadcast: two where the tensors travel
+    inline with the metadata, three where they stream -- the same bytes at
+    any world size), plus, on broadcast loads, one broadcast of the
+    source's payload (its size came with the first agreement) and, where
+    the tensors stream, the data collectives (FSDP2's shards on dim 0:
+    scatters); nothing else (no all-gather: the flags of the ranks past
+    the source agree)."""
     from dcp_optim._engine.consistency import RECORD_WORDS
 
     calls = [r[f"collectives[{mode}]"]["dcp_optim"] for r in reliability]
@@ -131,12 +134,16 @@ def test_load_collectives_are_the_readmes(reliability, mode):
     result, calls = calls[0]
     assert result == "ok", result
     gathers = [c for c in calls if c[0] == "all_reduce"]
-    assert [size for _, size in gathers] == [2 * RECORD_WORDS * 8] * {"sharded": 1, "full": 2, "broadcast": 3}[mode], calls
+    agreements = {"sharded": 1, "full": 2, "broadcast": 2, "streamed": 3}[mode]
+    assert [size for _, size in gathers] == [2 * RECORD_WORDS * 8] * agreements, calls
     others = [c for c in calls if c not in gathers]
-    if mode != "broadcast":
+    if mode in ("sharded", "full"):
         assert others == [], calls
+        return
+    assert calls[1][0] == "broadcast" and calls[1][1], calls  # the payload, after the first agreement
+    if mode == "broadcast":
+        assert others == [calls[1]], calls
     else:
-        assert others[0] == ("broadcast_object_list", None), calls  # the metadata
         assert others[1:] and all(name in ("broadcast", "scatter") for name, _ in others[1:]), calls
 
 

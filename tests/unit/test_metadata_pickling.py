@@ -12,7 +12,7 @@ import pickle
 import pytest
 import torch
 
-from dcp_optim._engine.distribute import _MetadataPickler
+from dcp_optim._engine.payload import MetadataPickler
 
 SCALARS = [
     torch.tensor(3.0),
@@ -33,7 +33,7 @@ SCALARS = [
 
 def _ours(obj):
     buf = io.BytesIO()
-    _MetadataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    MetadataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return pickle.loads(buf.getvalue())
 
 
