@@ -117,6 +117,18 @@ class Shims:
         if self._is_source_rank():
             self.script[key] = []
 
+    def replay(self, what: str) -> bytes:
+        """On a receiving rank: the next bytes the source recorded for the
+        call being run."""
+        recorded = self.script.get(self.key, [])
+        if self.pos >= len(recorded):
+            raise RuntimeError(
+                f"scale harness: no {what} recorded by the source for {self.key!r} "
+                f"(#{self.pos}); run rank 0 first"
+            )
+        self.pos += 1
+        return recorded[self.pos - 1]
+
     @staticmethod
     def _is_source_rank() -> bool:
         import torch.distributed as dist
@@ -195,14 +207,7 @@ class Shims:
                 data = pickle.dumps(list(object_list))
                 shims.script.setdefault(shims.key, []).append(data)
             else:
-                recorded = shims.script.get(shims.key, [])
-                if shims.pos >= len(recorded):
-                    raise RuntimeError(
-                        f"scale harness: no broadcast recorded by the source for {shims.key!r} "
-                        f"(#{shims.pos}); run rank 0 first"
-                    )
-                data = recorded[shims.pos]
-                shims.pos += 1
+                data = shims.replay("broadcast")
             size = torch.tensor([len(data)], dtype=torch.long)
             bcast(size, src=src, group=group)
             bcast(torch.empty(len(data), dtype=torch.uint8), src=src, group=group)
@@ -228,14 +233,7 @@ class Shims:
                 shims.script.setdefault(shims.key, []).append(bytes(data.numpy()))
                 shims.filled["payload_recorded"] += 1
                 return data
-            recorded = shims.script.get(shims.key, [])
-            if shims.pos >= len(recorded):
-                raise RuntimeError(
-                    f"scale harness: no payload recorded by the source for {shims.key!r} "
-                    f"(#{shims.pos}); run rank 0 first"
-                )
-            sent = recorded[shims.pos]
-            shims.pos += 1
+            sent = shims.replay("payload")
             orig["broadcast_payload"](stages, is_source, payload, len(sent))
             shims.filled["payload_replayed"] += 1
             return torch.frombuffer(bytearray(sent), dtype=torch.uint8)

@@ -5,7 +5,8 @@ Two modes, both planned natively (``plan_full_load``):
 * every rank holds the full dict (``full_state_dict=True``): each rank
   copies out its own shard locally -- no communication at all;
 * only the source holds it (``broadcast_from_rank0=True``): metadata goes
-  first in one object broadcast, then the tensors travel in byte buckets
+  first in one broadcast (``payload``; a small load's tensors with it,
+  then sliced locally as above), then the tensors travel in byte buckets
   (large tensors in row chunks), and each rank keeps only its shard of
   each bucket before the next one arrives.  Peak memory on a receiving
   rank is its local shards plus one bucket (adaptive budget, see

@@ -24,39 +24,15 @@ class CountingStore:
     def __init__(self, store):
         self.store = store
         self.ops: Counter[str] = Counter()
-        self.lock = threading.Lock()
 
-    def _count(self, name):
-        with self.lock:
+    def __getattr__(self, name):
+        op = getattr(self.store, name)
+
+        def counted(*args):
             self.ops[name] += 1
+            return op(*args)
 
-    def set(self, key, value):
-        self._count("set")
-        return self.store.set(key, value)
-
-    def get(self, key):
-        self._count("get")
-        return self.store.get(key)
-
-    def add(self, key, n):
-        self._count("add")
-        return self.store.add(key, n)
-
-    def compare_set(self, key, expected, desired):
-        self._count("compare_set")
-        return self.store.compare_set(key, expected, desired)
-
-    def wait(self, keys, timeout):
-        self._count("wait")
-        return self.store.wait(keys, timeout)
-
-    def check(self, keys):
-        self._count("check")
-        return self.store.check(keys)
-
-    def delete_key(self, key):
-        self._count("delete_key")
-        return self.store.delete_key(key)
+        return counted
 
 
 def _meet_all(ranks, arriving, bound, seq=1, store=None):
