@@ -493,11 +493,15 @@ def _run_load(
                 # the payload's size, as the source announced it (where the
                 # source is the agreement's first rank: else it travels too)
                 announced = per_rank[0][3:7] if first_rank(agreement.mesh) == route.source else None
-                sent, values = route.send_payload(payload, announced)
+                read = route.send_payload(payload, announced)
+                try:
+                    sent, values = read()
+                except Exception as exc:  # noqa: BLE001 - agreed on below
+                    sent, values, error = (), None, exc
                 if values is not None:  # inline: every rank holds the source's tensors
                     for part, value in zip(parts, values):
                         part.take_inline(value)
-                _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, sent)), None)
+                _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, sent)), error)
                 if values is not None:
                     # no collective in the moves and nothing written before
                     # commit (as a sharded load's): they run before the one

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -136,20 +137,23 @@ class Route:
 
     def send_payload(
         self, payload: OutgoingPayload | None, flags: tuple[int, ...] | None
-    ) -> tuple[tuple, tuple | None]:
+    ) -> Callable[[], tuple[tuple, tuple | None]]:
         """A load's payload (``payload``'s module) from the source to every
         rank of the route, its size learnt from the source's agreement
-        ``flags`` (None: not known, it travels first): (metas, inline
-        values or None).  The source gets its own back."""
+        ``flags`` (None: not known, it travels first).  Returns what reads
+        it -- (metas, inline values or None); the source gets its own --
+        apart from the collective: a receiver that cannot read it (a class
+        it cannot import) fails there, and its caller agrees on that."""
         size = payload_from_flags(flags) if flags is not None else None
         if size is None:  # too large for the flags: size and payload travel
             metas = self.broadcast_object(payload.metas if payload is not None else None)
-            return metas, None
+            return lambda: (metas, None)
         data = broadcast_payload(self.stages, self.is_source, payload, size)
         if self.is_source:
             assert payload is not None
-            return payload.metas, tuple(payload.values) if payload.inline and payload.values is not None else None
-        return decode_payload(data)
+            own = payload.metas, tuple(payload.values) if payload.inline and payload.values is not None else None
+            return lambda: own
+        return lambda: decode_payload(data)
 
 
 def route_for(index: Any, device: torch.device | None) -> Route:

@@ -375,6 +375,30 @@ def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) ->
             "unchanged": _same(before, _local_snapshot(model, optim))}
 
 
+def unreadable_payload_case(rank: int, ws: int, streamed: bool) -> dict[str, Any]:
+    """A broadcast set_state_dict whose source's payload rank 1 cannot
+    read (a class of a module only the source has, say): rank 1's failure
+    is agreed on after the payload's broadcast, so every rank raises it at
+    once -- none waits for the group's timeout -- and nothing changed.
+    The tensors travel inline with the payload, or (``streamed``) after."""
+    from dcp_optim._engine import distribute as _distribute
+    from dcp_optim._engine import payload as _payload
+
+    inline_bytes = _payload.INLINE_BYTES
+    model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=30)
+    _payload.INLINE_BYTES = 0 if streamed else inline_bytes
+    if rank == 1:
+        def unreadable(data: torch.Tensor) -> Any:
+            raise ModuleNotFoundError("No module named 'only_on_the_source'")
+
+        _distribute.decode_payload = unreadable  # type: ignore[assignment]
+    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    result, seconds = _timed(lambda: dcp_optim.set_state_dict(
+        model, optim, model_state_dict=msd if rank == 0 else {}, optim_state_dict=osd if rank == 0 else {},
+        options=bopts))
+    return {"result": result, "seconds": seconds, "unchanged": _same(before, _local_snapshot(model, optim))}
+
+
 def refuse_load_on(module: nn.Module, bad_rank: int) -> None:
     """A load pre-hook on ``module`` (``_register_load_state_dict_pre_hook``)
     that raises on ``bad_rank``."""

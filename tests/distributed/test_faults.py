@@ -135,6 +135,18 @@ def assert_safe(records) -> None:
     assert len({rec["result"].split(":")[0] for rec in survivors}) == 1, records
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_receiver_that_cannot_read_the_payload(streamed):
+    """The source's payload, unreadable on rank 1 (a class it cannot
+    import): every rank raises rank 1's error within seconds, the group's
+    30 s timeout far off, and nothing changed anywhere."""
+    records = run_ranks(2, cases.unreadable_payload_case, streamed, timeout=120)
+    for rank, rec in enumerate(records):
+        assert rec["result"].startswith("ModuleNotFoundError") and "only_on_the_source" in rec["result"], (rank, rec)
+        assert rec["seconds"] < 10, (rank, rec)
+        assert rec["unchanged"], (rank, rec)
+
+
 @pytest.mark.parametrize("path", ["full", "broadcast", "inline", "flat"])
 def test_peer_killed_before_the_last_agreement_changes_nothing(path):
     """Rank 1 dies after the data moved (an in-place full or streamed
