@@ -463,6 +463,13 @@ def _reset_peak() -> bool:
 # --- models and layouts ----------------------------------------------------------------
 
 
+MODEL_TITLES = {
+    "rows": "100 x Linear(16, 16384)",
+    "tiles": "400 x 64x64",
+    "mini": "3 x (Linear(16, 96), Linear(96, 16))",
+}
+
+
 def build(model_name: str, layout: str, world: int):
     """The model (sharded for ``layout``) and Adam after one step."""
     import torch
@@ -1084,7 +1091,7 @@ def tables(res: dict[str, Any]) -> str:
     for r in res["runs"]:
         groups.setdefault((r["model"], r["layout"]), []).append(r)
     for (model_name, layout), runs in groups.items():
-        title = {"rows": "100 x Linear(16, 16384)", "tiles": "400 x 64x64"}[model_name]
+        title = MODEL_TITLES.get(model_name, model_name)
         lines.append(f"\n-- {title}, layout {layout}, Adam; per rank: best-of CPU ms, peak MB (extra RSS), "
                      "collectives, bytes received, alpha-beta ms --")
         hdr = ["W", "rank", "op", "upstream ms", "dcp_optim ms", "up/dcp", "peak MB up/dcp",
