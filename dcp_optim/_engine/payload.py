@@ -102,8 +102,10 @@ def _inlinable(t: torch.Tensor) -> bool:
 
 
 class _InlinePickler(MetadataPickler):
-    """Pickles every tensor as a persistent id; its bytes go after the
-    pickle (``encode_payload``)."""
+    """Pickles every plain CPU tensor (``_inlinable``: all of the values',
+    ``_inline_fits`` checked) as a persistent id, its bytes after the
+    pickle (``encode_payload``); any other object (a 0-dim tensor of
+    another type in the metadata) as ``MetadataPickler`` does."""
 
     def __init__(self, file: Any):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -111,7 +113,7 @@ class _InlinePickler(MetadataPickler):
         self.blob_bytes = 0
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
+        if not isinstance(obj, torch.Tensor) or not _inlinable(obj):
             return None
         n = obj.numel() * obj.element_size()
         offset = self.blob_bytes

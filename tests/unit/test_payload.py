@@ -15,6 +15,10 @@ from dcp_optim._engine import payload as P
 from dcp_optim._engine.distribute import TensorMeta
 
 
+class Scalar(torch.Tensor):
+    """A tensor subclass (module level: picklable)."""
+
+
 def _values():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 5, generator=g)
@@ -115,6 +119,20 @@ def test_tensors_that_are_not_plain_cpu_bytes_keep_the_payload_to_metadata(odd):
     assert not outgoing.inline
     _, inline = _received(outgoing)
     assert not inline
+
+
+def test_metadata_tensors_of_other_types_keep_their_own_pickling():
+    """A tensor of another type in the metadata (here a subclass, 0-dim)
+    is not made a plain tensor by the inline encoding: it arrives as
+    ordinary pickling gives it, as without values."""
+    odd = torch.tensor(2.5).as_subclass(Scalar)
+    values = [{"w": torch.ones(3)}]
+    metas = ({"w": TensorMeta((3,), torch.float32), "odd": odd},)
+    outgoing = P.encode_payload(metas, values)
+    assert outgoing.inline
+    (got, got_values), _ = _received(outgoing)
+    assert type(got[0]["odd"]) is Scalar and float(got[0]["odd"]) == 2.5
+    _same(values[0], got_values[0])
 
 
 def test_without_values_only_metadata_travels():
