@@ -224,17 +224,17 @@ class Shims:
 
         orig["broadcast_payload"] = _payload.broadcast_payload
 
-        def broadcast_payload(stages, is_source, payload, size):
+        def broadcast_payload(route, payload, size):
             # (a receiver's size comes from the first agreement's flags,
             # which the fake group's all-reduce leaves as this rank's own:
             # the recording's length stands in for it)
-            if is_source:
-                data = orig["broadcast_payload"](stages, is_source, payload, size)  # on the fake group: counted
+            if route.is_source:
+                data = orig["broadcast_payload"](route, payload, size)  # on the fake group: counted
                 shims.script.setdefault(shims.key, []).append(bytes(data.numpy()))
                 shims.filled["payload_recorded"] += 1
                 return data
             sent = shims.replay("payload")
-            orig["broadcast_payload"](stages, is_source, payload, len(sent))
+            orig["broadcast_payload"](route, payload, len(sent))
             shims.filled["payload_replayed"] += 1
             return torch.frombuffer(bytearray(sent), dtype=torch.uint8)
 

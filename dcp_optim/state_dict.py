@@ -468,7 +468,10 @@ def _run_load(
             if not (bcast and agreement is not None):  # alone: the source's metadata is its own
                 _, error = _phase(lambda pm: pm[0].validate(pm[1]), list(zip(parts, metas)), error)
             payload = None
-            if bcast and agreement is not None and error is None:
+            route = None
+            if bcast and agreement is not None and info is not None and error is None:
+                route = route_for(info.index, None)
+            if route is not None and route.is_source:
                 # the source encodes what it sends now: its size (and an
                 # encoding failure) is agreed on at the first agreement
                 try:
@@ -489,7 +492,7 @@ def _run_load(
             assert info is not None  # else error was set, and raised above
             if bcast and agreement is not None:
                 parts = _source_parts(api, parts, per_rank, info, optimizers)
-                route = route_for(info.index, None)
+                route = route or route_for(info.index, None)
                 # the payload's size, as the source announced it (where the
                 # source is the agreement's first rank: else it travels too)
                 announced = per_rank[0][3:7] if first_rank(agreement.mesh) == route.source else None
@@ -536,15 +539,11 @@ def _run_load(
     return (result, info.handle_model), optimizers
 
 
-def _source_payload(parts: list[LoadPart], metas: list[Any], info: Any) -> OutgoingPayload | None:
+def _source_payload(parts: list[LoadPart], metas: list[Any], info: Any) -> OutgoingPayload:
     """On a broadcast load's source: what it sends every rank (``metas``,
-    one per part, and where the load is small its tensors inline); None
-    on the other ranks.  Never inline into FSDP1 models, whose optimizer
-    moves can make collectives of FSDP's own."""
-    from ._engine.distribute import route_for
-
-    if not route_for(info.index, None).is_source:
-        return None
+    one per part, and where the load is small its tensors inline).  Never
+    inline into FSDP1 models, whose optimizer moves can make collectives
+    of FSDP's own."""
     values = None if info.fsdp_modules else [part.inline_values() for part in parts]
     return encode_payload(tuple(metas), values)
 

@@ -148,7 +148,7 @@ class Route:
         if size is None:  # too large for the flags: size and payload travel
             metas = self.broadcast_object(payload.metas if payload is not None else None)
             return lambda: (metas, None)
-        data = broadcast_payload(self.stages, self.is_source, payload, size)
+        data = broadcast_payload(self, payload, size)
         if self.is_source:
             assert payload is not None
             own = payload.metas, tuple(payload.values) if payload.inline and payload.values is not None else None

@@ -165,8 +165,11 @@ class OutgoingPayload:
         self.values = values
         self.tensor = tensor
         self.inline = inline
-        self.size = tensor.numel()
         self._keep = keep  # the BytesIO (and its buffer) a zero-copy tensor views
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
 
 
 def encode_payload(metas: tuple, values: list[Any] | None) -> OutgoingPayload:
@@ -225,18 +228,15 @@ def payload_from_flags(flags: tuple[int, ...]) -> int | None:
     return None if size == _UNSIZED else size
 
 
-def broadcast_payload(stages: list[tuple[Any, int]], is_source: bool, payload: OutgoingPayload | None,
-                      size: int) -> torch.Tensor:
-    """The payload's bytes on every rank of ``stages`` (a route's: (group,
-    source) per stage), on the CPU: one broadcast per stage, on the
-    device of each group's object collectives."""
-    group = stages[0][0]
-    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
-    if is_source:
-        assert payload is not None and payload.tensor is not None
+def broadcast_payload(route: Any, payload: OutgoingPayload | None, size: int) -> torch.Tensor:
+    """The payload's bytes on every rank of ``route`` (a
+    ``distribute.Route``), on the CPU: ``route.broadcast`` of a buffer on
+    the device of its group's object collectives."""
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(route.stages[0][0]))
+    if route.is_source:
+        assert payload is not None
         data = payload.tensor.to(device)
     else:
         data = torch.empty(size, dtype=torch.uint8, device=device)
-    for group, src in stages:
-        dist.broadcast(data, src=src, group=group)
+    route.broadcast(data)
     return data.cpu()
