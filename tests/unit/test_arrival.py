@@ -35,13 +35,15 @@ class CountingStore:
         return counted
 
 
-def _meet_all(ranks, arriving, bound, seq=1, store=None):
+def _meet_all(ranks, arriving, bound, seq=1, store=None, counting=True, late=()):
     store = store or dist.HashStore()
     store.set_timeout(timedelta(seconds=30))
-    per_rank = {r: CountingStore(store) for r in ranks}
+    per_rank = {r: CountingStore(store) if counting else store for r in ranks}
     results: dict[int, object] = {}
 
     def one(rank):
+        if rank in late:
+            time.sleep(0.2)  # the others are waiting when it comes
         t0 = time.monotonic()
         try:
             meet(per_rank[rank], "test/arrive", seq, tuple(ranks), rank, "a load", bound)
@@ -88,3 +90,31 @@ def test_a_rank_that_never_arrives_is_named_within_the_bound():
         assert isinstance(exc, errors.StateDictRuntimeError), (rank, exc)
         assert "timed out after 0.5 s waiting for rank(s) [3] of ranks [0, 1, 2, 3]" in str(exc), exc
         assert seconds < 5, (rank, seconds)
+
+
+@pytest.fixture
+def file_store(tmp_path, monkeypatch):
+    """A FileStore under a prefix (as the default group's store is), whose
+    own ``wait`` -- a sleep of 10 ms between looks -- must not be used."""
+
+    def slow_wait(*args):
+        raise AssertionError("FileStore.wait sleeps 10 ms per look: meet polls the store itself")
+
+    # the store meet is given: the prefix store's wait is the file store's
+    monkeypatch.setattr(dist.PrefixStore, "wait", slow_wait)
+    return dist.PrefixStore("default_pg", dist.FileStore(str(tmp_path / "store"), 4))
+
+
+def test_a_meeting_on_a_file_store_looks_itself(file_store):
+    ranks = list(range(4))
+    results, _, _ = _meet_all(ranks, ranks, bound=20.0, store=file_store, counting=False, late=(3,))
+    assert all(r == "ok" for r, _ in results.values()), results
+
+
+def test_a_rank_that_never_arrives_on_a_file_store_is_named_within_the_bound(file_store):
+    ranks = list(range(2))
+    results, _, _ = _meet_all(ranks, [1], bound=0.3, store=file_store, counting=False)
+    exc, seconds = results[1]
+    assert isinstance(exc, errors.StateDictRuntimeError), exc
+    assert "timed out after 0.3 s waiting for rank(s) [0] of ranks [0, 1]" in str(exc), exc
+    assert seconds < 5, seconds
