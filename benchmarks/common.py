@@ -280,6 +280,25 @@ def adam_after_one_step(model: torch.nn.Module) -> torch.optim.Optimizer:
     return optim
 
 
+def free_port() -> int:
+    """A TCP port free on localhost now (for a run's ``TCPStore``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tcp_store(rank: int, world: int, port: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store torchrun gives its ranks: a ``TCPStore`` on
+    localhost served by rank 0.  dcp_optim's bounded arrival meets on the
+    process group's store, so the store's kind is part of what a call
+    costs (a ``FileStore`` is slower to answer)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+
+
 def spawn_ranks(target: Callable[..., None], rank_args: list[tuple], env: dict[str, str],
                 timeout_s: float) -> tuple[list[Any], list[Any]]:
     """One fresh ``spawn`` process per entry of ``rank_args`` running

@@ -364,7 +364,7 @@ def _exchange_status(store, tag: str, rank: int, world: int, ok: bool, timeout_s
     return [store.get(k) == b"1" for k in keys]
 
 
-def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -> None:
     t_start = time.perf_counter()
     os.environ["WORLD_SIZE"] = str(world)
     os.environ["RANK"] = str(rank)
@@ -374,14 +374,11 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], out_dir
     torch.set_num_threads(1)
     phases: dict[str, float] = {"import": time.perf_counter() - t_start}
     result: dict[str, Any] = {"rank": rank, "mode": cfg["mode"], "jobs": {}, "phases_s": phases}
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo",
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=cfg["timeout_s"]),
-    )
+    from .common import tcp_store
+
+    timeout = datetime.timedelta(seconds=cfg["timeout_s"])
+    store = tcp_store(rank, world, port, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     # Success/failure of every call is exchanged through the store itself
     # (un-prefixed keys), outside c10d: no collective is added.
     seq = [0]
@@ -541,10 +538,10 @@ def _memory(jobs, cfg, result, status) -> None:
 
 
 def _spawn(cfg: dict[str, Any], world: int, out_dir: str, env: dict[str, str], timeout_s: float) -> list[dict]:
-    from .common import spawn_ranks
+    from .common import free_port, spawn_ranks
 
-    store_path = tempfile.mktemp(prefix="store-", dir=out_dir)
-    procs, hung = spawn_ranks(_worker, [(r, world, store_path, cfg, out_dir) for r in range(world)], env, timeout_s)
+    port = free_port()
+    procs, hung = spawn_ranks(_worker, [(r, world, port, cfg, out_dir) for r in range(world)], env, timeout_s)
     results = []
     for r in range(world):
         path = os.path.join(out_dir, f"{cfg['mode']}-{cfg['tag']}-rank{r}.json")

@@ -95,14 +95,6 @@ TARGETS = {"tiny": ("<=", 1.0), "50mb": ("<", 1.0)}
 # --- process launch ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, world: int, store_path: str, port: int, fn_name: str, cfg: dict[str, Any],
             out_path: str) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
@@ -115,12 +107,14 @@ def _worker(rank: int, world: int, store_path: str, port: int, fn_name: str, cfg
         import torch
         import torch.distributed as dist
 
+        from .common import tcp_store
+
         torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=cfg.get("timeout_s", 300))
         # the rendezvous store torchrun gives its ranks (dcp_optim's bounded
         # arrival meets on the group's store), or a FileStore
         store: Any = (dist.FileStore(store_path, world) if cfg.get("store") == "file" else
-                      dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout))
+                      tcp_store(rank, world, port, timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             result = globals()[fn_name](rank, world, cfg)
@@ -136,12 +130,12 @@ def _worker(rank: int, world: int, store_path: str, port: int, fn_name: str, cfg
 def launch(fn_name: str, cfg: dict[str, Any], world: int = 2, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """Runs ``fn_name(rank, world, cfg)`` of this module on ``world`` fresh
     gloo processes; returns every rank's result (raises if one failed)."""
-    from .common import spawn_ranks
+    from .common import free_port, spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="dcp-flows-") as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
-        port = _free_port()
+        port = free_port()
         procs, _ = spawn_ranks(_worker, [(r, world, store, port, fn_name, cfg, outs[r]) for r in range(world)],
                                {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, timeout_s)
         results = []

@@ -72,11 +72,14 @@ def _tensors(total_mb: float) -> list[tuple[int, int]]:
     return shapes
 
 
-def _rank_main(rank: int, world: int, store: str, cfg: dict[str, Any], queue) -> None:
+def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], queue) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    from .common import tcp_store
+
+    timeout = datetime.timedelta(seconds=600)
+    dist.init_process_group("gloo", store=tcp_store(rank, world, port, timeout), rank=rank, world_size=world,
+                            timeout=timeout)
     try:
         queue.put((rank, _measure(rank, world, cfg)))
     finally:
@@ -160,8 +163,10 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def run_gloo(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("forkserver")
     queue = ctx.Queue()
-    store = tempfile.mktemp(prefix="dcp_optim_bench_store_")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, cfg, queue)) for r in range(world)]
+    from .common import free_port
+
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=1800) for _ in procs)

@@ -1,6 +1,6 @@
 """Section 8 (opt-in): the transport limit of full gets and broadcast loads.
 
-For each model and world size (gloo, CPU), dcp_optim's call against the raw
+For each model and world size (gloo on CPU, a TCPStore as under torchrun), dcp_optim's call against the raw
 collective that moves the same bytes on the same group, in the same process
 group and run:
 
@@ -37,7 +37,6 @@ import gc
 import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -137,12 +136,15 @@ def _measure(rank: int, world: int, model_name: str, reps: int) -> dict[str, Any
     return {"times": times, "bytes": {op: pairs[op][2] for op in OPS}}
 
 
-def _rank_main(rank: int, world: int, store: str, model_name: str, reps: int, queue) -> None:
+def _rank_main(rank: int, world: int, port: int, model_name: str, reps: int, queue) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["WORLD_SIZE"] = str(world)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    from .common import tcp_store
+
+    timeout = datetime.timedelta(seconds=600)
+    dist.init_process_group("gloo", store=tcp_store(rank, world, port, timeout), rank=rank, world_size=world,
+                            timeout=timeout)
     try:
         queue.put((rank, _measure(rank, world, model_name, reps)))
     finally:
@@ -152,8 +154,10 @@ def _rank_main(rank: int, world: int, store: str, model_name: str, reps: int, qu
 def run_gloo(world: int, model_name: str, reps: int) -> dict[str, Any]:
     ctx = mp.get_context("forkserver")
     queue = ctx.Queue()
-    store = tempfile.mktemp(prefix="dcp_optim_bench_store_")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, model_name, reps, queue)) for r in range(world)]
+    from .common import free_port
+
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model_name, reps, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=1800) for _ in procs)
