@@ -513,7 +513,13 @@ def _run_load(
                     moves_first = True
                     _agree_or_abort(parts, agreement, error)
                 else:
-                    paths = _agree(agreement, error, _paths_flags(parts, error))
+                    flags = _paths_flags(parts, error)
+                    # the stream's plans and allocations, before the
+                    # agreement ahead of it: a rank that cannot make them
+                    # (out of memory) fails with every rank, not inside
+                    # the stream's collectives
+                    _, error = _phase(lambda p: p.reserve(), parts, error)
+                    paths = _agree(agreement, error, flags if error is None else _paths_flags(parts, error))
                     if not _same_paths(paths):
                         for part in parts:
                             part.broadcast_all()

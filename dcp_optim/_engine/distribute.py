@@ -170,38 +170,38 @@ def route_for(index: Any, device: torch.device | None) -> Route:
     return Route(first, device)
 
 
-def run_full_load(
-    jobs: list[tuple[Any, Any, Any]],
-    *,
-    route: Route | None,
-    offload: torch.device | None = None,
-    in_place: bool = False,
-    undo: _UndoLog | None = None,
-    scattered: list[int] | None = None,
-) -> list[Any]:
-    """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
-    local slicing when ``route`` is None, else a bucketed broadcast stream.
-    With ``in_place`` a DTensor template's shard lands straight in the
-    template's own local tensor where dtype, device and layout allow (the
-    caller has validated the whole load).  ``undo`` (in-place loads) keeps
-    what the load overwrites in live tensors, for the caller to restore if
-    the load fails after this returns (its agreement); without one, a
-    stream keeps its own until it completes.  ``scattered``: the jobs a
-    stream scatters, as the ranks agreed (None: ``scatter_jobs``'s).
-    Returns the loaded value of each job (None where not needed)."""
+class StreamPlan:
+    """What a load's stream needs before it starts, made by
+    ``plan_stream``: the plans of its scattered and broadcast jobs, with
+    their destinations (the new tensors of a load that is not in place)
+    and the broadcast buffer allocated.  A broadcast load makes it before
+    the agreement ahead of the stream (``reserve``): a rank that cannot
+    allocate them fails there, with every rank, before any collective of
+    the stream, where it would have left its peers waiting in the
+    stream's first collective until the group's timeout."""
+
+    __slots__ = ("scattered", "in_place", "rest", "plan", "splan", "budget", "storage")
+
+    def __init__(self, scattered, in_place, rest, plan, splan, budget, storage):
+        self.scattered, self.in_place, self.rest = scattered, in_place, rest
+        self.plan, self.splan, self.budget, self.storage = plan, splan, budget, storage
+
+
+def plan_stream(
+    jobs: list[tuple[Any, Any, Any]], route: Route | None, in_place: bool, scattered: list[int] | None
+) -> StreamPlan:
+    """The plans of ``run_full_load``'s jobs (``route`` None: local
+    slicing, no stream) and the buffer its broadcasts go through."""
     stream = route is not None
     # Every rank of a stream derives the budget from the same metadata.
     budget = bucket_bytes(_largest_job_bytes(jobs) if stream else 0)
-    if not in_place:
-        undo = None
-    if route is None and undo is not None:
-        undo.save_all()  # local slicing writes every live shard at once
     # The jobs a stream scatters (each rank gets its own rows) and those
     # it broadcasts, each with its own plan.
     if not stream:
         scattered = []
     elif scattered is None:
         scattered = scatter_jobs(jobs, route)
+    splan = None
     if scattered:
         taken = set(scattered)
         rest = [i for i in range(len(jobs)) if i not in taken]
@@ -212,14 +212,53 @@ def run_full_load(
     else:
         rest = list(range(len(jobs)))
         plan = C.plan_full_load(jobs, DTensor, _CLASSES, budget, torch.empty, stream, in_place)
+    storage = None
+    if route is not None and plan.nbuckets:
+        # One buffer for the whole stream: re-allocating per bucket lets
+        # the allocator keep several freed buckets resident.
+        storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
+    return StreamPlan(list(scattered), in_place, rest, plan, splan, budget, storage)
+
+
+def run_full_load(
+    jobs: list[tuple[Any, Any, Any]],
+    *,
+    route: Route | None,
+    offload: torch.device | None = None,
+    in_place: bool = False,
+    undo: _UndoLog | None = None,
+    scattered: list[int] | None = None,
+    planned: StreamPlan | None = None,
+) -> list[Any]:
+    """Execute ``jobs`` = [(full value or TensorMeta, template, device)]:
+    local slicing when ``route`` is None, else a bucketed broadcast stream.
+    With ``in_place`` a DTensor template's shard lands straight in the
+    template's own local tensor where dtype, device and layout allow (the
+    caller has validated the whole load).  ``undo`` (in-place loads) keeps
+    what the load overwrites in live tensors, for the caller to restore if
+    the load fails after this returns (its agreement); without one, a
+    stream keeps its own until it completes.  ``scattered``: the jobs a
+    stream scatters, as the ranks agreed (None: ``scatter_jobs``'s).
+    ``planned``: ``plan_stream``'s result for these jobs, made before
+    (used where it planned the same scattered jobs, in place or not).
+    Returns the loaded value of each job (None where not needed)."""
+    if not in_place:
+        undo = None
+    if route is None and undo is not None:
+        undo.save_all()  # local slicing writes every live shard at once
+    if route is None or planned is None or planned.in_place != in_place or (
+        scattered is not None and planned.scattered != scattered
+    ):
+        planned = plan_stream(jobs, route, in_place, scattered)
+    scattered, rest, plan, splan = planned.scattered, planned.rest, planned.plan, planned.splan
     if route is not None and (scattered or plan.nbuckets):
         if undo is None and in_place and undo_enabled():
             undo = _UndoLog(jobs)
         try:
             if plan.nbuckets:
-                _broadcast_stream(plan, route, undo)
+                _broadcast_stream(plan, route, undo, planned.storage)
             if scattered:
-                run_scatter([jobs[i] for i in scattered], splan.dests, route, budget, undo)
+                run_scatter([jobs[i] for i in scattered], splan.dests, route, planned.budget, undo)
         except BaseException:
             # a peer died (or the backend failed) mid-stream: what the
             # stream so far wrote into live tensors is put back
@@ -237,9 +276,10 @@ def run_full_load(
     return out
 
 
-def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None) -> None:
-    """The buckets of ``plan``, broadcast from the route's source, each
-    rank keeping its rows of every chunk.  A failure of this rank's own
+def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None, storage: torch.Tensor) -> None:
+    """The buckets of ``plan``, broadcast from the route's source through
+    ``storage`` (``plan_stream``'s), each rank keeping its rows of every
+    chunk.  A failure of this rank's own
     (packing, the undo log's copy, extracting: not the backend's) does not
     end its part in the stream, whose every broadcast the peers wait in:
     it stops writing, keeps taking part, and raises the failure once the
@@ -258,9 +298,6 @@ def _broadcast_stream(plan: Any, route: Route, undo: _UndoLog | None) -> None:
             _pack_rows(buf, run)
         return data
 
-    # One buffer for the whole stream: re-allocating per bucket lets
-    # the allocator keep several freed buckets resident.
-    storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
     for b, nbytes in enumerate(plan.bucket_bytes):
         buf = storage[:nbytes]
         chunks = plan.chunks(b)
@@ -568,10 +605,23 @@ class ModelFullLoad:
             return merged
         return out
 
-    def move(self) -> dict[str, Any]:
-        route = self.route
+    def _settle_in_place(self) -> None:
         if not in_place_allowed(self.info) or self.inline_full is not None:
             self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
+
+    # plan_stream's, made by reserve (None: move plans)
+    planned: StreamPlan | None = None
+
+    def reserve(self) -> None:
+        """Before the agreement ahead of a broadcast load's stream: plan
+        it and allocate what it needs (``StreamPlan``)."""
+        self._settle_in_place()
+        if self.route is not None and self.inline_full is None and self.jobs:
+            self.planned = plan_stream(self.jobs, self.route, self.in_place, self.scattered)
+
+    def move(self) -> dict[str, Any]:
+        route = self.route
+        self._settle_in_place()
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if route is None:
             if self.jobs:
@@ -585,8 +635,9 @@ class ModelFullLoad:
         else:
             values = run_full_load(
                 self.jobs, route=route, offload=offload, in_place=self.in_place, undo=self.undo,
-                scattered=self.scattered,
+                scattered=self.scattered, planned=self.planned,
             )
+            self.planned = None
         C.write_slots([(out, k) for k in self.keys], values)
         if self.strict:
             for key in [k for k in out if k not in self.meta]:
@@ -755,16 +806,31 @@ class OptimLocalize:
             self.precheck(self.result)
             C.write_slots(slots, [None] * len(slots))
 
+    def _settle_in_place(self) -> None:
+        if self.inline_state is not None or not in_place_allowed(self.info):
+            self.in_place = False  # inline: sliced into new tensors, as the model's
+
+    # plan_stream's, made by reserve (None: move plans)
+    planned: StreamPlan | None = None
+
+    def reserve(self) -> None:
+        """Before the agreement ahead of a broadcast load's stream: plan
+        it and allocate what it needs (``StreamPlan``)."""
+        self._settle_in_place()
+        jobs = getattr(self, "jobs", [])
+        if self.route is not None and self.inline_state is None and jobs:
+            self.planned = plan_stream(jobs, self.route, self.in_place, self.scattered)
+
     def move(self) -> tuple:
         inline = self.inline_state is not None
-        if inline or not in_place_allowed(self.info):
-            self.in_place = False  # inline: sliced into new tensors, as the model's
+        self._settle_in_place()
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if self.jobs:
             values = run_full_load(
                 self.jobs, route=None if inline else self.route, in_place=self.in_place, undo=self.undo,
-                scattered=self.scattered,
+                scattered=self.scattered, planned=self.planned,
             )
+            self.planned = None
             C.write_slots(self.slots, values)
         return self.result
 

@@ -310,6 +310,13 @@ class ModelLoad:
     def broadcast_all(self) -> None:
         if self.full_load is not None:
             self.full_load.scattered = []
+            self.full_load.planned = None  # reserved for the scatters: move plans again
+
+    def reserve(self) -> None:
+        """Before the agreement ahead of a broadcast load's stream: what
+        the stream allocates (``distribute.StreamPlan``)."""
+        if self.full_load is not None:
+            self.full_load.reserve()
 
     def inline_values(self) -> Any:
         """On a broadcast load's source: the dict whose tensors may travel

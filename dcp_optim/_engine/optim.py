@@ -1573,6 +1573,14 @@ class OptimLoad:
     def broadcast_all(self) -> None:
         if self.localize is not None:
             self.localize.scattered = []
+            self.localize.planned = None  # reserved for the scatters: move plans again
+
+    def reserve(self) -> None:
+        """Before the agreement ahead of a broadcast load's stream: what
+        the stream allocates (``distribute.StreamPlan``; not for FSDP1's
+        flat parameters, whose stream plans its own)."""
+        if self.localize is not None and self.direct is None and self.via_fsdp is None and not self.fsdp1:
+            self.localize.reserve()
 
     def inline_values(self) -> Any:
         """On a broadcast load's source: the state whose tensors may

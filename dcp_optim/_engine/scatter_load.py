@@ -338,6 +338,8 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
         # the destinations: the source's copies, a receiver's scratch
         prepared = failure.attempt(_prepare_unit, unit_bytes, pieces, world, me, source, device, undo)
         if prepared is None:  # this rank failed: it takes part, writing nothing
+            while pending:  # their buffers go first (the failure may have been memory)
+                finish_oldest()
             out = sink.recv(unit_bytes)
             prepared = ([sink.send(unit_bytes)] * world if source else None), 0, out, False
         inputs, nbytes, out, scratch = prepared

@@ -375,6 +375,62 @@ def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) ->
             "unchanged": _same(before, _local_snapshot(model, optim))}
 
 
+def stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
+    """Broadcast loads (every tensor broadcast, 64-byte buckets) in which
+    one rank cannot allocate what its stream needs -- its buffer, or the
+    new tensors of a load that is not in place: ``torch.empty`` raises
+    ``torch.OutOfMemoryError`` while ``plan_stream`` runs -- for the model
+    and the optimizer, on the source and on the last rank, one load after
+    another in the same group.  The stream is planned before the
+    agreement ahead of it, so every rank raises that error at once (none
+    waits in the stream's first collective for the group's 30 s timeout)
+    and nothing changed anywhere."""
+    from dcp_optim._engine import collectives as _collectives
+    from dcp_optim._engine import distribute as _distribute
+    from dcp_optim._engine import scatter_load as _scatter
+
+    out = []
+    planner = _distribute.plan_stream
+    previous_limit = _scatter.SCATTER_MIN_CHUNK_BYTES
+    previous_bucket = _collectives.set_bucket_bytes(64)
+    _scatter.SCATTER_MIN_CHUNK_BYTES = 1 << 62
+    try:
+        for part in ("model", "optim"):
+            for bad in (0, ws - 1):
+                model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=30)
+                injected = [0]
+
+                def failing(*args, **kwargs):
+                    real = torch.empty
+
+                    def empty(*a, **k):
+                        injected[0] += 1
+                        raise torch.OutOfMemoryError(f"cannot allocate the stream on rank {rank} (injected)")
+
+                    torch.empty = empty
+                    try:
+                        return planner(*args, **kwargs)
+                    finally:
+                        torch.empty = real
+
+                _distribute.plan_stream = failing if rank == bad else planner  # type: ignore[assignment]
+                bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+                if part == "model":
+                    call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
+                        model, msd if rank == 0 else {}, options=bopts)
+                else:
+                    call = lambda: dcp_optim.set_optimizer_state_dict(  # noqa: E731
+                        model, optim, osd if rank == 0 else {}, options=bopts)
+                result, seconds = _timed(call)
+                out.append({"part": part, "bad": bad, "result": result, "seconds": seconds,
+                            "injected": injected[0], "unchanged": _same(before, _local_snapshot(model, optim))})
+    finally:
+        _distribute.plan_stream = planner  # type: ignore[assignment]
+        _scatter.SCATTER_MIN_CHUNK_BYTES = previous_limit
+        _collectives.set_bucket_bytes(previous_bucket)
+    return out
+
+
 def unreadable_payload_case(rank: int, ws: int, streamed: bool) -> dict[str, Any]:
     """A broadcast set_state_dict whose source's payload rank 1 cannot
     read (a class of a module only the source has, say): rank 1's failure

@@ -135,6 +135,22 @@ def assert_safe(records) -> None:
     assert len({rec["result"].split(":")[0] for rec in survivors}) == 1, records
 
 
+def test_a_rank_that_cannot_allocate_its_stream():
+    """One rank of three out of memory while it allocates what a broadcast
+    load's stream needs (model and optimizer loads; the source, then the
+    last rank): every rank raises its error within seconds, the group's
+    30 s timeout far off, and nothing changed anywhere."""
+    records = run_ranks(3, cases.stream_cannot_allocate_case, timeout=240)
+    for rank, loads in enumerate(records):
+        assert len(loads) == 4, (rank, loads)
+        for load in loads:
+            assert load["result"].startswith("OutOfMemoryError"), (rank, load)
+            assert f"cannot allocate the stream on rank {load['bad']}" in load["result"], (rank, load)
+            assert load["seconds"] < 10, (rank, load)
+            assert load["unchanged"], (rank, load)
+            assert (load["injected"] > 0) == (rank == load["bad"]), (rank, load)
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_receiver_that_cannot_read_the_payload(streamed):
     """The source's payload, unreadable on rank 1 (a class it cannot
