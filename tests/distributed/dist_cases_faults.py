@@ -158,9 +158,7 @@ def never_arrives_case(rank: int, ws: int, api: str) -> dict[str, Any]:
         call = lambda: dcp_optim.set_state_dict(  # noqa: E731
             model, optim, model_state_dict=msd, optim_state_dict=osd, options=full)
     elif api == "broadcast":
-        bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
-            model, msd if rank == 0 else {}, options=bopts)
+        call = _broadcast_load("model", rank, model, optim, msd, osd)
     else:  # a full getter
         call = lambda: dcp_optim.get_model_state_dict(model, options=full)  # noqa: E731
     with _arrival_bound("2"):
@@ -234,6 +232,15 @@ def hook_raises_case(rank: int, ws: int, mode: str) -> dict[str, Any]:
     return out
 
 
+def _broadcast_load(part: str, rank: int, model: Any, optim: Any, msd: Any, osd: Any) -> Any:
+    """The broadcast load of ``part`` ("model" or "optim") from rank 0,
+    which alone passes the full dict: a call to time."""
+    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    if part == "model":
+        return lambda: dcp_optim.set_model_state_dict(model, msd if rank == 0 else {}, options=bopts)
+    return lambda: dcp_optim.set_optimizer_state_dict(model, optim, osd if rank == 0 else {}, options=bopts)
+
+
 def _stream_load_inputs(ws: int, timeout_s: int) -> tuple[Any, ...]:
     """The group's timeout set, a trained model and optimizer to load into,
     the full dicts of another (seed 5) to load, and this rank's shards
@@ -299,14 +306,7 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
 
         _distribute.Route.broadcast = dying  # type: ignore[method-assign]
         dist.scatter = dying_scatter
-    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    if part == "model":
-        call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
-            model, msd if rank == 0 else {}, options=bopts)
-    else:
-        call = lambda: dcp_optim.set_optimizer_state_dict(  # noqa: E731
-            model, optim, osd if rank == 0 else {}, options=bopts)
-    result, seconds = _timed(call)
+    result, seconds = _timed(_broadcast_load(part, rank, model, optim, msd, osd))
     return {"result": result, "seconds": seconds,
             "unchanged": _same(before, _local_snapshot(model, optim))}
 
@@ -358,14 +358,8 @@ def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) ->
     if rank == bad:
         for m, n, fn in saved:
             setattr(m, n, failing(fn))
-    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     try:
-        if part == "model":
-            result, seconds = _timed(lambda: dcp_optim.set_model_state_dict(
-                model, msd if rank == 0 else {}, options=bopts))
-        else:
-            result, seconds = _timed(lambda: dcp_optim.set_optimizer_state_dict(
-                model, optim, osd if rank == 0 else {}, options=bopts))
+        result, seconds = _timed(_broadcast_load(part, rank, model, optim, msd, osd))
     finally:
         for m, n, fn in saved:
             setattr(m, n, fn)
@@ -414,14 +408,7 @@ def stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
                         torch.empty = real
 
                 _distribute.plan_stream = failing if rank == bad else planner  # type: ignore[assignment]
-                bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-                if part == "model":
-                    call = lambda: dcp_optim.set_model_state_dict(  # noqa: E731
-                        model, msd if rank == 0 else {}, options=bopts)
-                else:
-                    call = lambda: dcp_optim.set_optimizer_state_dict(  # noqa: E731
-                        model, optim, osd if rank == 0 else {}, options=bopts)
-                result, seconds = _timed(call)
+                result, seconds = _timed(_broadcast_load(part, rank, model, optim, msd, osd))
                 out.append({"part": part, "bad": bad, "result": result, "seconds": seconds,
                             "injected": injected[0], "unchanged": _same(before, _local_snapshot(model, optim))})
     finally:
