@@ -976,20 +976,39 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     # anything, as a load's in-place stream keeps it) until every rank has
     # received everything: the last all_reduce.  The boxes a rank holds
     # itself are copied after it, so they need no copy kept.
+    #
+    # What the transfer allocates -- the undo log's copy, the send and
+    # receive buffers (each at most a bucket, the largest any step uses,
+    # shared by the steps) -- is allocated before it starts, and the ranks
+    # agree that each of them could: one out of memory (a GPU near full)
+    # raises with every rank, nothing changed, where it would have left
+    # them in the transfer's first collective until the group's timeout.
+    device = _buffer_device(group)
+    steps = _dense_steps(_dense_groups(dense, limit, len(order)), len(order), limit, device)
+    batches = _transfer_batches(sends, recvs, group_ranks, rank, limit, device)
+    buffers: dict = kept if kept is not None else {}
     undo = None
-    if undo_enabled():
-        # the loads' undo log, over (source, template, meta) jobs: only
-        # the templates matter to it
-        undo = _UndoLog([(None, t, None) for t in written.values()])
-        # without kept buffers, one host tensor per template shard: each
-        # under glibc's mmap threshold comes from its heap, reused from
-        # call to call (a single flat one above it would fault in fresh
-        # pages every time)
-        undo.save_all(_scratch(kept, "undo", host_bytes(undo.locals), torch.device("cpu"))
-                      if kept is not None else None)
+    failure: Exception | None = None
     try:
-        _collectives(_dense_groups(dense, limit, len(order)), group, limit, kept)
-        _transfer(sends, recvs, group_ranks, rank, group, limit, kept)
+        for role, need in _buffer_needs(steps, batches).items():
+            if need:
+                _scratch(buffers, role, need, device)
+        if undo_enabled():
+            # the loads' undo log, over (source, template, meta) jobs: only
+            # the templates matter to it
+            undo = _UndoLog([(None, t, None) for t in written.values()])
+            # without kept buffers, one host tensor per template shard: each
+            # under glibc's mmap threshold comes from its heap, reused from
+            # call to call (a single flat one above it would fault in fresh
+            # pages every time)
+            undo.save_all(_scratch(kept, "undo", host_bytes(undo.locals), torch.device("cpu"))
+                          if kept is not None else None)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
+        failure = exc
+    _agree_ready(failure, rank, group)
+    try:
+        _collectives(steps, group, device, buffers)
+        _transfer(batches, group, device, buffers)
         _reduce_min([0], group)
     except BaseException as exc:
         if undo is not None:
@@ -1008,24 +1027,66 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     return _rebuild(template, (), objects)
 
 
-def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, limit: int,
-              kept: dict | None) -> None:
-    """The ring shifts that carry data for this rank, in increasing order
-    (shift k: send to rank+k, receive from rank-k); shifts with no peer
-    are skipped.  Every rank goes through its shifts in the same order,
-    and the sender and receiver of a pair pack the same buckets, so each
-    ``batch_isend_irecv`` meets its peer's: one per bucket, its messages
-    (``_messages``) tagged by their position.  A message of one contiguous
-    box is sent from, or received into, the tensor itself (no bucket copy;
-    a received box only where the template holds the source's dtype);
-    the others go through the send / receive buffer."""
+def _buffer_needs(steps: list[tuple], batches: list[tuple]) -> dict[str, int]:
+    """The bytes of the send and the receive buffer the transfer's steps
+    use at most (one buffer each, shared by the steps in turn)."""
+    send = max((step[2] for step in steps), default=0)
+    recv = max((step[3] for step in steps), default=0)
+    for _to, _frm, out, into in batches:
+        if out is not None and out[2]:
+            send = max(send, out[0])
+        if into is not None and into[2]:
+            recv = max(recv, into[0])
+    return {"send": send, "recv": recv}
+
+
+def _agree_ready(failure: Exception | None, rank: int, group: Any) -> None:
+    """One all_reduce: whether every rank allocated what its transfer
+    needs.  Where one could not, every rank raises, naming each such rank
+    and its error (gathered only on this error path); the failing rank's
+    own error is the cause of its."""
+    (ready,) = _reduce_min([0 if failure is not None else 1], group)
+    if ready:
+        return
+    mine = None if failure is None else (rank, f"{type(failure).__name__}: {failure}")
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    problems = [f"rank {r}: {msg}" for r, msg in sorted(g for g in gathered if g is not None)]
+    raise errors.StateDictRuntimeError(
+        "reshard_state_dict: a rank could not allocate what its transfer needs (its buffers, the undo "
+        "log's copy), nothing was changed: " + "; ".join(problems)
+    ) from failure
+
+
+def _transfer_batches(sends: dict, recvs: dict, ranks: tuple, rank: int, limit: int,
+                      device: torch.device) -> list[tuple]:
+    """The point-to-point exchanges that carry data for this rank, as
+    batches (to, from, what it sends, what it receives), in order: the
+    ring shifts in increasing order (shift k: send to rank+k, receive from
+    rank-k; shifts with no peer skipped), and within a shift the buckets
+    (``_buckets``) of each direction side by side.  Every rank goes through
+    its shifts in the same order, and the sender and receiver of a pair
+    pack the same buckets, so each batch's ``batch_isend_irecv`` meets its
+    peer's, its messages (``_messages``) tagged by their position.  Each
+    direction is None or (its bucket's size, [(tag, start, end, entries,
+    the message's own tensor bytes or None)], whether the bucket buffer is
+    needed): a message of one contiguous box is sent from, or received
+    into, the tensor itself (no bucket copy; a received box only where the
+    template holds the source's dtype); the others go through the send /
+    receive buffer."""
     me = _position(ranks, rank)
     world = len(ranks)
     shifts = sorted({(_position(ranks, p) - me) % world for p in sends}
                     | {(me - _position(ranks, p)) % world for p in recvs})
-    device = _buffer_device(group)
-    send_buf: torch.Tensor | None = None
-    recv_buf: torch.Tensor | None = None
+    batches: list[tuple] = []
+
+    def side(bucket: tuple, receiving: bool) -> tuple:
+        size, entries = bucket
+        msgs = []
+        for tag, (lo, hi, msg) in enumerate(_messages(entries)):
+            msgs.append((tag, lo, hi, msg, _whole(msg, device, msg[0][1][3] if receiving else None)))
+        return size, msgs, any(m[4] is None for m in msgs)
+
     for k in shifts:
         if k == 0:
             continue
@@ -1033,33 +1094,40 @@ def _transfer(sends: dict, recvs: dict, ranks: tuple, rank: int, group: Any, lim
         sb = _buckets(sends.get(to, []), limit)
         rb = _buckets(recvs.get(frm, []), limit)
         for t in range(max(len(sb), len(rb))):
-            ops = []
-            staged: list = []  # the received entries to copy out of recv_buf
-            if t < len(sb):
-                size, entries = sb[t]
-                for tag, (lo, hi, msg) in enumerate(_messages(entries)):
-                    view = _whole(msg, device, None)
-                    if view is None:
-                        if send_buf is None or send_buf.numel() < size:
-                            send_buf = _scratch(kept, "send", size, device)
-                        for off, (tensor, start, lens, dtype, n) in msg:
-                            _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
-                        view = send_buf[lo:hi]
-                    ops.append(dist.P2POp(dist.isend, view, to, group, tag))
-            if t < len(rb):
-                size, entries = rb[t]
-                for tag, (lo, hi, msg) in enumerate(_messages(entries)):
-                    view = _whole(msg, device, msg[0][1][3])
-                    if view is None:
-                        if recv_buf is None or recv_buf.numel() < size:
-                            recv_buf = _scratch(kept, "recv", size, device)
-                        view = recv_buf[lo:hi]
-                        staged.extend(msg)
-                    ops.append(dist.P2POp(dist.irecv, view, frm, group, tag))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            for off, (tensor, start, lens, dtype, n) in staged:
-                tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+            batches.append((to, frm, side(sb[t], False) if t < len(sb) else None,
+                            side(rb[t], True) if t < len(rb) else None))
+    return batches
+
+
+def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: dict) -> None:
+    """Run ``_transfer_batches``' batches, through the send and receive
+    buffers of ``buffers`` (``_scratch``'s, allocated before)."""
+    for to, frm, send, recv in batches:
+        ops = []
+        staged: list = []  # the received entries to copy out of the receive buffer
+        recv_buf = None
+        if send is not None:
+            size, msgs, buffered = send
+            send_buf = _scratch(buffers, "send", size, device) if buffered else None
+            for tag, lo, hi, msg, view in msgs:
+                if view is None:
+                    assert send_buf is not None  # buffered: some message is not its own tensor
+                    for off, (tensor, start, lens, dtype, n) in msg:
+                        _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
+                    view = send_buf[lo:hi]
+                ops.append(dist.P2POp(dist.isend, view, to, group, tag))
+        if recv is not None:
+            size, msgs, buffered = recv
+            recv_buf = _scratch(buffers, "recv", size, device) if buffered else None
+            for tag, lo, hi, msg, view in msgs:
+                if view is None:
+                    view = recv_buf[lo:hi]  # type: ignore[index]
+                    staged.extend(msg)
+                ops.append(dist.P2POp(dist.irecv, view, frm, group, tag))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for off, (tensor, start, lens, dtype, n) in staged:
+            tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
 
 
 def _dense_kind(spec: _Spec, order: tuple, itemsize: int, limit: int) -> tuple | None:
@@ -1143,60 +1211,82 @@ def _dense_groups(dense: list, limit: int, world: int) -> list[list[tuple]]:
     return groups
 
 
-def _collectives(groups: list, group: Any, limit: int, kept: dict | None) -> None:
+def _dense_steps(groups: list, world: int, limit: int, device: torch.device) -> list[tuple]:
     """The dense tensors (``_dense_kind``), one collective per group of
-    ``_dense_groups``, in the agreed order.  The wire carries the source's
-    bytes in rank-major blocks: block q of an all_to_all's input is the
-    source shard's part of rank q's destination shard; block q of its
-    output is rank q's part of this rank's.  A tensor alone in its
-    collective is written straight into the template's shard where that
-    is laid out so (split along dimension 0, contiguous, the source's
-    dtype); otherwise one strided copy (and cast) puts the blocks in place.
-    Packed tensors each take a slice of every rank's block: one copy in,
-    one copy out per tensor.
-
-    Consecutive single-tensor collectives go as one wave (``_wave``): each
-    is issued as soon as its blocks are packed, none waited for until the
-    last is issued.  A collective costs a few milliseconds of scheduling
-    on a busy host whatever its size (13 all_to_alls of 2 MB took twice
-    one of 26 MB); issued back to back, the process group's threads run
-    them without waiting for this thread between them."""
-    device = _buffer_device(group)
-    world = dist.get_world_size(group)
-    wave: list[tuple] = []  # (job, send offset or -1, recv offset or -1)
+    ``_dense_groups``, in the agreed order, as the steps ``_collectives``
+    runs: ("wave", [(job, send offset or -1, receive offset or -1)], send
+    bytes, receive bytes), consecutive single-tensor collectives staged
+    within ``limit`` each way (an offset of -1: the tensor sends from, or
+    receives into, its own shard), or ("packed", jobs, send bytes,
+    receive bytes), the small tensors of one collective."""
+    steps: list[tuple] = []
+    wave: list[tuple] = []
     staged = [0, 0]  # the wave's bytes in the send and the receive buffer
+
+    def flush() -> None:
+        if wave:
+            steps.append(("wave", list(wave), staged[0], staged[1]))
+            wave.clear()
+            staged[0] = staged[1] = 0
+
     for jobs in groups:
         if len(jobs) > 1:
-            _wave(wave, staged, world, group, device, kept)
-            _packed_collective(jobs, world, group, device, kept)
+            flush()
+            kind, _, row = _packed_layout(jobs, world)
+            steps.append(("packed", jobs, world * row if kind == "a2a" else row, world * row))
             continue
         job = jobs[0]
         _, i, j, src_t, dst_t, _ = job
         send_n = 0 if _sends_itself(src_t, j, device) else _aligned(src_t.numel() * src_t.element_size())
         recv_n = 0 if _receives_itself(dst_t, src_t.dtype, i, device) else _aligned(dst_t.numel() * src_t.element_size())
         if wave and (staged[0] + send_n > limit or staged[1] + recv_n > limit):
-            _wave(wave, staged, world, group, device, kept)
+            flush()
         wave.append((job, staged[0] if send_n else -1, staged[1] if recv_n else -1))
         staged[0] += send_n
         staged[1] += recv_n
-    _wave(wave, staged, world, group, device, kept)
+    flush()
+    return steps
+
+
+def _collectives(steps: list[tuple], group: Any, device: torch.device, buffers: dict) -> None:
+    """Run ``_dense_steps``' steps, through the send and receive buffers
+    of ``buffers`` (``_scratch``'s, allocated before).  The wire carries
+    the source's bytes in rank-major blocks: block q of an all_to_all's
+    input is the source shard's part of rank q's destination shard; block
+    q of its output is rank q's part of this rank's.  A tensor alone in
+    its collective is written straight into the template's shard where
+    that is laid out so (split along dimension 0, contiguous, the source's
+    dtype); otherwise one strided copy (and cast) puts the blocks in place.
+    Packed tensors each take a slice of every rank's block: one copy in,
+    one copy out per tensor.
+
+    The single-tensor collectives of a wave (``_wave``) are each issued as
+    soon as their blocks are packed, none waited for until the last is
+    issued.  A collective costs a few milliseconds of scheduling on a busy
+    host whatever its size (13 all_to_alls of 2 MB took twice one of
+    26 MB); issued back to back, the process group's threads run them
+    without waiting for this thread between them."""
+    world = dist.get_world_size(group)
+    for kind, entries, send_bytes, recv_bytes in steps:
+        if kind == "wave":
+            _wave(entries, send_bytes, recv_bytes, world, group, device, buffers)
+        else:
+            _packed_collective(entries, world, group, device, buffers)
 
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _wave(wave: list, staged: list, world: int, group: Any, device: torch.device, kept: dict | None) -> None:
-    """Run ``wave``'s single-tensor collectives (see ``_collectives``) and
-    empty it.  Each stages at most a bucket (the sum of its staged blocks
-    is kept within ``limit`` each way), in the send and the receive buffer.
-    If anything fails, every collective already issued is waited for
-    before the error goes on: none may still write into the template
-    while the undo log puts it back."""
-    if not wave:
-        return
-    send_buf = _scratch(kept, "send", staged[0], device) if staged[0] else None
-    recv_buf = _scratch(kept, "recv", staged[1], device) if staged[1] else None
+def _wave(wave: list, send_bytes: int, recv_bytes: int, world: int, group: Any, device: torch.device,
+          buffers: dict) -> None:
+    """Run a wave of single-tensor collectives (see ``_collectives``),
+    staging at most a bucket each way (``send_bytes``, ``recv_bytes``) in
+    the send and the receive buffer.  If anything fails, every collective
+    already issued is waited for before the error goes on: none may still
+    write into the template while the undo log puts it back."""
+    send_buf = _scratch(buffers, "send", send_bytes, device) if send_bytes else None
+    recv_buf = _scratch(buffers, "recv", recv_bytes, device) if recv_bytes else None
     works: list = []
     unpack: list[tuple] = []  # (template shard, received blocks, dimension)
     try:
@@ -1227,9 +1317,6 @@ def _wave(wave: list, staged: list, world: int, group: Any, device: torch.device
             except BaseException:  # noqa: BLE001 - the first error is the one raised
                 pass
         raise
-    finally:
-        wave.clear()
-        staged[0] = staged[1] = 0
     for dst_t, recv, i in unpack:
         dst_t.detach().unflatten(i, (world, -1)).copy_(recv.movedim(0, i))
 
@@ -1262,23 +1349,31 @@ def _split_shape(shape: Any, dim: int, world: int) -> tuple:
     return (world, *shape[:dim], shape[dim] // world, *shape[dim + 1:])
 
 
-def _packed_collective(jobs: list, world: int, group: Any, device: torch.device, kept: dict | None) -> None:
-    """Several dense tensors of one kind in one collective.  Each rank's
-    block of the wire is a row of ``(world, row)`` bytes: tensor t takes
-    columns ``[off_t, off_t + n_t)`` of every row (its part for / from
-    that rank), at offsets aligned for any dtype."""
+def _packed_layout(jobs: list, world: int) -> tuple[str, list[tuple], int]:
+    """(kind, [(job, its offset in a row, its bytes in a row)], the row's
+    bytes) of a packed collective: each rank's block of the wire is a
+    row of ``(world, row)`` bytes, tensor t taking columns ``[off_t,
+    off_t + n_t)`` of every row (its part for / from that rank), at
+    offsets aligned for any dtype."""
     kind = jobs[0][0]
-    parts = []  # (job, offset in the row, bytes in the row)
+    parts = []
     row = 0
     for job in jobs:
         n = job[5] // world if kind == "a2a" else job[5]
         parts.append((job, row, n))
         row += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return kind, parts, row
+
+
+def _packed_collective(jobs: list, world: int, group: Any, device: torch.device, buffers: dict) -> None:
+    """Several dense tensors of one kind in one collective
+    (``_packed_layout``), through the send and receive buffers."""
+    kind, parts, row = _packed_layout(jobs, world)
     if kind == "a2a":
-        send = _scratch(kept, "send", world * row, device)[:world * row].view(world, row)
+        send = _scratch(buffers, "send", world * row, device)[:world * row].view(world, row)
     else:
-        send = _scratch(kept, "send", row, device)[:row].view(1, row)
-    recv = _scratch(kept, "recv", world * row, device)[:world * row].view(world, row)
+        send = _scratch(buffers, "send", row, device)[:row].view(1, row)
+    recv = _scratch(buffers, "recv", world * row, device)[:world * row].view(world, row)
     for (_, _, j, src_t, _, _), off, n in parts:
         if kind == "a2a":
             send[:, off:off + n].view(src_t.dtype).view(_split_shape(src_t.shape, j, world)).copy_(

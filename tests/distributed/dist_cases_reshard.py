@@ -496,6 +496,63 @@ def killed_case(rank: int, ws: int, when: str, undo: str) -> dict[str, Any]:
     return {"result": result, "seconds": round(time.monotonic() - t0, 1), "unchanged": unchanged}
 
 
+def cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
+    """Reshards (FSDP2 ``Shard(0)`` <-> TP ``Shard(1)``, 256-byte buckets:
+    boxes through the send or the receive buffers) in which one rank
+    cannot allocate what its transfer needs: its send buffer (rank 0),
+    its receive buffer (the last rank), the undo log's copy (rank 1) --
+    ``torch.OutOfMemoryError``, as a GPU near full gives.  Those are
+    allocated before the transfer and agreed on, so every rank raises the
+    same error naming that rank, within seconds (the group's timeout is
+    10 s), its template unchanged; then a reshard in the same group
+    succeeds (no collective was left behind)."""
+    import datetime
+    import time
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
+    mesh = init_device_mesh("cpu", (ws,))
+    shape = (48, 36)
+    scratch, save_all = engine._scratch, engine._UndoLog.save_all
+    out = []
+    for bad, role in ((0, "send"), (ws - 1, "recv"), (1, "undo")):
+        # a column block of a row shard is sent through the send buffer,
+        # and received through the receive buffer the other way round
+        src_pl, dst_pl = (Shard(1), Shard(0)) if role == "recv" else (Shard(0), Shard(1))
+        src = {f"t{i}": distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(i)),
+                                          mesh, [src_pl]) for i in range(4)}
+        tmpl = {k: distribute_tensor(torch.full(shape, -1.0), mesh, [dst_pl]) for k in src}
+
+        def failing_scratch(kept, what, nbytes, device, bad=bad, role=role):
+            if rank == bad and what == role:
+                raise torch.OutOfMemoryError(f"no memory for the {what} buffer on rank {rank} (injected)")
+            return scratch(kept, what, nbytes, device)
+
+        def failing_save_all(self, host=None, bad=bad, role=role):
+            if rank == bad and role == "undo":
+                raise torch.OutOfMemoryError(f"no memory for the undo buffer on rank {rank} (injected)")
+            return save_all(self, host)
+
+        before = _local_tree(tmpl)
+        engine._scratch = failing_scratch
+        engine._UndoLog.save_all = failing_save_all  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        try:
+            dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+            result = "ok"
+        except Exception as exc:  # noqa: BLE001 - the verdict is returned
+            result = f"{type(exc).__name__}: {exc}"
+        finally:
+            engine._scratch = scratch
+            engine._UndoLog.save_all = save_all  # type: ignore[method-assign]
+        after = _local_tree(tmpl)
+        out.append({"bad": bad, "role": role, "result": result, "seconds": round(time.monotonic() - t0, 1),
+                    "unchanged": all(torch.equal(before[k][3], after[k][3]) for k in before)})
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+    want = {k: distribute_tensor(v.full_tensor(), mesh, [dst_pl]).to_local() for k, v in src.items()}
+    out.append({"then": all(torch.equal(tmpl[k].to_local(), want[k]) for k in src)})
+    return out
+
+
 def large_and_small_case(rank: int, ws: int) -> list[str]:
     """Boxes of at least 64 KiB travel as buckets of their own (sent from /
     received into the shards where contiguous), the small ones packed

@@ -114,6 +114,22 @@ def test_a_rank_killed_during_the_transfer(ws, when, undo):
             assert f"[reshard_state_dict, rank {rank}: the template was put back" in survivor["result"], survivor
 
 
+def test_a_rank_that_cannot_allocate_its_transfer():
+    """One rank of three out of memory as it allocates its send buffer,
+    its receive buffer or the undo log's copy: every rank raises the same
+    error naming it within seconds, nothing changed, and the group is
+    left fit for the next reshard."""
+    for rank, loads in enumerate(run_ranks(3, cases.cannot_allocate_case, timeout=120)):
+        *failed, then = loads
+        assert then == {"then": True}, (rank, then)
+        for load in failed:
+            assert load["result"].startswith("StateDictRuntimeError"), (rank, load)
+            assert "could not allocate what its transfer needs" in load["result"], (rank, load)
+            assert (f"rank {load['bad']}: OutOfMemoryError: no memory for the {load['role']} buffer"
+                    in load["result"]), (rank, load)
+            assert load["seconds"] < 8 and load["unchanged"], (rank, load)
+
+
 @pytest.mark.parametrize("ws", [2, 4])
 def test_large_boxes_alone_and_small_ones_packed(ws):
     results = run_ranks(ws, cases.large_and_small_case)
