@@ -117,6 +117,31 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+class OwnFailure:
+    """The first failure of this rank's own code (not the backend's)
+    inside a stream: the steps after it are skipped, while the caller
+    keeps taking part in the stream's collectives, and it is raised once
+    they are all issued and waited for."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def attempt(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """``step(*args, **kwargs)``, or None where it raised or an earlier
+        step did."""
+        if self.error is not None:
+            return None
+        try:
+            return step(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - raised by raise_if_any
+            self.error = exc
+            return None
+
+    def raise_if_any(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 def gather_full_tensors(
     leaves: list[Any],
     *,
@@ -168,8 +193,10 @@ def gather_full_tensors(
         if plan.buckets and count:
             root = first if count == 1 else None
             work.append((mesh, plan, root))
+    failure = OwnFailure()
     for mesh, plan, root in work:
-        _gather_mesh(mesh, plan, root, keep, results, offload)
+        _gather_mesh(mesh, plan, root, keep, results, offload, failure, leaves)
+    failure.raise_if_any()
     for i in C.indices_of(results, ShardedTensor):
         results[i] = _gather_sharded_tensor(results[i])
     return results
@@ -216,12 +243,21 @@ def _schedule(mesh: Any, root: int | None):
     return me, (first, count), stages
 
 
-def _gather_mesh(mesh, plan, root, keep, results, offload) -> None:
+def _gather_mesh(mesh, plan, root, keep, results, offload, failure: OwnFailure, leaves: list[Any]) -> None:
     """Run the buckets of one mesh's plan; assemble the full tensors where
     kept.  A "direct" bucket (one evenly sharded tensor whose unpadded
     shards fill the segment) is gathered straight into its result tensor;
     the others through one shared buffer, unpacked by the plan (a strided
-    copy or two per evenly sharded tensor, whatever the world size)."""
+    copy or two per evenly sharded tensor, whatever the world size).
+
+    A failure of this rank's own in allocating or assembling (out of
+    memory, say: a full tensor on a GPU) does not end its part in the
+    gathers, which the other ranks wait in: it puts back ``leaves`` in
+    place of what it assembled (freeing that memory), takes part in every
+    remaining collective through one buffer of its own, still sending its
+    shards -- the others' results stay whole -- and the caller raises the
+    failure once every gather is done (``failure``, shared by the meshes
+    of one call)."""
     device = _mesh_device(mesh)
     me, (first, count), stages = _schedule(mesh, root)
     assemble = keep and count == mesh.size()
@@ -231,15 +267,27 @@ def _gather_mesh(mesh, plan, root, keep, results, offload) -> None:
     storage = None
     for b in range(plan.buckets):
         segment = plan.segment(b)
-        direct = plan.direct(b) if assemble else None
+        direct = plan.direct(b) if assemble and failure.error is None else None
+        full = None
         if direct is not None:
             leaf, dtype, shape = direct
-            full = torch.empty(shape, dtype=dtype, device=device)
+            full = failure.attempt(torch.empty, shape, dtype=dtype, device=device)
+        if full is not None:
             buffer = full.view(-1).view(torch.uint8)
         else:
-            if storage is None:
-                storage = torch.empty(plan.max_segment * count, dtype=torch.uint8, device=device)
+            need = max(plan.max_segment, segment) * count
+            if storage is None or storage.numel() < need:
+                storage = None
+                if failure.error is None:
+                    storage = failure.attempt(torch.empty, need, dtype=torch.uint8, device=device)
+                if storage is None:
+                    # this rank failed: what it assembled is of no use now,
+                    # its memory goes before the buffer it takes part
+                    # through comes
+                    results[:] = leaves
+                    storage = torch.empty(need, dtype=torch.uint8, device=device)
             buffer = storage[: segment * count]
+            direct = None
 
         def view(block: tuple[int, int], seg: int = segment, buf: torch.Tensor = buffer) -> torch.Tensor:
             # bytes of the segments block[0] .. block[0] + block[1] - 1
@@ -255,10 +303,15 @@ def _gather_mesh(mesh, plan, root, keep, results, offload) -> None:
             else:
                 pieces = list(view(out).chunk(out[1] // inp[1]))
                 dist.gather(view(inp), pieces, dst=dst, group=group)
+        if failure.error is not None:
+            continue
         if direct is not None:
-            results[leaf] = full if offload is None else full.to(offload)
+            assert full is not None
+            results[leaf] = full if offload is None else failure.attempt(full.to, offload)
         elif assemble:
-            C.unpack_bucket(buffer, plan, b, torch.empty, device, results, offload, torch.cat)
+            failure.attempt(C.unpack_bucket, buffer, plan, b, torch.empty, device, results, offload, torch.cat)
+    if failure.error is not None:
+        results[:] = leaves
 
 
 def _names_of(names: list[str] | None, leaf_indices: Any) -> list[str] | None:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
-from .collectives import bucket_bytes
+from .collectives import OwnFailure, bucket_bytes
 from .core import C, context
 from .payload import (
     MetadataPickler,
@@ -47,7 +47,6 @@ from .payload import (
 from .scatter_load import (
     DIRECT_BYTES,
     NO_CHUNKING,
-    OwnFailure,
     paths_digest,
     run_scatter,
     scatter_jobs,

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from .collectives import OwnFailure
+
 # A tensor of at least this many bytes travels in scatters of its own;
 # smaller ones share one packed scatter (the stream's threshold too).
 DIRECT_BYTES = 1 << 20
@@ -376,30 +378,6 @@ def _prepare_unit(unit_bytes: int, pieces: list[_Piece], world: int, me: int, so
     # writes into its landing is the unpacked segment, never read
     scratch = scratch and not (source and not step)
     return inputs, nbytes + (unit_bytes if scratch else 0), out, scratch
-
-
-class OwnFailure:
-    """The first failure of this rank's own code (not the backend's)
-    inside a stream: the steps after it are skipped, while the caller
-    keeps taking part in the stream's collectives, and it is raised once
-    they are all issued and waited for."""
-
-    def __init__(self) -> None:
-        self.error: Exception | None = None
-
-    def attempt(self, step: Any, *args: Any) -> Any:
-        """``step(*args)``, or None where it raised or an earlier step did."""
-        if self.error is not None:
-            return None
-        try:
-            return step(*args)
-        except Exception as exc:  # noqa: BLE001 - raised by raise_if_any
-            self.error = exc
-            return None
-
-    def raise_if_any(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 class _Sink:

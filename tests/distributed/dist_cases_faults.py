@@ -418,6 +418,85 @@ def stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     return out
 
 
+class _EmptyFailingAt:
+    """Stands in for the ``torch`` module inside ``collectives``: its
+    ``empty`` raises ``torch.OutOfMemoryError`` at call number ``at``
+    (counted from 1), every other attribute is torch's."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def empty(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise torch.OutOfMemoryError(f"no memory for a gathered tensor on rank {dist.get_rank()} (injected)")
+        return torch.empty(*args, **kwargs)
+
+
+def gather_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
+    """Full getters (16 KiB buckets: several per call, some a tensor of
+    their own gathered straight into it, the others through the shared
+    buffer) in which rank 0 runs out of memory assembling: at the first,
+    second or fourth allocation of the gather (``torch.empty`` in
+    ``collectives``), for the model and the optimizer.  Rank 0 raises its
+    error within seconds (the group's timeout is 30 s), still sending its
+    shards; the other ranks return what upstream returns; then every rank
+    gets the same dict again."""
+    from dcp_optim._engine import collectives as _collectives
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (ws,))
+    model, optim = build(mesh)
+    full = dcp_optim.StateDictOptions(full_state_dict=True)
+    calls = {
+        "model": lambda: dcp_optim.get_model_state_dict(model, options=full),
+        "optim": lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=full),
+    }
+    want = {
+        "model": upstream.get_model_state_dict(model, options=upstream.StateDictOptions(full_state_dict=True)),
+        "optim": upstream.get_optimizer_state_dict(model, optim,
+                                                   options=upstream.StateDictOptions(full_state_dict=True)),
+    }
+    previous_bucket = _collectives.set_bucket_bytes(16 * 1024)
+    out = []
+    try:
+        for part, call in calls.items():
+            for at in (1, 2, 4):
+                stand_in = _EmptyFailingAt(at)
+                if rank == 0:
+                    _collectives.torch = stand_in  # type: ignore[attr-defined]
+                t0 = time.monotonic()
+                try:
+                    got = call()
+                    result = "ok" if _same_values(got, want[part]) else "WRONG"
+                except Exception as exc:  # noqa: BLE001 - the verdict is returned
+                    result = f"{type(exc).__name__}: {exc}"
+                finally:
+                    _collectives.torch = torch  # type: ignore[attr-defined]
+                out.append({"part": part, "at": at, "result": result, "calls": stand_in.calls,
+                            "seconds": round(time.monotonic() - t0, 1)})
+            out.append({"part": part, "then": _same_values(call(), want[part])})
+    finally:
+        _collectives.set_bucket_bytes(previous_bucket)
+    return out
+
+
+def _same_values(got: Any, want: Any) -> bool:
+    """The same nesting, keys and values (tensors equal)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and list(got) == list(want) and all(
+            _same_values(got[k], want[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return type(got) is type(want) and len(got) == len(want) and all(
+            _same_values(g, w) for g, w in zip(got, want))
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    return bool(got == want)
+
+
 def unreadable_payload_case(rank: int, ws: int, streamed: bool) -> dict[str, Any]:
     """A broadcast set_state_dict whose source's payload rank 1 cannot
     read (a class of a module only the source has, say): rank 1's failure

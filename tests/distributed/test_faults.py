@@ -151,6 +151,23 @@ def test_a_rank_that_cannot_allocate_its_stream():
             assert (load["injected"] > 0) == (rank == load["bad"]), (rank, load)
 
 
+def test_a_full_getter_out_of_memory_on_one_rank():
+    """Rank 0 of three out of memory while it assembles a full getter's
+    tensors: it raises its error within seconds, the group's 30 s timeout
+    far off; the others, whose gathers it kept taking part in, return
+    upstream's dict; the next call returns it on every rank."""
+    for rank, loads in enumerate(run_ranks(3, cases.gather_cannot_allocate_case, timeout=240)):
+        assert [load.get("then") for load in loads if "then" in load] == [True, True], (rank, loads)
+        for load in (load for load in loads if "then" not in load):
+            assert load["seconds"] < 10, (rank, load)
+            if rank == 0:
+                assert load["calls"] >= load["at"], (rank, load)
+                assert load["result"].startswith("OutOfMemoryError"), (rank, load)
+                assert "no memory for a gathered tensor on rank 0" in load["result"], (rank, load)
+            else:
+                assert load["result"] == "ok", (rank, load)
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_receiver_that_cannot_read_the_payload(streamed):
     """The source's payload, unreadable on rank 1 (a class it cannot
