@@ -497,7 +497,54 @@ def _largest_job_bytes(jobs: list[tuple[Any, Any, Any]]) -> int:
 # --- model ---------------------------------------------------------------------
 
 
-class ModelFullLoad:
+class _StreamedLoad:
+    """What the model's full load (``ModelFullLoad``) and the optimizer's
+    (``OptimLocalize``) share about a broadcast load's data: which jobs
+    its stream scatters, the stream's plan made before the agreement
+    ahead of it (``reserve``), the source's tree where it came inline
+    (every rank then slices it locally: nothing in place), and the undo of
+    what an in-place stream wrote.  ``validate`` sets ``jobs`` and
+    ``in_place``."""
+
+    route: Route | None
+    info: Any
+    in_place: bool
+    jobs: list[tuple[Any, Any, Any]]
+    # the jobs the stream scatters (None: not decided yet; [] broadcasts all)
+    scattered: list[int] | None = None
+    # plan_stream's, made by reserve (None: move plans)
+    planned: StreamPlan | None = None
+    # inline loads (``payload``): the source's tree, as every rank received it
+    inline: Any = None
+    undo: _UndoLog | None = None
+
+    def stream_paths(self) -> int:
+        self.scattered = _scattered(self.jobs, self.route)
+        return paths_digest(len(self.jobs), self.scattered)
+
+    def take_inline(self, values: Any) -> None:
+        self.inline = values
+
+    def _settle_in_place(self) -> None:
+        if self.inline is not None or not in_place_allowed(self.info):
+            self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
+
+    def reserve(self) -> None:
+        """Before the agreement ahead of a broadcast load's stream: plan
+        it and allocate what it needs (``StreamPlan``)."""
+        self._settle_in_place()
+        if self.route is not None and self.inline is None and self.jobs:
+            self.planned = plan_stream(self.jobs, self.route, self.in_place, self.scattered)
+
+    def abort(self) -> None:
+        """Put back what ``move`` wrote into live tensors (the load failed
+        after it: its agreement)."""
+        undo, self.undo = self.undo, None
+        if undo is not None:
+            undo.restore()
+
+
+class ModelFullLoad(_StreamedLoad):
     """A full model load in three steps, so that every check of every rank
     is agreed on before any data moves (see ``consistency.Agreement``):
 
@@ -529,6 +576,7 @@ class ModelFullLoad:
         self.strict = strict
         self.cpu_offload = cpu_offload
         self.precheck = precheck
+        self.jobs = []
 
     def source_meta(self) -> Any:
         route = self.route
@@ -562,11 +610,9 @@ class ModelFullLoad:
         # parameter's global shape (whatever else is known about the load).
         check_global_shapes(self.keys, self.jobs)
 
-    # inline loads (``payload``): the source's dict, as every rank received it
-    inline_full: dict[str, Any] | None = None
-
     def _validate_stream(self, meta: Any) -> None:
         route = self.route
+        assert route is not None  # validate's stream branch
         if not isinstance(meta, dict):
             raise errors.StateDictValueError(
                 "broadcast_from_rank0=True: the source rank "
@@ -574,7 +620,7 @@ class ModelFullLoad:
             )
         self.meta = meta
         keys, jobs, non_tensor = _broadcast_jobs(
-            meta, self.full if route.is_source else self.inline_full, self.local, self.device
+            meta, self.full if route.is_source else self.inline, self.local, self.device
         )
         check_global_shapes(keys, jobs)
         out = dict(self.local)
@@ -598,25 +644,11 @@ class ModelFullLoad:
         if self.strict:
             for key in [k for k in out if k not in self.meta]:
                 del out[key]
-        if self.route.is_source:
+        if self.route is not None and self.route.is_source:
             merged = dict(self.full)
             merged.update(out)
             return merged
         return out
-
-    def _settle_in_place(self) -> None:
-        if not in_place_allowed(self.info) or self.inline_full is not None:
-            self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
-
-    # plan_stream's, made by reserve (None: move plans)
-    planned: StreamPlan | None = None
-
-    def reserve(self) -> None:
-        """Before the agreement ahead of a broadcast load's stream: plan
-        it and allocate what it needs (``StreamPlan``)."""
-        self._settle_in_place()
-        if self.route is not None and self.inline_full is None and self.jobs:
-            self.planned = plan_stream(self.jobs, self.route, self.in_place, self.scattered)
 
     def move(self) -> dict[str, Any]:
         route = self.route
@@ -629,7 +661,7 @@ class ModelFullLoad:
             return self.merged
         out = self.out
         offload = _CPU if self.cpu_offload else None
-        if self.inline_full is not None:
+        if self.inline is not None:
             values = run_full_load(self.jobs, route=None, offload=offload)
         else:
             values = run_full_load(
@@ -647,26 +679,9 @@ class ModelFullLoad:
             return merged
         return out
 
-    # the jobs the stream scatters (None: not decided yet; [] broadcasts all)
-    scattered: list[int] | None = None
-
-    def stream_paths(self) -> int:
-        self.scattered = _scattered(self.jobs, self.route)
-        return paths_digest(len(self.jobs), self.scattered)
-
     def inline_values(self) -> Any:
         """What travels inline from the source (its dict), else None."""
         return self.full if self.route is not None and self.route.is_source else None
-
-    def take_inline(self, values: Any) -> None:
-        self.inline_full = values
-
-    def abort(self) -> None:
-        """Put back what ``move`` wrote into live tensors (the load failed
-        after it: its agreement)."""
-        undo, self.undo = getattr(self, "undo", None), None
-        if undo is not None:
-            undo.restore()
 
 
 def _scattered(jobs: list[tuple], route: Route | None) -> list[int]:
@@ -729,7 +744,7 @@ def collective_device(device: torch.device, index: Any) -> torch.device:
 # --- optimizer -----------------------------------------------------------------
 
 
-class OptimLocalize:
+class OptimLocalize(_StreamedLoad):
     """Make the tensors of a loaded optimizer view local to this rank, in
     the three steps of ``ModelFullLoad`` (source_meta, validate, move).
 
@@ -754,6 +769,7 @@ class OptimLocalize:
         self.full = full
         self.held = held
         self.precheck = precheck
+        self.jobs = []
         self.route = None
         if full and info.broadcast_from_rank0:
             self.route = route_for(info.index, _state_device(info.index))
@@ -768,9 +784,6 @@ class OptimLocalize:
         meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
         return (meta_state, groups, fqn_group, empties, unexpected)
 
-    # inline loads (``payload``): the source's state, as every rank received it
-    inline_state: Any = None
-
     def validate(self, payload: Any = None) -> None:
         state, groups, fqn_group, empties, unexpected = self.view
         route = self.route
@@ -782,8 +795,8 @@ class OptimLocalize:
                 )
             if not route.is_source:
                 state, groups, fqn_group, empties, unexpected = payload
-                if self.inline_state is not None:
-                    state = self.inline_state
+                if self.inline is not None:
+                    state = self.inline
         full = self.full
         existing = self.held() if full and self.held is not None and self.precheck is not None else None
         new_state, jobs, slots, n_held = C.optim_state_jobs(
@@ -805,23 +818,8 @@ class OptimLocalize:
             self.precheck(self.result)
             C.write_slots(slots, [None] * len(slots))
 
-    def _settle_in_place(self) -> None:
-        if self.inline_state is not None or not in_place_allowed(self.info):
-            self.in_place = False  # inline: sliced into new tensors, as the model's
-
-    # plan_stream's, made by reserve (None: move plans)
-    planned: StreamPlan | None = None
-
-    def reserve(self) -> None:
-        """Before the agreement ahead of a broadcast load's stream: plan
-        it and allocate what it needs (``StreamPlan``)."""
-        self._settle_in_place()
-        jobs = getattr(self, "jobs", [])
-        if self.route is not None and self.inline_state is None and jobs:
-            self.planned = plan_stream(jobs, self.route, self.in_place, self.scattered)
-
     def move(self) -> tuple:
-        inline = self.inline_state is not None
+        inline = self.inline is not None
         self._settle_in_place()
         self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
         if self.jobs:
@@ -833,26 +831,9 @@ class OptimLocalize:
             C.write_slots(self.slots, values)
         return self.result
 
-    # the jobs the stream scatters (None: not decided yet; [] broadcasts all)
-    scattered: list[int] | None = None
-
-    def stream_paths(self) -> int:
-        jobs = getattr(self, "jobs", [])
-        self.scattered = _scattered(jobs, self.route)
-        return paths_digest(len(jobs), self.scattered)
-
     def inline_values(self) -> Any:
         """What travels inline from the source (its state), else None."""
         return self.view[0] if self.route is not None and self.route.is_source else None
-
-    def take_inline(self, values: Any) -> None:
-        self.inline_state = values
-
-    def abort(self) -> None:
-        """Put back what ``move`` wrote into the optimizer's live state."""
-        undo, self.undo = getattr(self, "undo", None), None
-        if undo is not None:
-            undo.restore()
 
 
 def _state_device(index: Any) -> torch.device:

@@ -471,30 +471,17 @@ def gather_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
                 t0 = time.monotonic()
                 try:
                     got = call()
-                    result = "ok" if _same_values(got, want[part]) else "WRONG"
+                    result = "ok" if _same(got, want[part]) else "WRONG"
                 except Exception as exc:  # noqa: BLE001 - the verdict is returned
                     result = f"{type(exc).__name__}: {exc}"
                 finally:
                     _collectives.torch = torch  # type: ignore[attr-defined]
                 out.append({"part": part, "at": at, "result": result, "calls": stand_in.calls,
                             "seconds": round(time.monotonic() - t0, 1)})
-            out.append({"part": part, "then": _same_values(call(), want[part])})
+            out.append({"part": part, "then": _same(call(), want[part])})
     finally:
         _collectives.set_bucket_bytes(previous_bucket)
     return out
-
-
-def _same_values(got: Any, want: Any) -> bool:
-    """The same nesting, keys and values (tensors equal)."""
-    if isinstance(want, dict):
-        return isinstance(got, dict) and list(got) == list(want) and all(
-            _same_values(got[k], want[k]) for k in want)
-    if isinstance(want, (list, tuple)):
-        return type(got) is type(want) and len(got) == len(want) and all(
-            _same_values(g, w) for g, w in zip(got, want))
-    if isinstance(want, torch.Tensor):
-        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
-    return bool(got == want)
 
 
 def unreadable_payload_case(rank: int, ws: int, streamed: bool) -> dict[str, Any]:
