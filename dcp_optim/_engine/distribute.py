@@ -522,6 +522,11 @@ class _StreamedLoad:
         self.scattered = _scattered(self.jobs, self.route)
         return paths_digest(len(self.jobs), self.scattered)
 
+    def broadcast_all(self) -> None:
+        """The ranks' digests differed: the stream broadcasts every job."""
+        self.scattered = []
+        self.planned = None  # reserved for the scatters: move plans again
+
     def take_inline(self, values: Any) -> None:
         self.inline = values
 
@@ -778,11 +783,7 @@ class OptimLocalize(_StreamedLoad):
         route = self.route
         if route is None or not route.is_source:
             return None
-        state, groups, fqn_group, empties, unexpected = self.view
-        ctx = context()
-        leaves = C.tree_leaves(ctx, state, False)
-        meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
-        return (meta_state, groups, fqn_group, empties, unexpected)
+        return view_metadata(self.view)
 
     def validate(self, payload: Any = None) -> None:
         state, groups, fqn_group, empties, unexpected = self.view
@@ -834,6 +835,17 @@ class OptimLocalize(_StreamedLoad):
     def inline_values(self) -> Any:
         """What travels inline from the source (its state), else None."""
         return self.view[0] if self.route is not None and self.route.is_source else None
+
+
+def view_metadata(view: tuple) -> tuple:
+    """What a broadcast load's source sends of an optimizer view (its
+    state, groups, FQN groups, empty groups and unexpected keys): the
+    state's tensors as ``to_metadata`` describes them, the rest as is."""
+    state, groups, fqn_group, empties, unexpected = view
+    ctx = context()
+    leaves = C.tree_leaves(ctx, state, False)
+    meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
+    return (meta_state, groups, fqn_group, empties, unexpected)
 
 
 def _state_device(index: Any) -> torch.device:

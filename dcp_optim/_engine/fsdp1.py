@@ -42,13 +42,13 @@ from .own_calls import state_dict_fn
 from .pristine import pristine_states
 
 __all__ = [
+    "Fsdp1Localize",
     "agreement_mesh",
     "check_before_fsdp",
     "getter_options",
     "fsdp_process_group",
     "get_fsdp1_optim",
     "load_via_fsdp",
-    "localize_fsdp1_view",
     "native_supported",
     "resharded_on_failure",
 ]
@@ -628,46 +628,123 @@ def _to_dtensor(value: Any, h: _Handle) -> Any:
                               stride=torch.empty(size, device="meta").stride())
 
 
-def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
-    """The loaded view with every FSDP-managed original parameter's state
-    turned into what this rank's optimizer holds: the flat shard (keyed by
-    the flat parameter's first FQN) or, with use_orig_params, this rank's
-    piece of each original parameter."""
-    from .distribute import Route, run_full_load, to_metadata
+class Fsdp1Localize:
+    """An optimizer load into an FSDP1 model in the load pipeline's phases
+    (``pipeline.LoadPart``, driven by ``optim.OptimLoad``): every FSDP-
+    managed original parameter's state becomes what this rank's optimizer
+    holds -- the flat shard (keyed by the flat parameter's first FQN) or,
+    with use_orig_params, this rank's piece of each original parameter.
 
-    state, groups, fqn_group, empties, unexpected = view
-    route = None
-    if info.full_state_dict and info.broadcast_from_rank0:
-        # FSDP1 parameters are plain tensors: the default group, rank 0
-        route = Route(None, handles[0].flat.device if handles else torch.device("cpu"))
-        ctx = context()
-        if route.is_source:
-            leaves = C.tree_leaves(ctx, state, False)
-            meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
-            payload = (meta_state, groups, fqn_group, empties, unexpected)
-        else:
-            payload = None
-        payload = route.broadcast_object(payload)
+    * ``source_meta()``: on a broadcast load's source, the metadata of its
+      view (it travels in the load's payload);
+    * ``validate(payload)``: a receiver takes the source's view;
+    * ``reserve()``: the new tensors of this rank's state and the plan and
+      buffer of the broadcast stream that fills them -- on broadcast loads
+      before the agreement ahead of the stream, so that a rank out of
+      memory fails there, with every rank, not inside the stream's
+      collectives while its peers wait in them;
+    * ``move()``: the data: sharded loads first gather the full tensors
+      (bucketed), every rank slices its pieces out of them; broadcast loads
+      stream them from rank 0 (the default group: FSDP1 parameters are
+      plain tensors).  Returns the localized view.
+
+    Nothing is written in place: the pieces land in new tensors, installed
+    at commit."""
+
+    def __init__(self, view: tuple, info: Any):
+        from .distribute import Route
+
+        self.view = view
+        self.info = info
+        self.handles = _handles(info)
+        self.route = None
+        if info.full_state_dict and info.broadcast_from_rank0:
+            device = self.handles[0].flat.device if self.handles else torch.device("cpu")
+            self.route = Route(None, device)
+        self.jobs: list[tuple] | None = None  # reserve's
+        self.result: tuple = ()
+        self.planned: Any = None  # distribute.StreamPlan
+
+    def source_meta(self) -> Any:
+        from .distribute import view_metadata
+
+        if self.route is None or not self.route.is_source:
+            return None
+        return view_metadata(self.view)
+
+    def validate(self, payload: Any = None) -> None:
+        if self.route is None:
+            return
         if payload is None:
             raise errors.StateDictValueError("broadcast_from_rank0=True: rank 0 did not provide an optimizer state dict")
-        if not route.is_source:
-            state, groups, fqn_group, empties, unexpected = payload
-    elif not info.full_state_dict:
-        # sharded values (ShardedTensor / DTensor): gather them, bucketed
-        keys, leaves = [], []
-        by_fqn = {f: h for h in handles for f in h.fqns}
-        for fqn, entry in state.items():
-            h = by_fqn.get(fqn)
-            if h is None or not isinstance(entry, dict):
-                continue
-            for name, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    keys.append((fqn, name))
-                    leaves.append(_to_dtensor(value, h))
-        full = gather_full_tensors(leaves, options_key=("fsdp1-load",))
-        state = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
-        for (fqn, name), value in zip(keys, full):
-            state[fqn][name] = value
+        if not self.route.is_source:
+            self.view = payload
+
+    def reserve(self) -> None:
+        from .distribute import plan_stream
+
+        if self.jobs is None:
+            self.result, self.jobs = _local_pieces(self.view, self.handles)
+        if self.route is not None and self.jobs:
+            # never scattered: the templates are plain tensors
+            self.planned = plan_stream(self.jobs, self.route, False, [])
+
+    def move(self) -> tuple:
+        from .distribute import run_full_load
+
+        if self.route is None and not self.info.full_state_dict:
+            self.view = _gathered(self.view, self.handles)
+        if self.jobs is None:  # not reserved: a load without agreement, or not broadcast
+            self.reserve()
+        assert self.jobs is not None
+        if self.jobs:
+            run_full_load(self.jobs, route=self.route, scattered=[], planned=self.planned)
+            self.planned = None
+        return self.result
+
+    def stream_paths(self) -> int:
+        return 0  # nothing scattered
+
+    def broadcast_all(self) -> None:
+        pass  # every tensor is broadcast already
+
+    def inline_values(self) -> Any:
+        return None  # never inline: see state_dict._source_payload
+
+    def take_inline(self, values: Any) -> None:
+        pass
+
+
+def _gathered(view: tuple, handles: list[_Handle]) -> tuple:
+    """A sharded load's view with its sharded values (ShardedTensor /
+    DTensor) of FSDP-managed parameters gathered into full tensors,
+    bucketed (a collective across the group)."""
+    state, groups, fqn_group, empties, unexpected = view
+    keys, leaves = [], []
+    by_fqn = {f: h for h in handles for f in h.fqns}
+    for fqn, entry in state.items():
+        h = by_fqn.get(fqn)
+        if h is None or not isinstance(entry, dict):
+            continue
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                keys.append((fqn, name))
+                leaves.append(_to_dtensor(value, h))
+    full = gather_full_tensors(leaves, options_key=("fsdp1-load",))
+    state = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
+    for (fqn, name), value in zip(keys, full):
+        state[fqn][name] = value
+    return (state, groups, fqn_group, empties, unexpected)
+
+
+def _local_pieces(view: tuple, handles: list[_Handle]) -> tuple[tuple, list[tuple]]:
+    """The localized view, its new tensors allocated (not yet filled), and
+    the load's jobs that fill them: [(full value or TensorMeta, (dest,
+    blocks) or False, device)], one per (original parameter, state name),
+    in the same order on every rank (a broadcast stream pairs the
+    source's and receivers' jobs by position); each rank copies only the
+    blocks it holds."""
+    state, groups, fqn_group, empties, unexpected = view
     new_state = {k: v for k, v in state.items()}
     jobs: list[tuple] = []
     for h in handles:
@@ -680,9 +757,6 @@ def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
         present = [e for e in entries if e]
         if not present:
             continue
-        # One job per (original parameter, state name), in the same order on
-        # every rank (a broadcast stream pairs the source's and receivers'
-        # jobs by position); each rank copies only the blocks it holds.
         mine: dict[int, list[tuple[int, int, int]]] = {}
         for i, pstart, sstart, length in pieces:
             mine.setdefault(i, []).append((pstart, sstart, length))
@@ -726,11 +800,7 @@ def _localize_fsdp1(view: tuple, handles: list[_Handle], info: Any) -> tuple:
                     jobs.append((_flat_value(entry[name]), (dest, blocks), h.flat.device))
                 flat_entry[name] = dest
             new_state[h.fqns[0]] = flat_entry
-    if jobs:
-        if route is not None:
-            route.device = handles[0].flat.device
-        run_full_load(jobs, route=route)
-    return (new_state, groups, fqn_group, empties, unexpected)
+    return (new_state, groups, fqn_group, empties, unexpected), jobs
 
 
 def _offsets(h: _Handle) -> list[tuple[int, int]]:
@@ -759,10 +829,6 @@ def _flat_value(value: Any) -> Any:
             numel *= d
         return TensorMeta((numel,), value.dtype)
     return value.reshape(-1)
-
-
-def localize_fsdp1_view(view: tuple, info: Any) -> tuple:
-    return _localize_fsdp1(view, _handles(info), info)
 
 
 def native_supported(info: Any) -> bool:

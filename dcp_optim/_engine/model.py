@@ -309,8 +309,7 @@ class ModelLoad:
 
     def broadcast_all(self) -> None:
         if self.full_load is not None:
-            self.full_load.scattered = []
-            self.full_load.planned = None  # reserved for the scatters: move plans again
+            self.full_load.broadcast_all()
 
     def reserve(self) -> None:
         """Before the agreement ahead of a broadcast load's stream: what

@@ -1451,9 +1451,8 @@ class OptimLoad:
         self.info = info
         self.direct: Prepared | None = None  # an early exit's install
         self.via_fsdp: Callable[[], Callable[[], None]] | None = None  # FSDP's own load: conversion, then install
-        self.fsdp1 = False
         self.view: tuple = ()
-        self.localize: Any = None  # distribute.OptimLocalize
+        self.localize: Any = None  # distribute.OptimLocalize, fsdp1.Fsdp1Localize
         self.extras: dict[str, Any] = {}
         # an optimizer's own load_state_dict (an override, hooks, a
         # wrapper's) runs at commit and can raise on some ranks only: the
@@ -1474,7 +1473,7 @@ class OptimLoad:
         _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
         if not info.flatten_optimizer_state_dict:
             osd = self.osd = fold_dcp_string_keys(osd)
-        fsdp1 = self.fsdp1 = bool(info.fsdp_modules)
+        fsdp1 = bool(info.fsdp_modules)
         if fsdp1:
             from .fsdp1 import load_via_fsdp, native_supported
 
@@ -1500,7 +1499,11 @@ class OptimLoad:
         # with its metadata (every rank has the same optimizers).
         self.extras = extras
         view = self.view = _view(info.index, osd or {}, optimizers)
-        if not fsdp1 and (
+        if fsdp1:
+            from .fsdp1 import Fsdp1Localize
+
+            self.localize = Fsdp1Localize(view, info)
+        elif (
             # Full tensors of sharded parameters become local shards (full
             # loads); plain tensors given for DTensor parameters are sharded
             # too (D9).  A sharded load into a model without DTensors only
@@ -1534,12 +1537,9 @@ class OptimLoad:
             return self.direct
         optimizers, info = self.optimizers, self.info
         view = self.view
-        if self.fsdp1:
-            # original parameters' state -> flat shards / local pieces
-            from .fsdp1 import localize_fsdp1_view
-
-            view = localize_fsdp1_view(view, info)
-        elif self.localize is not None:
+        if self.localize is not None:
+            # this rank's shards of full tensors (FSDP1: the original
+            # parameters' state -> flat shards / local pieces)
             view = self.localize.move()
         prepared, missing, unexpected = _prepare_view(optimizers, view, info, self.extras)
         return Prepared(
@@ -1572,14 +1572,13 @@ class OptimLoad:
 
     def broadcast_all(self) -> None:
         if self.localize is not None:
-            self.localize.scattered = []
-            self.localize.planned = None  # reserved for the scatters: move plans again
+            self.localize.broadcast_all()
 
     def reserve(self) -> None:
         """Before the agreement ahead of a broadcast load's stream: what
-        the stream allocates (``distribute.StreamPlan``; not for FSDP1's
-        flat parameters, whose stream plans its own)."""
-        if self.localize is not None and self.direct is None and self.via_fsdp is None and not self.fsdp1:
+        the stream allocates (``distribute.StreamPlan``; into FSDP1 models
+        also the new tensors it fills)."""
+        if self.localize is not None and self.direct is None and self.via_fsdp is None:
             self.localize.reserve()
 
     def inline_values(self) -> Any:

@@ -418,6 +418,82 @@ def stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     return out
 
 
+class _AllocationsFailing:
+    """Stands in for the ``torch`` module inside a module of dcp_optim:
+    its ``empty`` and ``zeros`` raise ``torch.OutOfMemoryError`` (counted
+    in ``calls``), every other attribute is torch's."""
+
+    def __init__(self, what: str):
+        self.what, self.calls = what, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def _fail(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        raise torch.OutOfMemoryError(f"{self.what} on rank {dist.get_rank()} (injected)")
+
+    empty = zeros = _fail
+
+
+def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
+    """Broadcast optimizer loads into FSDP1 models (flat parameters, and
+    ``use_orig_params``) in which one rank -- the source, then the last
+    rank -- cannot allocate its new state tensors (``torch.empty`` /
+    ``torch.zeros`` of ``fsdp1``) or its stream's buffer (``plan_stream``).
+    Both are made before the agreement ahead of the stream, so every rank
+    raises that error at once (none waits in the stream's first broadcast
+    for the group's 30 s timeout) and no optimizer changed; then a load
+    with nothing injected completes on every rank."""
+    from dcp_optim._engine import distribute as _distribute
+    from dcp_optim._engine import fsdp1 as _fsdp1
+
+    from .dist_cases import make_optimizer, train
+    from .dist_cases_fsdp1 import fsdp1_model
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
+    bopts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    planner = _distribute.plan_stream
+    out: list[dict[str, Any]] = []
+
+    def buffer_failing(*args: Any, **kwargs: Any) -> Any:
+        real, _distribute.torch = _distribute.torch, _AllocationsFailing("no memory for the stream")  # type: ignore[attr-defined]
+        try:
+            return planner(*args, **kwargs)
+        finally:
+            _distribute.torch = real  # type: ignore[attr-defined]
+
+    for orig in (False, True):
+        src = fsdp1_model(5, orig=orig, wrap="nested")
+        src_optim = make_optimizer(src, "adam", 1)
+        train(src, src_optim, seed=5)
+        osd = dcp_optim.get_optimizer_state_dict(src, src_optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+        model = fsdp1_model(0, orig=orig, wrap="nested")
+        optim = make_optimizer(model, "adam", 1)
+        train(model, optim, seed=0)
+        before = _local_snapshot(model, optim)
+        for where in ("state", "buffer"):
+            for bad in (0, ws - 1):
+                stand_in = _AllocationsFailing("no memory for the new state")
+                if rank == bad and where == "state":
+                    _fsdp1.torch = stand_in  # type: ignore[attr-defined]
+                if rank == bad and where == "buffer":
+                    _distribute.plan_stream = buffer_failing  # type: ignore[assignment]
+                try:
+                    result, seconds = _timed(lambda: dcp_optim.set_optimizer_state_dict(
+                        model, optim, osd if rank == 0 else {}, options=bopts))
+                finally:
+                    _fsdp1.torch = torch  # type: ignore[attr-defined]
+                    _distribute.plan_stream = planner  # type: ignore[assignment]
+                out.append({"orig": orig, "where": where, "bad": bad, "result": result, "seconds": seconds,
+                            "injected": stand_in.calls, "unchanged": _same(before, _local_snapshot(model, optim))})
+        result, _ = _timed(lambda: dcp_optim.set_optimizer_state_dict(model, optim, osd if rank == 0 else {},
+                                                                        options=bopts))
+        loaded = dcp_optim.get_optimizer_state_dict(model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True))
+        out.append({"orig": orig, "then": result, "loaded": rank != 0 or _same(loaded, osd)})
+    return out
+
+
 class _EmptyFailingAt:
     """Stands in for the ``torch`` module inside ``collectives``: its
     ``empty`` raises ``torch.OutOfMemoryError`` at call number ``at``

@@ -151,6 +151,28 @@ def test_a_rank_that_cannot_allocate_its_stream():
             assert (load["injected"] > 0) == (rank == load["bad"]), (rank, load)
 
 
+def test_a_rank_that_cannot_allocate_an_fsdp1_optimizer_load():
+    """One rank of three out of memory while it allocates the new state
+    tensors of a broadcast optimizer load into an FSDP1 model, or its
+    stream's buffer (flat and original parameters; the source, then the
+    last rank): every rank raises its error within seconds, the group's
+    30 s timeout far off, no optimizer changed, and the next load
+    completes."""
+    records = run_ranks(3, cases.fsdp1_stream_cannot_allocate_case, timeout=240)
+    for rank, loads in enumerate(records):
+        failed = [load for load in loads if "then" not in load]
+        assert len(failed) == 8, (rank, loads)
+        for load in failed:
+            what = "the new state" if load["where"] == "state" else "the stream"
+            assert load["result"].startswith("OutOfMemoryError"), (rank, load)
+            assert f"no memory for {what} on rank {load['bad']}" in load["result"], (rank, load)
+            assert load["seconds"] < 10, (rank, load)
+            assert load["unchanged"], (rank, load)
+            if load["where"] == "state":
+                assert (load["injected"] > 0) == (rank == load["bad"]), (rank, load)
+        assert [(load["then"], load["loaded"]) for load in loads if "then" in load] == [("ok", True)] * 2, (rank, loads)
+
+
 def test_a_full_getter_out_of_memory_on_one_rank():
     """Rank 0 of three out of memory while it assembles a full getter's
     tensors: it raises its error within seconds, the group's 30 s timeout
