@@ -14,11 +14,15 @@ fewer, or none).  A scatter moves pieces of one size to every rank, so a
 tensor travels as steps of ``k`` rows of every rank's chunk (``W * k``
 rows within a bucket); a rank whose chunk ends inside a step receives
 that step into a scratch buffer and keeps its real rows.  Tensors whose
-bytes are under ``DIRECT_BYTES`` share one scatter per group of them
-(a "packed" unit): the source lays out every other rank's rows of each
-tensor in that rank's segment of a buffer, one strided copy per tensor,
-and copies its own rows straight into its shards; each receiver copies
-its rows out of its segment.
+bytes are under ``DIRECT_BYTES`` travel point to point instead, in
+units of up to ``DIRECT_BYTES`` per rank (one ``batch_isend_irecv``
+each): one message per tensor and receiving rank, sent from the source's
+own tensor (a rank's rows of it are contiguous) straight into the
+receiver's shard, while the source copies its own rows into its shards.
+A scatter of such a group would need a buffer of equal parts per rank --
+the source packing every rank's rows into it, each receiver unpacking
+its part -- two copies of every byte that messages of each tensor's own
+size do not make.
 
 Only tensors whose chunk per rank holds at least
 ``SCATTER_MIN_CHUNK_BYTES`` take this path: the source's cost of a scatter
@@ -41,12 +45,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import OwnFailure
 
+# P2POp accepts only c10d's own isend / irecv (an identity check): they
+# are named through that module (``_c10d``), so that a tool wrapping
+# torch.distributed.isend does not make every point-to-point unit fail.
+
 # A tensor of at least this many bytes travels in scatters of its own;
-# smaller ones share one packed scatter (the stream's threshold too).
+# smaller ones go point to point in units of at most this many bytes per
+# rank (the stream's threshold too).
 DIRECT_BYTES = 1 << 20
 # Plans of scatter jobs never split a tensor into row chunks (the
 # executor steps through rows itself).
@@ -133,12 +143,14 @@ class _Piece:
 
 
 def _units(jobs, dests, world: int, budget: int) -> list[tuple[int, list[_Piece]]]:
-    """The scatters of a load, in order: (bytes per rank, pieces).  A
+    """The units of a load, in order: (bytes per rank, pieces).  A
     tensor of ``DIRECT_BYTES`` or more (or more than ``budget``) goes in
     steps of whole rows of every rank's chunk, ``W * k`` rows within
-    ``budget`` (a row larger than that alone); smaller ones are packed
-    together within ``budget``.  From the metadata alone: the same
-    on every rank."""
+    ``budget`` (a row larger than that alone), each a scatter; smaller
+    ones are grouped within ``budget`` and ``DIRECT_BYTES`` per rank, each
+    group sent point to point (``_Messages``; small groups keep the
+    receivers' landing pipelined with the transfer).  From the metadata
+    alone: the same on every rank."""
     units: list[tuple[int, list[_Piece]]] = []
     packed: list[_Piece] = []
     used = 0
@@ -156,7 +168,7 @@ def _units(jobs, dests, world: int, budget: int) -> list[tuple[int, list[_Piece]
                 units.append((rows * row_bytes, [_Piece(value, dest, n, chunk, start, rows, row_bytes, 0)]))
             continue
         size = _align(chunk * row_bytes)
-        if packed and world * (used + size) > budget:
+        if packed and (world * (used + size) > budget or used + size > DIRECT_BYTES):
             units.append((used, packed))
             packed, used = [], 0
         packed.append(_Piece(value, dest, n, chunk, 0, chunk, row_bytes, used))
@@ -235,26 +247,6 @@ def _source_inputs(piece: _Piece, world: int, device: torch.device) -> tuple[lis
     return inputs, nbytes
 
 
-def _pack(buf: torch.Tensor, seg: int, world: int, pieces: list[_Piece], me: int) -> None:
-    """Source side of a packed unit: rank ``r``'s rows of every piece at
-    ``r * seg + piece.offset`` of ``buf``, for every rank but the source
-    ``me`` (its own rows go straight to its destinations, ``_own_rows``);
-    the ranks with whole chunks in one strided copy per run of them, the
-    one with a partial chunk apart."""
-    for p in pieces:
-        nbytes = p.chunk * p.row_bytes
-        whole = min(world, p.n // p.chunk)
-        flat = p.value.detach().contiguous().reshape(-1).view(torch.uint8)
-        for lo, hi in ((0, min(me, whole)), (me + 1, whole)):
-            if hi > lo:
-                dst = buf.as_strided((hi - lo, nbytes), (seg, 1), lo * seg + p.offset)
-                dst.copy_(flat[lo * nbytes : hi * nbytes].view(hi - lo, nbytes))
-        rest = p.n * p.row_bytes - whole * nbytes
-        if rest > 0 and whole != me:
-            at = whole * seg + p.offset
-            buf[at : at + rest].copy_(flat[whole * nbytes :])
-
-
 def _own_rows(me: int, pieces: list[_Piece]) -> None:
     """The source's own rows of a packed unit, from each full value
     straight into its destination (one copy, where packing them into the
@@ -304,15 +296,17 @@ def _landing(unit_bytes: int, pieces: list[_Piece], rank: int, device: torch.dev
 
 def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
     """Scatter ``jobs`` (``scatter_jobs``'s) from the route's source into
-    ``dests`` (their plan's destinations), in the units of ``_units``.
-    The scatters are in flight together while the buffers they hold stay
+    ``dests`` (their plan's destinations), in the units of ``_units``:
+    a step of a large tensor is one ``scatter``; a packed unit travels
+    point to point, one message per piece and receiving rank (``_Messages``).
+    The units are in flight together while the buffers they hold stay
     within two buckets; ``undo`` (or None) keeps each live destination
-    before the first write to it.  Returns the number of scatters.
+    before the first write to it.  Returns the number of units.
 
     A failure of this rank's own (packing, landing, unpacking: not the
     backend's) does not end its part in the stream: the peers are waiting
-    in the same sequence of scatters.  It keeps issuing every remaining
-    scatter through a sink buffer that no live tensor shares (writing
+    in the same sequence of transfers.  It keeps issuing every remaining
+    one through a sink buffer that no live tensor shares (writing
     nothing more), and raises the failure once the stream is done; the
     load's agreement then fails on every rank, whose undo logs put back
     what the stream wrote (garbage, after a source's failure)."""
@@ -321,26 +315,45 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
     me = dist.get_rank() if group is None else dist.get_group_rank(group, dist.get_rank())
     source = route.is_source
     device = route.device
-    pending: deque[tuple[Any, torch.Tensor, bool, list[_Piece], int]] = deque()
+    # each entry: (works, what lands once they completed or None, bytes held)
+    pending: deque[tuple[list[Any], Any, int]] = deque()
     held = 0
     failure = OwnFailure()
     sink = _Sink(device)
+    peers = _Peers(group, src, world, me)
 
     def finish_oldest() -> None:
         nonlocal held
-        work, out, scratch, pieces, nbytes = pending.popleft()
-        work.wait()
-        if scratch:
-            failure.attempt(_unpack, out, me, pieces)
+        works, land, nbytes = pending.popleft()
+        for work in works:
+            work.wait()
+        if land is not None:
+            failure.attempt(land)
         held -= nbytes
 
     units = _units(jobs, dests, world, budget)
+    tag = 0
     for unit_bytes, pieces in units:
+        if not _is_step(unit_bytes, pieces):
+            messages = failure.attempt(_Messages, pieces, peers, source, device, undo, None, tag)
+            if messages is None:  # this rank failed: it takes part, writing nothing
+                while pending:  # their buffers go first (the failure may have been memory)
+                    finish_oldest()
+                messages = _Messages(pieces, peers, source, device, None, sink, tag)
+            tag += len(pieces)
+            while pending and held + messages.nbytes > 2 * budget:
+                finish_oldest()
+            works = dist.batch_isend_irecv(messages.ops) if messages.ops else []
+            if messages.own:
+                failure.attempt(messages.copy_own)
+            pending.append((works, messages.land if messages.scratch else None, messages.nbytes))
+            held += messages.nbytes
+            continue
         # what the unit holds until it completes, beyond the values and
         # the destinations: the source's copies, a receiver's scratch
         prepared = failure.attempt(_prepare_unit, unit_bytes, pieces, world, me, source, device, undo)
         if prepared is None:  # this rank failed: it takes part, writing nothing
-            while pending:  # their buffers go first (the failure may have been memory)
+            while pending:
                 finish_oldest()
             out = sink.recv(unit_bytes)
             prepared = ([sink.send(unit_bytes)] * world if source else None), 0, out, False
@@ -348,7 +361,8 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
         while pending and held + nbytes > 2 * budget:
             finish_oldest()
         work = dist.scatter(out, inputs, src=src, group=group, async_op=True)
-        pending.append((work, out, scratch, pieces, nbytes))
+        land = (lambda out=out, pieces=pieces: _unpack(out, me, pieces)) if scratch else None
+        pending.append(([work], land, nbytes))
         held += nbytes
     while pending:
         finish_oldest()
@@ -356,27 +370,123 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
     return len(units)
 
 
+class _Peers:
+    """The ranks of a scatter's group as point-to-point messages name
+    them (global ranks), and this rank's and the source's places in it."""
+
+    __slots__ = ("group", "source", "me", "world", "globals")
+
+    def __init__(self, group: Any, source: int, world: int, me: int):
+        self.group, self.source, self.world, self.me = group, source, world, me
+        self.globals = _group_ranks(group)
+
+
+class _Messages:
+    """A packed unit sent point to point: the source sends each receiving
+    rank its rows of every piece straight from the full value (a view
+    where they are contiguous on the stream's device, else one copy) and
+    copies its own rows into its shards; each receiver takes its rows
+    straight into its destination where that is contiguous on the
+    device, else into a scratch it copies out of (``land``).  No packing
+    and no unpacking: where ``scatter`` needs one buffer of equal parts,
+    messages have each piece's own size, so a rank's rows never go
+    through a buffer that only reorders them.
+
+    Every rank derives the same messages from the plan (one per piece and
+    receiving rank that holds rows of it, in piece order): a receiver with
+    no destination for a piece, or with ``sink`` (it failed: everything
+    goes through the sink's buffers), still takes its part."""
+
+    __slots__ = ("ops", "nbytes", "scratch", "own", "undo", "me")
+
+    def __init__(self, pieces: list[_Piece], peers: _Peers, source: bool, device: torch.device,
+                 undo: Any, sink: _Sink | None = None, tag: int = 0):
+        self.ops: list[Any] = []
+        self.nbytes = 0
+        self.scratch: list[tuple[torch.Tensor, _Piece, int]] = []
+        self.own: list[_Piece] = []  # the source's: its own rows, copied once its sends are issued
+        self.undo = undo
+        group, me = peers.group, peers.me
+        self.me = me
+        # Each piece's messages carry their own tag (its place in the
+        # stream, the same on every rank): gloo matches messages by
+        # (peer, tag), and many in flight under one tag stall it.
+        if source:
+            for t, p in enumerate(pieces, tag):
+                for r in range(peers.world):
+                    real = p.real_rows(r) if r != me else 0
+                    if not real:
+                        continue
+                    if sink is not None:
+                        data = sink.send(real * p.row_bytes)
+                    else:
+                        data, copied = _rows_to_send(p, r, real, device)
+                        self.nbytes += copied
+                    self.ops.append(dist.P2POp(_c10d.isend, data, peers.globals[r], group, _tag(t)))
+            self.own = pieces if sink is None else []
+            return
+        if undo is not None:  # before anything lands in the live destinations
+            undo.save_dests([p.dest for p in pieces])
+        peer = peers.globals[peers.source]
+        for t, p in enumerate(pieces, tag):
+            real = p.real_rows(me)
+            if not real:
+                continue
+            nbytes = real * p.row_bytes
+            dest = p.dest
+            if sink is not None:
+                into = sink.recv(nbytes)
+            elif dest is not None and dest.is_contiguous() and dest.device == device:
+                into = dest[p.start : p.start + real].reshape(-1).view(torch.uint8)
+            else:
+                into = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self.nbytes += nbytes
+                if dest is not None:
+                    self.scratch.append((into, p, real))
+            self.ops.append(dist.P2POp(_c10d.irecv, into, peer, group, _tag(t)))
+
+    def copy_own(self) -> None:
+        """The source's own rows into its shards (after its sends are
+        issued: they travel meanwhile), the undo log keeping them first."""
+        if self.undo is not None:
+            self.undo.save_dests([p.dest for p in self.own])
+        _own_rows(self.me, self.own)
+
+    def land(self) -> None:
+        """The rows received into scratch buffers, into their destinations."""
+        for into, p, real in self.scratch:
+            rows = into.view(p.dest.dtype).view((real, *p.dest.shape[1:]))
+            p.dest[p.start : p.start + real].copy_(rows)
+
+
+def _tag(n: int) -> int:
+    return n & 0x7FFFFFFF
+
+
+def _rows_to_send(p: _Piece, rank: int, real: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The source's bytes of ``rank``'s rows of a piece: a view of the
+    value where they are contiguous on the stream's device, else a copy
+    (and the bytes it took)."""
+    first = rank * p.chunk + p.start
+    part = p.value.detach()[first : first + real]
+    if part.is_contiguous() and part.device == device:
+        return part.reshape(-1).view(torch.uint8), 0
+    out = torch.empty(real * p.row_bytes, dtype=torch.uint8, device=device)
+    out.view(part.dtype).view(part.shape).copy_(part)
+    return out, real * p.row_bytes
+
+
 def _prepare_unit(unit_bytes: int, pieces: list[_Piece], world: int, me: int, source: bool,
                   device: torch.device, undo: Any) -> tuple[Any, int, torch.Tensor, bool]:
-    """One unit's scatter arguments on this rank: (the source's inputs or
+    """One step's scatter arguments on this rank: (the source's inputs or
     None, the bytes of the copies the unit holds, where this rank
     receives, whether that is a scratch to unpack)."""
     if undo is not None:
         undo.save_dests([p.dest for p in pieces])
     inputs, nbytes = None, 0
-    step = _is_step(unit_bytes, pieces)
-    if source and step:
+    if source:
         inputs, nbytes = _source_inputs(pieces[0], world, device)
-    elif source:
-        buf = torch.empty(world * unit_bytes, dtype=torch.uint8, device=device)
-        _pack(buf, unit_bytes, world, pieces, me)
-        _own_rows(me, pieces)
-        inputs = list(buf.view(world, unit_bytes).unbind(0))
-        nbytes = world * unit_bytes
     out, scratch = _landing(unit_bytes, pieces, me, device)
-    # the source's own rows are in place already: what the scatter
-    # writes into its landing is the unpacked segment, never read
-    scratch = scratch and not (source and not step)
     return inputs, nbytes + (unit_bytes if scratch else 0), out, scratch
 
 

@@ -507,7 +507,7 @@ _COUNTED = (
     "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
     "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "_broadcast_coalesced",
     "broadcast_object_list", "all_gather_object", "scatter", "gather",
-    "all_to_all_single", "send", "recv",
+    "all_to_all_single", "send", "recv", "batch_isend_irecv",
 )
 
 

@@ -280,8 +280,9 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
     # anyway (every rank alike), so that the kill lands in a scatter
     _scatter.SCATTER_MIN_CHUNK_BYTES = 1
     if rank == 0:
-        # the eighth collective of the stream, broadcast or scatter (the
-        # model's tensors are sharded on dim 0: they are scattered); the
+        # the eighth transfer of the stream, a broadcast, a scatter or a
+        # batch of messages (the model's tensors are sharded on dim 0:
+        # they are scattered, the small ones point to point); the
         # seven before it have left rank 0 (it waits for them first: the
         # stream keeps them in flight together)
         sent: list[Any] = []
@@ -304,8 +305,16 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
             sent.append(original_scatter(*args, **kwargs))
             return sent[-1]
 
+        def dying_messages(ops):
+            count()
+            works = original_messages(ops)
+            sent.extend(works)
+            return works
+
+        original_messages = dist.batch_isend_irecv
         _distribute.Route.broadcast = dying  # type: ignore[method-assign]
         dist.scatter = dying_scatter
+        dist.batch_isend_irecv = dying_messages
     result, seconds = _timed(_broadcast_load(part, rank, model, optim, msd, osd))
     return {"result": result, "seconds": seconds,
             "unchanged": _same(before, _local_snapshot(model, optim))}
@@ -314,9 +323,9 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
 # per (who fails, path): the functions of the stream that rank calls per
 # unit, one of which raises on its third call
 _FAILING_STEPS = {
-    ("source", "scatter"): ("_source_inputs", "_pack"),
+    ("source", "scatter"): ("_source_inputs", "_rows_to_send"),
     ("source", "broadcast"): ("_pack_rows", "_direct_bytes"),
-    ("receiver", "scatter"): ("_landing",),
+    ("receiver", "scatter"): ("_landing", "_Messages"),
     ("receiver", "broadcast"): ("_extract_rows",),
 }
 

@@ -157,9 +157,11 @@ def test_broadcast_load_scatters_each_rank_its_rows(ws):
     wherever each rank's chunk holds at least ``SCATTER_MIN_CHUNK_BYTES``;
     smaller ones (the biases, a 2x3 weight) are broadcast.  Adaptive
     bucket: the 2 MiB weight (and each of its two Adam states) travels in
-    one scatter of its own, the other scattered tensors share one, and the
-    broadcast tensors one bucket.  A 64 KiB bucket splits every scattered
-    tensor of 64 KiB or more into scatters of whole rows within it."""
+    one scatter of its own, the other scattered tensors point to point in
+    one batch of messages (each rank's rows straight from the source's
+    tensor into its shard: no packing), and the broadcast tensors in one
+    bucket.  A 64 KiB bucket splits every scattered tensor of 64 KiB or
+    more into scatters of whole rows within it."""
     from dcp_optim._engine.scatter_load import SCATTER_MIN_CHUNK_BYTES
 
     from . import dist_cases_transport
@@ -172,8 +174,9 @@ def test_broadcast_load_scatters_each_rank_its_rows(ws):
     for counts in adaptive:
         # broadcasts: the source's metadata (its size came with the first
         # agreement: no broadcast_object_list), then the one bucket
-        for part, scatters in (("model", 2), ("optim", 3)):
+        for part, scatters in (("model", 1), ("optim", 2)):
             assert counts[part].get("scatter") == scatters and counts[part].get("broadcast") == 2, counts
+            assert counts[part].get("batch_isend_irecv") == 1, counts
             assert "broadcast_object_list" not in counts[part], counts
     small = run_ranks(ws, dist_cases_transport.scatter_case, 64, timeout=300)
     # every scattered weight is 64 KiB or more: steps of k rows of every
@@ -185,6 +188,7 @@ def test_broadcast_load_scatters_each_rank_its_rows(ws):
         k = max(1, (64 * kib) // (ws * row_bytes))
         chunks[(rows, row_bytes)] = -(-chunk // k)
     for counts in small:
+        assert "batch_isend_irecv" not in counts["model"], counts
         assert counts["model"].get("scatter") == sum(chunks.values()), (counts, chunks)
         assert counts["optim"].get("scatter") == 2 * sum(chunks.values()), (counts, chunks)
 
