@@ -429,20 +429,27 @@ def stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
 
 class _AllocationsFailing:
     """Stands in for the ``torch`` module inside a module of dcp_optim:
-    its ``empty`` and ``zeros`` raise ``torch.OutOfMemoryError`` (counted
-    in ``calls``), every other attribute is torch's."""
+    its ``empty`` and ``zeros`` raise ``torch.OutOfMemoryError`` ("``what``
+    on rank R") at call number ``at`` (counted from 1 in ``calls``), or at
+    every call (``at`` None); every other attribute is torch's."""
 
-    def __init__(self, what: str):
-        self.what, self.calls = what, 0
+    def __init__(self, what: str, at: int | None = None):
+        self.what, self.at, self.calls = what, at, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
-    def _fail(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _allocate(self, allocate: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
-        raise torch.OutOfMemoryError(f"{self.what} on rank {dist.get_rank()} (injected)")
+        if self.at is None or self.calls == self.at:
+            raise torch.OutOfMemoryError(f"{self.what} on rank {dist.get_rank()} (injected)")
+        return allocate(*args, **kwargs)
 
-    empty = zeros = _fail
+    def empty(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._allocate(torch.empty, *args, **kwargs)
+
+    def zeros(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._allocate(torch.zeros, *args, **kwargs)
 
 
 def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
@@ -503,24 +510,6 @@ def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]
     return out
 
 
-class _EmptyFailingAt:
-    """Stands in for the ``torch`` module inside ``collectives``: its
-    ``empty`` raises ``torch.OutOfMemoryError`` at call number ``at``
-    (counted from 1), every other attribute is torch's."""
-
-    def __init__(self, at: int):
-        self.at, self.calls = at, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    def empty(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == self.at:
-            raise torch.OutOfMemoryError(f"no memory for a gathered tensor on rank {dist.get_rank()} (injected)")
-        return torch.empty(*args, **kwargs)
-
-
 def gather_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     """Full getters (16 KiB buckets: several per call, some a tensor of
     their own gathered straight into it, the others through the shared
@@ -550,7 +539,7 @@ def gather_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     try:
         for part, call in calls.items():
             for at in (1, 2, 4):
-                stand_in = _EmptyFailingAt(at)
+                stand_in = _AllocationsFailing("no memory for a gathered tensor", at)
                 if rank == 0:
                     _collectives.torch = stand_in  # type: ignore[attr-defined]
                 t0 = time.monotonic()
