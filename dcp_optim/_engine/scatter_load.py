@@ -58,6 +58,12 @@ from .collectives import OwnFailure
 # smaller ones go point to point in units of at most this many bytes per
 # rank (the stream's threshold too).
 DIRECT_BYTES = 1 << 20
+# At most this many units in flight: a unit that copies nothing (its
+# rows sent from the source's tensor, landing in the shards) holds no
+# buffer, and without a bound a large load would post every one of its
+# transfers at once (a backend's work and bookkeeping each).  Sixteen
+# units of up to a bucket keep the transport busy.
+MAX_UNITS_IN_FLIGHT = 16
 # Plans of scatter jobs never split a tensor into row chunks (the
 # executor steps through rows itself).
 NO_CHUNKING = 1 << 62
@@ -341,7 +347,7 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
                     finish_oldest()
                 messages = _Messages(pieces, peers, source, device, None, sink, tag)
             tag += len(pieces)
-            while pending and held + messages.nbytes > 2 * budget:
+            while pending and (held + messages.nbytes > 2 * budget or len(pending) >= MAX_UNITS_IN_FLIGHT):
                 finish_oldest()
             works = dist.batch_isend_irecv(messages.ops) if messages.ops else []
             if messages.own:
@@ -358,7 +364,7 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
             out = sink.recv(unit_bytes)
             prepared = ([sink.send(unit_bytes)] * world if source else None), 0, out, False
         inputs, nbytes, out, scratch = prepared
-        while pending and held + nbytes > 2 * budget:
+        while pending and (held + nbytes > 2 * budget or len(pending) >= MAX_UNITS_IN_FLIGHT):
             finish_oldest()
         work = dist.scatter(out, inputs, src=src, group=group, async_op=True)
         land = (lambda out=out, pieces=pieces: _unpack(out, me, pieces)) if scratch else None
