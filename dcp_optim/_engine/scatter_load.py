@@ -378,7 +378,8 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
 
 class _Peers:
     """The ranks of a scatter's group as point-to-point messages name
-    them (global ranks), and this rank's and the source's places in it."""
+    them (global ranks, ``globals`` in group order), the source's global
+    rank, and this rank's place in the group (``me``)."""
 
     __slots__ = ("group", "source", "me", "world", "globals")
 
@@ -433,7 +434,7 @@ class _Messages:
             return
         if undo is not None:  # before anything lands in the live destinations
             undo.save_dests([p.dest for p in pieces])
-        peer = peers.globals[peers.source]
+        peer = peers.source
         for t, p in enumerate(pieces, tag):
             real = p.real_rows(me)
             if not real:

@@ -476,29 +476,36 @@ def submesh_case(rank: int, ws: int) -> dict[str, Any]:
     full_m, full_o = dcp_optim.get_state_dict(model, optim, options=Opts(full_state_dict=True))
     # broadcast load from the mesh's first rank into a fresh model: this
     # small model's tensors travel inline with the metadata, then (inline
-    # off) streamed, each within the mesh
+    # off) streamed, each within the mesh: broadcast, then scattered (each
+    # rank's rows point to point, the peers named by their global ranks)
     from dcp_optim._engine import payload as _payload
+    from dcp_optim._engine import scatter_load as _scatter
 
-    inline_bytes = _payload.INLINE_BYTES
-    for inline in (inline_bytes, 0):
+    inline_bytes, min_chunk = _payload.INLINE_BYTES, _scatter.SCATTER_MIN_CHUNK_BYTES
+    messages = []
+    for inline, scatter in ((inline_bytes, False), (0, False), (0, True)):
         _payload.INLINE_BYTES = inline
+        _scatter.SCATTER_MIN_CHUNK_BYTES = 1 if scatter else 1 << 62
         fresh = fsdp2_model(mesh, seed=seed + 10)
         fresh_optim = make_optimizer(fresh)
         source = rank == ranks[0]
         try:
-            dcp_optim.set_state_dict(
-                fresh, fresh_optim,
-                model_state_dict=dict(full_m) if source else {},
-                optim_state_dict=full_o if source else {},
-                options=Opts(full_state_dict=True, broadcast_from_rank0=True),
-            )
+            with CollectiveCounter() as seen:
+                dcp_optim.set_state_dict(
+                    fresh, fresh_optim,
+                    model_state_dict=dict(full_m) if source else {},
+                    optim_state_dict=full_o if source else {},
+                    options=Opts(full_state_dict=True, broadcast_from_rank0=True),
+                )
         finally:
-            _payload.INLINE_BYTES = inline_bytes
+            _payload.INLINE_BYTES, _scatter.SCATTER_MIN_CHUNK_BYTES = inline_bytes, min_chunk
+        messages.append(seen.counts.get("batch_isend_irecv", 0))
         back_m, back_o = dcp_optim.get_state_dict(fresh, fresh_optim, options=Opts(full_state_dict=True))
         assert_same_tree(full_m, back_m)
         assert_same_tree(full_o["state"], back_o["state"])
     dist.barrier()
-    return {"rank": rank, "mesh": ranks, "keys": len(back_m), "gathers": gather_exactness_cases(rank, ws)}
+    return {"rank": rank, "mesh": ranks, "keys": len(back_m), "messages": messages,
+            "gathers": gather_exactness_cases(rank, ws)}
 
 
 # --- collective counts ------------------------------------------------------------------

@@ -29,6 +29,8 @@ def test_disagreeing_ranks_raise_the_same_error_everywhere():
 def test_sub_meshes_and_broadcast_source():
     results = run_ranks(4, dist_cases.submesh_case, timeout=300)
     assert [r["mesh"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # point-to-point units only where the loads scatter (the third)
+    assert all(r["messages"][:2] == [0, 0] and r["messages"][2] > 0 for r in results), results
     # the full-gather layouts at 4 ranks, exact against upstream (rank 0
     # alone keeps them with cpu_offload)
     assert results[0]["gathers"] == ["16 layouts"] + [
