@@ -290,9 +290,10 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
 
         def count() -> None:
             if len(sent) == 7:
-                for work in sent:
-                    if work is not None:
-                        work.wait()
+                for work in sent:  # a transfer's work, or a batch's works
+                    for w in work if isinstance(work, list) else [work]:
+                        if w is not None:
+                            w.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def dying(self, tensor, *args, **kwargs):
@@ -308,7 +309,7 @@ def killed_mid_stream_case(rank: int, ws: int, part: str, undo: str) -> dict[str
         def dying_messages(ops):
             count()
             works = original_messages(ops)
-            sent.extend(works)
+            sent.append(list(works))  # one transfer
             return works
 
         original_messages = dist.batch_isend_irecv

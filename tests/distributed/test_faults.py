@@ -83,7 +83,8 @@ def test_a_load_hook_raising_on_one_rank_changes_nothing_anywhere(mode):
 @pytest.mark.parametrize("part", ["model", "optim"])
 @pytest.mark.parametrize("undo", ["1", "0"])
 def test_a_source_killed_mid_stream(part, undo):
-    """SIGKILL of the source inside the eighth collective (a scatter) of a broadcast load
+    """SIGKILL of the source inside the eighth transfer (a scatter, or a
+    batch of point-to-point messages) of a broadcast load
     that streams into the live tensors: the survivor raises the backend's
     error (gloo: the connection closed), well within the group's 10 s
     timeout; with the undo log (the default) nothing changed, without it
