@@ -76,6 +76,13 @@ def to_metadata(leaves: list[Any]) -> list[Any]:
     return out
 
 
+def tree_metadata(tree: Any) -> Any:
+    """``tree`` with each leaf as ``to_metadata`` describes it: what a
+    broadcast load's source sends ahead of the tensors' bytes."""
+    ctx = context()
+    return C.tree_rebuild(ctx, tree, to_metadata(C.tree_leaves(ctx, tree, False)), False)
+
+
 class Route:
     """How data travels from the source rank to every rank of a model.
 
@@ -587,9 +594,7 @@ class ModelFullLoad(_StreamedLoad):
         route = self.route
         if route is None or not route.is_source:
             return None
-        ctx = context()
-        leaves = C.tree_leaves(ctx, self.full, False)
-        return C.tree_rebuild(ctx, self.full, to_metadata(leaves), False)
+        return tree_metadata(self.full)
 
     def validate(self, meta: Any = None) -> None:
         if self.route is None:
@@ -840,12 +845,9 @@ class OptimLocalize(_StreamedLoad):
 def view_metadata(view: tuple) -> tuple:
     """What a broadcast load's source sends of an optimizer view (its
     state, groups, FQN groups, empty groups and unexpected keys): the
-    state's tensors as ``to_metadata`` describes them, the rest as is."""
+    state's ``tree_metadata``, the rest as is."""
     state, groups, fqn_group, empties, unexpected = view
-    ctx = context()
-    leaves = C.tree_leaves(ctx, state, False)
-    meta_state = C.tree_rebuild(ctx, state, to_metadata(leaves), False)
-    return (meta_state, groups, fqn_group, empties, unexpected)
+    return (tree_metadata(state), groups, fqn_group, empties, unexpected)
 
 
 def _state_device(index: Any) -> torch.device:

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
+from .collectives import recv_op, send_op
 from .consistency import all_gather_flat, await_arrival
 from .core import C
 from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
@@ -1115,7 +1116,7 @@ def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: d
                     for off, (tensor, start, lens, dtype, n) in msg:
                         _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
                     view = send_buf[lo:hi]
-                ops.append(dist.P2POp(dist.isend, view, to, group, tag))
+                ops.append(send_op(view, to, group, tag))
         if recv is not None:
             size, msgs, buffered = recv
             recv_buf = _scratch(buffers, "recv", size, device) if buffered else None
@@ -1123,7 +1124,7 @@ def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: d
                 if view is None:
                     view = recv_buf[lo:hi]  # type: ignore[index]
                     staged.extend(msg)
-                ops.append(dist.P2POp(dist.irecv, view, frm, group, tag))
+                ops.append(recv_op(view, frm, group, tag))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         for off, (tensor, start, lens, dtype, n) in staged:
@@ -1217,8 +1218,8 @@ def _dense_steps(groups: list, world: int, limit: int, device: torch.device) -> 
     runs: ("wave", [(job, send offset or -1, receive offset or -1)], send
     bytes, receive bytes), consecutive single-tensor collectives staged
     within ``limit`` each way (an offset of -1: the tensor sends from, or
-    receives into, its own shard), or ("packed", jobs, send bytes,
-    receive bytes), the small tensors of one collective."""
+    receives into, its own shard), or ("packed", its ``_packed_layout``,
+    send bytes, receive bytes), the small tensors of one collective."""
     steps: list[tuple] = []
     wave: list[tuple] = []
     staged = [0, 0]  # the wave's bytes in the send and the receive buffer
@@ -1232,8 +1233,9 @@ def _dense_steps(groups: list, world: int, limit: int, device: torch.device) -> 
     for jobs in groups:
         if len(jobs) > 1:
             flush()
-            kind, _, row = _packed_layout(jobs, world)
-            steps.append(("packed", jobs, world * row if kind == "a2a" else row, world * row))
+            layout = _packed_layout(jobs, world)
+            kind, _, row = layout
+            steps.append(("packed", layout, world * row if kind == "a2a" else row, world * row))
             continue
         job = jobs[0]
         _, i, j, src_t, dst_t, _ = job
@@ -1267,11 +1269,11 @@ def _collectives(steps: list[tuple], group: Any, device: torch.device, buffers: 
     26 MB); issued back to back, the process group's threads run them
     without waiting for this thread between them."""
     world = dist.get_world_size(group)
-    for kind, entries, send_bytes, recv_bytes in steps:
+    for kind, planned, send_bytes, recv_bytes in steps:
         if kind == "wave":
-            _wave(entries, send_bytes, recv_bytes, world, group, device, buffers)
+            _wave(planned, send_bytes, recv_bytes, world, group, device, buffers)
         else:
-            _packed_collective(entries, world, group, device, buffers)
+            _packed_collective(planned, world, group, device, buffers)
 
 
 def _aligned(n: int) -> int:
@@ -1365,10 +1367,11 @@ def _packed_layout(jobs: list, world: int) -> tuple[str, list[tuple], int]:
     return kind, parts, row
 
 
-def _packed_collective(jobs: list, world: int, group: Any, device: torch.device, buffers: dict) -> None:
-    """Several dense tensors of one kind in one collective
-    (``_packed_layout``), through the send and receive buffers."""
-    kind, parts, row = _packed_layout(jobs, world)
+def _packed_collective(layout: tuple, world: int, group: Any, device: torch.device, buffers: dict) -> None:
+    """Several dense tensors of one kind in one collective, laid out by
+    ``_packed_layout`` (planned with the steps), through the send and
+    receive buffers."""
+    kind, parts, row = layout
     if kind == "a2a":
         send = _scratch(buffers, "send", world * row, device)[:world * row].view(world, row)
     else:

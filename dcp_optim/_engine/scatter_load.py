@@ -45,14 +45,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.tensor import DTensor, Shard
 
-from .collectives import OwnFailure
-
-# P2POp accepts only c10d's own isend / irecv (an identity check): they
-# are named through that module (``_c10d``), so that a tool wrapping
-# torch.distributed.isend does not make every point-to-point unit fail.
+from .collectives import OwnFailure, recv_op, send_op
 
 # A tensor of at least this many bytes travels in scatters of its own;
 # smaller ones go point to point in units of at most this many bytes per
@@ -337,18 +332,24 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
             failure.attempt(land)
         held -= nbytes
 
+    def make_room(nbytes: int | None) -> None:
+        """Wait for the oldest units until one holding ``nbytes`` more fits
+        the bounds (two buckets, ``MAX_UNITS_IN_FLIGHT``); with ``nbytes``
+        None, for all of them (this rank failed: their buffers go before
+        its sink's come, the failure may have been memory)."""
+        while pending and (nbytes is None or held + nbytes > 2 * budget or len(pending) >= MAX_UNITS_IN_FLIGHT):
+            finish_oldest()
+
     units = _units(jobs, dests, world, budget)
     tag = 0
     for unit_bytes, pieces in units:
         if not _is_step(unit_bytes, pieces):
             messages = failure.attempt(_Messages, pieces, peers, source, device, undo, None, tag)
             if messages is None:  # this rank failed: it takes part, writing nothing
-                while pending:  # their buffers go first (the failure may have been memory)
-                    finish_oldest()
+                make_room(None)
                 messages = _Messages(pieces, peers, source, device, None, sink, tag)
             tag += len(pieces)
-            while pending and (held + messages.nbytes > 2 * budget or len(pending) >= MAX_UNITS_IN_FLIGHT):
-                finish_oldest()
+            make_room(messages.nbytes)
             works = dist.batch_isend_irecv(messages.ops) if messages.ops else []
             if messages.own:
                 failure.attempt(messages.copy_own)
@@ -359,13 +360,11 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
         # the destinations: the source's copies, a receiver's scratch
         prepared = failure.attempt(_prepare_unit, unit_bytes, pieces, world, me, source, device, undo)
         if prepared is None:  # this rank failed: it takes part, writing nothing
-            while pending:
-                finish_oldest()
+            make_room(None)
             out = sink.recv(unit_bytes)
             prepared = ([sink.send(unit_bytes)] * world if source else None), 0, out, False
         inputs, nbytes, out, scratch = prepared
-        while pending and (held + nbytes > 2 * budget or len(pending) >= MAX_UNITS_IN_FLIGHT):
-            finish_oldest()
+        make_room(nbytes)
         work = dist.scatter(out, inputs, src=src, group=group, async_op=True)
         land = (lambda out=out, pieces=pieces: _unpack(out, me, pieces)) if scratch else None
         pending.append(([work], land, nbytes))
@@ -429,7 +428,7 @@ class _Messages:
                     else:
                         data, copied = _rows_to_send(p, r, real, device)
                         self.nbytes += copied
-                    self.ops.append(dist.P2POp(_c10d.isend, data, peers.globals[r], group, _tag(t)))
+                    self.ops.append(send_op(data, peers.globals[r], group, _tag(t)))
             self.own = pieces if sink is None else []
             return
         if undo is not None:  # before anything lands in the live destinations
@@ -450,7 +449,7 @@ class _Messages:
                 self.nbytes += nbytes
                 if dest is not None:
                     self.scratch.append((into, p, real))
-            self.ops.append(dist.P2POp(_c10d.irecv, into, peer, group, _tag(t)))
+            self.ops.append(recv_op(into, peer, group, _tag(t)))
 
     def copy_own(self) -> None:
         """The source's own rows into its shards (after its sends are

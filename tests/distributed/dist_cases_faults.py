@@ -402,25 +402,14 @@ def stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
         for part in ("model", "optim"):
             for bad in (0, ws - 1):
                 model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=30)
-                injected = [0]
-
-                def failing(*args, **kwargs):
-                    real = torch.empty
-
-                    def empty(*a, **k):
-                        injected[0] += 1
-                        raise torch.OutOfMemoryError(f"cannot allocate the stream on rank {rank} (injected)")
-
-                    torch.empty = empty
-                    try:
-                        return planner(*args, **kwargs)
-                    finally:
-                        torch.empty = real
-
-                _distribute.plan_stream = failing if rank == bad else planner  # type: ignore[assignment]
+                stand_in = _AllocationsFailing("cannot allocate the stream")
+                if rank == bad:
+                    _distribute.plan_stream = _planning_with(planner, stand_in)  # type: ignore[assignment]
+                else:
+                    _distribute.plan_stream = planner  # type: ignore[assignment]
                 result, seconds = _timed(_broadcast_load(part, rank, model, optim, msd, osd))
                 out.append({"part": part, "bad": bad, "result": result, "seconds": seconds,
-                            "injected": injected[0], "unchanged": _same(before, _local_snapshot(model, optim))})
+                            "injected": stand_in.calls, "unchanged": _same(before, _local_snapshot(model, optim))})
     finally:
         _distribute.plan_stream = planner  # type: ignore[assignment]
         _scatter.SCATTER_MIN_CHUNK_BYTES = previous_limit
@@ -453,6 +442,21 @@ class _AllocationsFailing:
         return self._allocate(torch.zeros, *args, **kwargs)
 
 
+def _planning_with(planner: Any, stand_in: _AllocationsFailing) -> Any:
+    """``distribute.plan_stream`` (``planner``) with ``stand_in`` as the
+    ``torch`` its allocations go through while it runs."""
+    from dcp_optim._engine import distribute as _distribute
+
+    def planning(*args: Any, **kwargs: Any) -> Any:
+        real, _distribute.torch = _distribute.torch, stand_in  # type: ignore[attr-defined]
+        try:
+            return planner(*args, **kwargs)
+        finally:
+            _distribute.torch = real  # type: ignore[attr-defined]
+
+    return planning
+
+
 def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     """Broadcast optimizer loads into FSDP1 models (flat parameters, and
     ``use_orig_params``) in which one rank -- the source, then the last
@@ -473,13 +477,6 @@ def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]
     planner = _distribute.plan_stream
     out: list[dict[str, Any]] = []
 
-    def buffer_failing(*args: Any, **kwargs: Any) -> Any:
-        real, _distribute.torch = _distribute.torch, _AllocationsFailing("no memory for the stream")  # type: ignore[attr-defined]
-        try:
-            return planner(*args, **kwargs)
-        finally:
-            _distribute.torch = real  # type: ignore[attr-defined]
-
     for orig in (False, True):
         src = fsdp1_model(5, orig=orig, wrap="nested")
         src_optim = make_optimizer(src, "adam", 1)
@@ -495,7 +492,8 @@ def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]
                 if rank == bad and where == "state":
                     _fsdp1.torch = stand_in  # type: ignore[attr-defined]
                 if rank == bad and where == "buffer":
-                    _distribute.plan_stream = buffer_failing  # type: ignore[assignment]
+                    _distribute.plan_stream = _planning_with(  # type: ignore[assignment]
+                        planner, _AllocationsFailing("no memory for the stream"))
                 try:
                     result, seconds = _timed(lambda: dcp_optim.set_optimizer_state_dict(
                         model, optim, osd if rank == 0 else {}, options=bopts))
