@@ -220,6 +220,69 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                 pass
             assert_same_tree(before, optimizer_snapshot([dst_o]))
 
+        # 11. broadcast loads of full tensors laid out with other strides
+        #     (a transposed weight, as converted checkpoints hold; a
+        #     channels_last model's convolutions): every rank loads the
+        #     values, not the source's storage order.  The model and the
+        #     optimizer apart: upstream's flattened optimizer loads fail
+        #     before (12).
+        weight = "layers.1.up.weight"
+
+        def strided(t):  # the same values, in the transpose's storage order
+            view = t.t().contiguous().t()
+            assert torch.equal(view, t) and not view.is_contiguous()
+            return view
+
+        def trained_source(impl, flat):
+            src = build()
+            src_o = _adamw(src)
+            train(src, src_o, steps=1, seed=11)
+            whole = _opts(impl, flat, full_state_dict=True)
+            return impl.get_model_state_dict(src, options=whole), impl.get_optimizer_state_dict(src, src_o, options=whole)
+
+        def trained_destination():
+            dst = build(seed=12)
+            dst_o = _adamw(dst)
+            train(dst, dst_o, steps=1, seed=12)
+            return dst, dst_o
+
+        def broadcast_non_contiguous_model(impl, flat=flat, name=weight):
+            msd, _ = trained_source(impl, flat)
+            dst, _ = trained_destination()
+            sent = {k: strided(v) if k == name else v for k, v in msd.items()}
+            bcast = _opts(impl, flat, full_state_dict=True, broadcast_from_rank0=True)
+            impl.set_model_state_dict(dst, sent if dist.get_rank() == 0 else {}, options=bcast)
+            # the full tensor on every rank (a collective): each rank sees every shard
+            got = dict(dst.named_parameters())[name].full_tensor()
+            assert torch.equal(got, msd[name]), "the weight was loaded scrambled"
+
+        def broadcast_non_contiguous_optim(impl, flat=flat, name=weight):
+            _, osd = trained_source(impl, flat)
+            dst, dst_o = trained_destination()
+            if flat:
+                key = f"state.{name}.exp_avg"
+                expected = osd[key]
+                sent = {k: strided(v) if k == key else v for k, v in osd.items()}
+            else:
+                expected = osd["state"][name]["exp_avg"]
+                sent = {"state": {k: {kk: strided(vv) if (k, kk) == (name, "exp_avg") else vv
+                                      for kk, vv in v.items()} for k, v in osd["state"].items()},
+                        "param_groups": osd["param_groups"]}
+            bcast = _opts(impl, flat, full_state_dict=True, broadcast_from_rank0=True)
+            impl.set_optimizer_state_dict(dst, dst_o, sent if dist.get_rank() == 0 else {}, options=bcast)
+            got = dst_o.state[dict(dst.named_parameters())[name]]["exp_avg"].full_tensor()
+            assert torch.equal(got, expected), "exp_avg was loaded scrambled"
+
+        # 12. a full optimizer dict (on every rank, no broadcast) loads in
+        #     both formats
+        def full_optim_load(impl, flat=flat, name=weight):
+            _, osd = trained_source(impl, flat)
+            dst, dst_o = trained_destination()
+            impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat, full_state_dict=True))
+            got = dst_o.state[dict(dst.named_parameters())[name]]["exp_avg"].full_tensor()
+            expected = osd[f"state.{name}.exp_avg"] if flat else osd["state"][name]["exp_avg"]
+            assert torch.equal(got, expected)
+
         scenarios = {
             "getters_change_nothing": getters_change_nothing,
             "never_stepped_round_trip": never_stepped_round_trip,
@@ -229,6 +292,9 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             "empty_groups_and_keys": empty_groups_and_keys,
             "low_precision_state": low_precision_state,
             "failed_load_changes_nothing": failed_load_changes_nothing,
+            "broadcast_non_contiguous_model": broadcast_non_contiguous_model,
+            "broadcast_non_contiguous_optim": broadcast_non_contiguous_optim,
+            "full_optim_load": full_optim_load,
         }
         for name, fn in scenarios.items():
             key = f"{name}[{fmt}]"

@@ -32,6 +32,12 @@ UPSTREAM_FAILS = {
     "low_precision_state[flat]": "state cast to the parameter dtype (D9; pytorch/pytorch#126950)",
     "failed_load_changes_nothing[nested]": "a wrong-shaped state is installed before the error",
     "failed_load_changes_nothing[flat]": None,
+    "broadcast_non_contiguous_model[nested]": "a non-contiguous full tensor broadcast in its storage order (D33)",
+    "broadcast_non_contiguous_model[flat]": "a non-contiguous full tensor broadcast in its storage order (D33)",
+    "broadcast_non_contiguous_optim[nested]": "a non-contiguous full tensor broadcast in its storage order (D33)",
+    "broadcast_non_contiguous_optim[flat]": "KeyError from a flattened local template (D34)",
+    "full_optim_load[nested]": None,
+    "full_optim_load[flat]": "KeyError from a flattened local template (D34)",
 }
 
 
