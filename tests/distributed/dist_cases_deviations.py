@@ -47,6 +47,17 @@ def _run(fn: Callable[[], None]) -> str:
         return f"{type(exc).__name__}: {exc}"[:400] or traceback.format_exc(limit=2)
 
 
+def _conv_model(mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), torch.nn.Conv2d(5, 7, 3))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
     mesh = init_device_mesh("cpu", (ws,))
 
@@ -256,6 +267,19 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             got = dict(dst.named_parameters())[name].full_tensor()
             assert torch.equal(got, msd[name]), "the weight was loaded scrambled"
 
+        # convolutions saved from a channels_last model
+        def broadcast_channels_last(impl, flat=flat):
+            conv = _conv_model(mesh)
+            g = torch.Generator().manual_seed(13)
+            values = {k: torch.randn(tuple(p.shape), generator=g) for k, p in conv.named_parameters()}
+            sent = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+                    for k, v in values.items()}
+            assert not sent["1.weight"].is_contiguous()
+            bcast = _opts(impl, flat, full_state_dict=True, broadcast_from_rank0=True)
+            impl.set_model_state_dict(conv, sent if dist.get_rank() == 0 else {}, options=bcast)
+            for k, p in conv.named_parameters():
+                assert torch.equal(p.full_tensor(), values[k]), f"{k} was loaded scrambled"
+
         def broadcast_non_contiguous_optim(impl, flat=flat, name=weight):
             _, osd = trained_source(impl, flat)
             dst, dst_o = trained_destination()
@@ -293,6 +317,7 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             "low_precision_state": low_precision_state,
             "failed_load_changes_nothing": failed_load_changes_nothing,
             "broadcast_non_contiguous_model": broadcast_non_contiguous_model,
+            "broadcast_channels_last": broadcast_channels_last,
             "broadcast_non_contiguous_optim": broadcast_non_contiguous_optim,
             "full_optim_load": full_optim_load,
         }
