@@ -51,6 +51,7 @@ from .scatter_load import (
     run_scatter,
     scatter_jobs,
 )
+from .tensor_bytes import flat_bytes
 
 _CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
@@ -420,7 +421,7 @@ def _pack_rows(buf: torch.Tensor, chunks: list[tuple]) -> None:
     job's full value at its offset in ``buf``."""
     for value, row_start, rows, offset, _, _, _, _, _ in chunks:
         part = value if row_start < 0 else value[row_start : row_start + rows]
-        data = part.reshape(-1).view(torch.uint8)
+        data = flat_bytes(part)
         n = data.numel()
         if n:
             buf[offset : offset + n].copy_(data)
@@ -467,7 +468,7 @@ def _direct_bytes(run: list[tuple], device: torch.device) -> torch.Tensor | None
     part = value[row_start : row_start + rows]
     if not part.is_contiguous():
         return None
-    return part.detach().reshape(-1).view(torch.uint8)
+    return flat_bytes(part.detach())
 
 
 def _extract_rows(buf: torch.Tensor, chunks: list[tuple], data: torch.Tensor | None = None) -> None:

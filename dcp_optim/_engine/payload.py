@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .core import C, context
+from .tensor_bytes import flat_bytes
 
 __all__ = [
     "INLINE_BYTES",
@@ -131,7 +132,7 @@ class _InlineUnpickler(pickle.Unpickler):
         offset, n, dtype, shape = pid
         out = torch.empty(shape, dtype=dtype)  # its own storage, as a received tensor
         if n:
-            out.reshape(-1).view(torch.uint8).copy_(self.blob[offset : offset + n])
+            flat_bytes(out).copy_(self.blob[offset : offset + n])
         return out
 
 
@@ -195,7 +196,7 @@ def encode_payload(metas: tuple, values: list[Any] | None) -> OutgoingPayload:
         out[: _HEADER + header].copy_(torch.frombuffer(view, dtype=torch.uint8))
     for tensor, offset, n in pickler.tensors:
         if n:
-            src = tensor.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+            src = flat_bytes(tensor.detach().resolve_conj().resolve_neg())
             out[base + offset : base + offset + n].copy_(src)
     return OutgoingPayload(metas, values, out, True)
 

@@ -56,6 +56,7 @@ from .collectives import recv_op, send_op
 from .consistency import all_gather_flat, await_arrival
 from .core import C
 from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
+from .tensor_bytes import flat_bytes
 
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
@@ -1307,7 +1308,7 @@ def _wave(wave: list, send_bytes: int, recv_bytes: int, world: int, group: Any, 
                 recv = recv_buf[recv_at:recv_at + n].view(src_t.dtype).view(  # type: ignore[index]
                     _split_shape(dst_t.shape, i, world))
                 unpack.append((dst_t, recv, i))
-            works.append(_exchange(kind, recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8),
+            works.append(_exchange(kind, flat_bytes(recv), flat_bytes(send),
                                    group, async_op=True))
         while works:
             works[0].wait()
@@ -1401,7 +1402,7 @@ def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> to
     box = tensor[_box(start, lens)]
     if not box.is_contiguous():
         return None
-    return box.detach().reshape(-1).view(torch.uint8)
+    return flat_bytes(box.detach())
 
 
 class _RanksMesh:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import OwnFailure, recv_op, send_op
+from .tensor_bytes import flat_bytes
 
 # A tensor of at least this many bytes travels in scatters of its own;
 # smaller ones go point to point in units of at most this many bytes per
@@ -188,7 +189,7 @@ def _source_rows(piece: _Piece, rank: int, device: torch.device) -> tuple[torch.
     first = rank * piece.chunk + piece.start
     part = value.detach()[first : first + real]
     if real == piece.rows and part.is_contiguous() and part.device == device:
-        return part.reshape(-1).view(torch.uint8), 0
+        return flat_bytes(part), 0
     nbytes = piece.rows * piece.row_bytes
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if real:
@@ -218,7 +219,7 @@ def _source_inputs(piece: _Piece, world: int, device: torch.device) -> tuple[lis
     if whole:
         value = piece.value.detach()
         if value.is_contiguous() and value.device == device:
-            flat = value.reshape(-1).view(torch.uint8)
+            flat = flat_bytes(value)
             # as_strided's offset counts from the storage's start: add the view's own
             rows = flat.as_strided(
                 (whole, step), (piece.chunk * piece.row_bytes, 1), flat.storage_offset() + piece.start * piece.row_bytes
@@ -291,7 +292,7 @@ def _landing(unit_bytes: int, pieces: list[_Piece], rank: int, device: torch.dev
         p = pieces[0]
         dest = p.dest
         if dest is not None and p.real_rows(rank) == p.rows and dest.is_contiguous() and dest.device == device:
-            return dest[p.start : p.start + p.rows].reshape(-1).view(torch.uint8), False
+            return flat_bytes(dest[p.start : p.start + p.rows]), False
     return torch.empty(unit_bytes, dtype=torch.uint8, device=device), True
 
 
@@ -443,7 +444,7 @@ class _Messages:
             if sink is not None:
                 into = sink.recv(nbytes)
             elif dest is not None and dest.is_contiguous() and dest.device == device:
-                into = dest[p.start : p.start + real].reshape(-1).view(torch.uint8)
+                into = flat_bytes(dest[p.start : p.start + real])
             else:
                 into = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self.nbytes += nbytes
@@ -476,7 +477,7 @@ def _rows_to_send(p: _Piece, rank: int, real: int, device: torch.device) -> tupl
     first = rank * p.chunk + p.start
     part = p.value.detach()[first : first + real]
     if part.is_contiguous() and part.device == device:
-        return part.reshape(-1).view(torch.uint8), 0
+        return flat_bytes(part), 0
     out = torch.empty(real * p.row_bytes, dtype=torch.uint8, device=device)
     out.view(part.dtype).view(part.shape).copy_(part)
     return out, real * p.row_bytes

@@ -29,6 +29,8 @@ def _values():
     yield "contiguous", base
     yield "1-d", torch.randn(37, generator=g)
     yield "transposed", torch.randn(7, 64, generator=g).t()
+    # rows of one element whose stride is not 1 (counted contiguous by torch)
+    yield "transposed column", torch.randn(1, 37, generator=g).t()
     yield "offset view", torch.randn(70, 7, generator=g)[5:69]
     yield "row-strided", torch.randn(128, 7, generator=g)[::2]
     yield "int16", torch.arange(64 * 3, dtype=torch.int16).view(64, 3)
@@ -83,3 +85,41 @@ def test_idle_ranks_share_one_buffer_and_views_alias_the_value():
     assert nbytes == piece.rows * piece.row_bytes
     for rank in range(6):
         assert inputs[rank].data_ptr() == value.data_ptr() + rank * 16
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 64])
+@pytest.mark.parametrize("k", [1, 2, 1000])
+def test_messages_send_each_rank_its_rows(world, k):
+    """What the source sends a rank point to point (``_rows_to_send``) is
+    that rank's real rows of the piece, byte for byte, viewed from the
+    value where they are contiguous."""
+    device = torch.device("cpu")
+    for label, value in _values():
+        for piece in _pieces(value, world, k):
+            for rank in range(world):
+                real = piece.real_rows(rank)
+                if not real:
+                    continue
+                got, copied = S._rows_to_send(piece, rank, real, device)
+                first = rank * piece.chunk + piece.start
+                rows = value[first : first + real]
+                want = rows.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+                assert got.dtype == torch.uint8 and torch.equal(got, want), (label, world, k, rank)
+                assert copied == (0 if rows.is_contiguous() else real * piece.row_bytes), (label, rank)
+
+
+def test_flat_bytes_of_one_element_with_any_stride():
+    """A tensor of one element counts as contiguous whatever its strides:
+    its bytes come back as a view, the value's own."""
+    from dcp_optim._engine.tensor_bytes import flat_bytes
+
+    column = torch.arange(5, dtype=torch.float32).view(1, 5).t()  # strides (1, 5)
+    one = column[3:4]
+    assert one.is_contiguous() and one.stride() == (1, 5)
+    got = flat_bytes(one)
+    assert torch.equal(got, torch.tensor([3.0]).view(torch.uint8))
+    got.view(torch.float32).fill_(7.0)  # a view: writes reach the value
+    assert column[3, 0].item() == 7.0
+    empty = torch.zeros(0, 5).t()[:, :0]
+    assert flat_bytes(empty).numel() == 0
+    assert torch.equal(flat_bytes(column.t()), column.t().contiguous().view(-1).view(torch.uint8))
