@@ -267,6 +267,20 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             got = dict(dst.named_parameters())[name].full_tensor()
             assert torch.equal(got, msd[name]), "the weight was loaded scrambled"
 
+        # a bias given as a column of a matrix (a strided 1-d view: every
+        # view of it is strided too)
+        def broadcast_strided_bias(impl, flat=flat):
+            msd, _ = trained_source(impl, flat)
+            dst, _ = trained_destination()
+            bias = "layers.1.up.bias"
+            column = torch.stack([msd[bias], -msd[bias]], dim=1)[:, 0]
+            assert torch.equal(column, msd[bias]) and column.stride() == (2,)
+            sent = {k: column if k == bias else v for k, v in msd.items()}
+            bcast = _opts(impl, flat, full_state_dict=True, broadcast_from_rank0=True)
+            impl.set_model_state_dict(dst, sent if dist.get_rank() == 0 else {}, options=bcast)
+            got = dict(dst.named_parameters())[bias].full_tensor()
+            assert torch.equal(got, msd[bias]), "the bias was loaded scrambled"
+
         # convolutions saved from a channels_last model
         def broadcast_channels_last(impl, flat=flat):
             conv = _conv_model(mesh)
@@ -317,6 +331,7 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             "low_precision_state": low_precision_state,
             "failed_load_changes_nothing": failed_load_changes_nothing,
             "broadcast_non_contiguous_model": broadcast_non_contiguous_model,
+            "broadcast_strided_bias": broadcast_strided_bias,
             "broadcast_channels_last": broadcast_channels_last,
             "broadcast_non_contiguous_optim": broadcast_non_contiguous_optim,
             "full_optim_load": full_optim_load,

@@ -31,6 +31,7 @@ def _values():
     yield "transposed", torch.randn(7, 64, generator=g).t()
     # rows of one element whose stride is not 1 (counted contiguous by torch)
     yield "transposed column", torch.randn(1, 37, generator=g).t()
+    yield "strided 1-d", torch.randn(74, generator=g)[::2]
     yield "offset view", torch.randn(70, 7, generator=g)[5:69]
     yield "row-strided", torch.randn(128, 7, generator=g)[::2]
     yield "int16", torch.arange(64 * 3, dtype=torch.int16).view(64, 3)
@@ -123,3 +124,16 @@ def test_flat_bytes_of_one_element_with_any_stride():
     empty = torch.zeros(0, 5).t()[:, :0]
     assert flat_bytes(empty).numel() == 0
     assert torch.equal(flat_bytes(column.t()), column.t().contiguous().view(-1).view(torch.uint8))
+
+
+def test_flat_bytes_of_strided_views_that_reshape_keeps():
+    """``reshape(-1)`` returns a strided tensor as it is where a view
+    exists (one-dimensional with a stride, or a row of a transposed
+    matrix): its bytes are copied, in logical order."""
+    from dcp_optim._engine.tensor_bytes import flat_bytes
+
+    matrix = torch.arange(12, dtype=torch.float32).view(3, 4)
+    for view in (matrix[:, 1], torch.arange(10.0)[::2], matrix.t()[1:2], matrix.t()[1]):
+        assert view.reshape(-1).stride() != (1,)  # what reshape alone would send
+        got = flat_bytes(view)
+        assert torch.equal(got, view.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8))
