@@ -51,7 +51,7 @@ from .scatter_load import (
     run_scatter,
     scatter_jobs,
 )
-from .tensor_bytes import flat_bytes
+from .tensor_bytes import flat_bytes, own_bytes
 
 _CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
@@ -466,7 +466,7 @@ def _direct_bytes(run: list[tuple], device: torch.device) -> torch.Tensor | None
     if row_start < 0 or not isinstance(value, torch.Tensor) or value.device != device:
         return None
     part = value[row_start : row_start + rows]
-    if not part.is_contiguous():
+    if not own_bytes(part):
         return None
     return flat_bytes(part.detach())
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .core import C, context
-from .tensor_bytes import flat_bytes
+from .tensor_bytes import bytes_view, flat_bytes
 
 __all__ = [
     "INLINE_BYTES",
@@ -132,7 +132,7 @@ class _InlineUnpickler(pickle.Unpickler):
         offset, n, dtype, shape = pid
         out = torch.empty(shape, dtype=dtype)  # its own storage, as a received tensor
         if n:
-            flat_bytes(out).copy_(self.blob[offset : offset + n])
+            bytes_view(out).copy_(self.blob[offset : offset + n])
         return out
 
 
@@ -196,7 +196,7 @@ def encode_payload(metas: tuple, values: list[Any] | None) -> OutgoingPayload:
         out[: _HEADER + header].copy_(torch.frombuffer(view, dtype=torch.uint8))
     for tensor, offset, n in pickler.tensors:
         if n:
-            src = flat_bytes(tensor.detach().resolve_conj().resolve_neg())
+            src = flat_bytes(tensor.detach())
             out[base + offset : base + offset + n].copy_(src)
     return OutgoingPayload(metas, values, out, True)
 

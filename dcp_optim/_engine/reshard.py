@@ -56,7 +56,7 @@ from .collectives import recv_op, send_op
 from .consistency import all_gather_flat, await_arrival
 from .core import C
 from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
-from .tensor_bytes import flat_bytes
+from .tensor_bytes import bytes_view, flat_bytes, own_bytes
 
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
@@ -1308,7 +1308,7 @@ def _wave(wave: list, send_bytes: int, recv_bytes: int, world: int, group: Any, 
                 recv = recv_buf[recv_at:recv_at + n].view(src_t.dtype).view(  # type: ignore[index]
                     _split_shape(dst_t.shape, i, world))
                 unpack.append((dst_t, recv, i))
-            works.append(_exchange(kind, flat_bytes(recv), flat_bytes(send),
+            works.append(_exchange(kind, bytes_view(recv), flat_bytes(send),
                                    group, async_op=True))
         while works:
             works[0].wait()
@@ -1328,14 +1328,14 @@ def _sends_itself(src_t: torch.Tensor, j: int, device: torch.device) -> bool:
     """Whether the source shard is its own send buffer: already split
     along ``j`` into blocks one after the other (``j`` -1: sent whole) and
     on the buffers' device."""
-    return j <= 0 and src_t.is_contiguous() and src_t.device == device
+    return j <= 0 and own_bytes(src_t) and src_t.device == device
 
 
 def _receives_itself(dst_t: torch.Tensor, dtype: torch.dtype, i: int, device: torch.device) -> bool:
     """Whether the template's shard can take the collective's output
     itself: split along dimension 0, contiguous, of the wire's ``dtype``,
     on the buffers' device."""
-    return i == 0 and dst_t.is_contiguous() and dst_t.dtype == dtype and dst_t.device == device
+    return i == 0 and own_bytes(dst_t) and dst_t.dtype == dtype and dst_t.device == device
 
 
 def _exchange(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
@@ -1400,9 +1400,9 @@ def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> to
     if tensor.device != device or (dtype is not None and tensor.dtype != dtype) or n == 0:
         return None
     box = tensor[_box(start, lens)]
-    if not box.is_contiguous():
+    if not own_bytes(box):
         return None
-    return flat_bytes(box.detach())
+    return bytes_view(box.detach())
 
 
 class _RanksMesh:

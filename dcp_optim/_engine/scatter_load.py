@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import OwnFailure, recv_op, send_op
-from .tensor_bytes import flat_bytes
+from .tensor_bytes import bytes_view, flat_bytes, own_bytes
 
 # A tensor of at least this many bytes travels in scatters of its own;
 # smaller ones go point to point in units of at most this many bytes per
@@ -188,7 +188,7 @@ def _source_rows(piece: _Piece, rank: int, device: torch.device) -> tuple[torch.
     value, real = piece.value, piece.real_rows(rank)
     first = rank * piece.chunk + piece.start
     part = value.detach()[first : first + real]
-    if real == piece.rows and part.is_contiguous() and part.device == device:
+    if real == piece.rows and own_bytes(part) and part.device == device:
         return flat_bytes(part), 0
     nbytes = piece.rows * piece.row_bytes
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -218,7 +218,7 @@ def _source_inputs(piece: _Piece, world: int, device: torch.device) -> tuple[lis
     nbytes = 0
     if whole:
         value = piece.value.detach()
-        if value.is_contiguous() and value.device == device:
+        if own_bytes(value) and value.device == device:
             flat = flat_bytes(value)
             # as_strided's offset counts from the storage's start: add the view's own
             rows = flat.as_strided(
@@ -291,8 +291,8 @@ def _landing(unit_bytes: int, pieces: list[_Piece], rank: int, device: torch.dev
     if _is_step(unit_bytes, pieces):
         p = pieces[0]
         dest = p.dest
-        if dest is not None and p.real_rows(rank) == p.rows and dest.is_contiguous() and dest.device == device:
-            return flat_bytes(dest[p.start : p.start + p.rows]), False
+        if dest is not None and p.real_rows(rank) == p.rows and own_bytes(dest) and dest.device == device:
+            return bytes_view(dest[p.start : p.start + p.rows]), False
     return torch.empty(unit_bytes, dtype=torch.uint8, device=device), True
 
 
@@ -443,8 +443,8 @@ class _Messages:
             dest = p.dest
             if sink is not None:
                 into = sink.recv(nbytes)
-            elif dest is not None and dest.is_contiguous() and dest.device == device:
-                into = flat_bytes(dest[p.start : p.start + real])
+            elif dest is not None and own_bytes(dest) and dest.device == device:
+                into = bytes_view(dest[p.start : p.start + real])
             else:
                 into = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self.nbytes += nbytes
@@ -476,7 +476,7 @@ def _rows_to_send(p: _Piece, rank: int, real: int, device: torch.device) -> tupl
     (and the bytes it took)."""
     first = rank * p.chunk + p.start
     part = p.value.detach()[first : first + real]
-    if part.is_contiguous() and part.device == device:
+    if own_bytes(part) and part.device == device:
         return flat_bytes(part), 0
     out = torch.empty(real * p.row_bytes, dtype=torch.uint8, device=device)
     out.view(part.dtype).view(part.shape).copy_(part)

@@ -2,7 +2,7 @@
 receive into and pack.
 
 ``t.reshape(-1).view(torch.uint8)`` is the obvious spelling, and it fails
-in two cases, because a view as another element size needs the last
+in three cases, because a view as another element size needs the last
 stride to be 1 and ``reshape`` returns a view wherever one exists, not a
 contiguous tensor:
 
@@ -11,7 +11,12 @@ contiguous tensor:
   transposed matrix): ``reshape(-1)`` returns it with its stride;
 * a tensor of one element whose stride is not 1, which torch counts as
   contiguous whatever its strides (a row of a transposed column,
-  ``torch.randn(1, 5).t()[2:3]``, has strides (1, 5)).
+  ``torch.randn(1, 5).t()[2:3]``, has strides (1, 5));
+* a conjugate or negative view (``z.conj()`` of a complex tensor): its
+  memory holds other values than it reads as, and torch refuses the view.
+
+What is read (sent, packed) may be a copy; what is written into (a
+receiver's shard) must be the tensor's own memory.
 """
 
 from __future__ import annotations
@@ -20,13 +25,36 @@ import torch
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in its logical order, flat: a view of ``t``
-    where it is contiguous (what callers that write into it rely on), else
-    a copy (``reshape``'s)."""
-    flat = t.reshape(-1)
+    """The bytes of ``t``'s values in logical order, flat, to read: a view
+    of ``t`` where its memory holds them so, else a copy."""
+    flat = t.resolve_conj().resolve_neg().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()  # strided in one dimension: a copy
-    elif flat.numel() <= 1 and flat.stride(0) != 1:
+    return _as_bytes(flat)
+
+
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as a flat view of its own memory, to write into
+    (what lands there lands in ``t``).  ``t`` must be contiguous, and
+    neither a conjugate nor a negative view (callers check: elsewhere a
+    view would read other values than it holds)."""
+    if not own_bytes(t):
+        raise ValueError(
+            f"a view of the bytes of a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
+            "(conjugate or negative views have none)"
+        )
+    return _as_bytes(t.reshape(-1))
+
+
+def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """A contiguous one-dimensional tensor's bytes, as a view."""
+    if flat.numel() <= 1 and flat.stride(0) != 1:
         # one element (or none): the same bytes under stride 1
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
+
+
+def own_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its values in logical order: contiguous,
+    neither a conjugate nor a negative view (``bytes_view`` takes it)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()

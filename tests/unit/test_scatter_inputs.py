@@ -32,6 +32,9 @@ def _values():
     # rows of one element whose stride is not 1 (counted contiguous by torch)
     yield "transposed column", torch.randn(1, 37, generator=g).t()
     yield "strided 1-d", torch.randn(74, generator=g)[::2]
+    # memory that holds other values than the tensor reads as
+    yield "conjugate", torch.randn(64, 3, dtype=torch.complex64, generator=g).conj()
+    yield "negative", torch.randn(64, 3, dtype=torch.complex64, generator=g).conj().imag
     yield "offset view", torch.randn(70, 7, generator=g)[5:69]
     yield "row-strided", torch.randn(128, 7, generator=g)[::2]
     yield "int16", torch.arange(64 * 3, dtype=torch.int16).view(64, 3)
@@ -59,10 +62,11 @@ def test_inputs_match_the_per_rank_construction(world, k):
             # construction viewed, at most one step beyond its copies (the
             # shared idle buffer); any value: at most a step per rank and
             # the idle one (what the unit's memory accounting allows)
-            if value.is_contiguous():
+            own = value.is_contiguous() and not value.is_conj() and not value.is_neg()
+            if own:
                 assert nbytes <= expected_copies + step, (label, nbytes, expected_copies)
             assert nbytes <= (world + 1) * step, (label, nbytes)
-            if value.is_contiguous() and S._whole_ranks(piece, world) == world:
+            if own and S._whole_ranks(piece, world) == world:
                 assert nbytes == 0, label
 
 
@@ -104,9 +108,11 @@ def test_messages_send_each_rank_its_rows(world, k):
                 got, copied = S._rows_to_send(piece, rank, real, device)
                 first = rank * piece.chunk + piece.start
                 rows = value[first : first + real]
-                want = rows.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+                want = rows.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+                want = want.view(-1).view(torch.uint8)
                 assert got.dtype == torch.uint8 and torch.equal(got, want), (label, world, k, rank)
-                assert copied == (0 if rows.is_contiguous() else real * piece.row_bytes), (label, rank)
+                own = rows.is_contiguous() and not rows.is_conj() and not rows.is_neg()
+                assert copied == (0 if own else real * piece.row_bytes), (label, rank)
 
 
 def test_flat_bytes_of_one_element_with_any_stride():
@@ -137,3 +143,21 @@ def test_flat_bytes_of_strided_views_that_reshape_keeps():
         assert view.reshape(-1).stride() != (1,)  # what reshape alone would send
         got = flat_bytes(view)
         assert torch.equal(got, view.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8))
+
+
+def test_bytes_view_is_the_tensors_own_memory_or_an_error():
+    """What a receiver writes into is the shard's own memory: a view, or
+    an error where none exists (callers check ``own_bytes`` first and go
+    through a scratch buffer)."""
+    from dcp_optim._engine.tensor_bytes import bytes_view, flat_bytes, own_bytes
+
+    shard = torch.zeros(4, 3)
+    bytes_view(shard[1:3]).view(torch.float32).fill_(2.0)
+    assert shard[1:3].eq(2.0).all() and shard[0].eq(0.0).all() and shard[3].eq(0.0).all()
+    z = torch.randn(5, dtype=torch.complex64)
+    for view in (shard.t(), z.conj(), z.conj().imag):
+        assert not own_bytes(view)
+        with pytest.raises(ValueError):
+            bytes_view(view)
+    # read through the conjugate: its values, not its memory
+    assert torch.equal(flat_bytes(z.conj()), z.conj().resolve_conj().view(torch.uint8))
