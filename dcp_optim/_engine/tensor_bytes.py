@@ -27,10 +27,11 @@ import torch
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s values in logical order, flat, to read: a view
     of ``t`` where its memory holds them so, else a copy."""
-    flat = t.resolve_conj().resolve_neg().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()  # strided in one dimension: a copy
-    return _as_bytes(flat)
+    if not own_bytes(t):
+        # a copy that holds the values in logical order (a tensor of one
+        # element with another stride stays as it is: _as_bytes takes it)
+        t = t.resolve_conj().resolve_neg().contiguous()
+    return _as_bytes(t.reshape(-1))
 
 
 def bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,7 @@ def bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
     """A contiguous one-dimensional tensor's bytes, as a view."""
-    if flat.numel() <= 1 and flat.stride(0) != 1:
+    if flat.stride(0) != 1 and flat.numel() <= 1:
         # one element (or none): the same bytes under stride 1
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
