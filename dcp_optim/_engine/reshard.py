@@ -53,7 +53,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
 from .collectives import recv_op, send_op
-from .consistency import all_gather_flat, await_arrival
+from .consistency import all_gather_flat, await_arrival, reduce_min
 from .core import C
 from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
 from .tensor_bytes import bytes_view, flat_bytes, own_bytes
@@ -677,8 +677,7 @@ def _object_bytes(value: Any) -> bytes:
 def _reduce_min(values: list[int], group: Any) -> list[int]:
     # on the buckets' device: NCCL reduces CUDA tensors only
     buf = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
-    dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
-    return buf.tolist()
+    return reduce_min(buf, group, dist.get_world_size(group)).tolist()
 
 
 def _fits(view: tuple, src_desc: dict, dst_desc: dict | None, rank: int, limit: int,

@@ -633,11 +633,15 @@ def dense_case(rank: int, ws: int) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     own = engine._OWN_DENSE
     for round_, own_bytes in (("packed", own), ("alone", 0)):
-        counts = out[round_] = {"all_to_all_single": 0, "gather": 0, "batch_isend_irecv": 0}
+        counts = out[round_] = {"all_to_all_single": 0, "gather": 0, "batch_isend_irecv": 0, "agreement": 0}
 
         def counted(name, key, counts=counts):
             def call(*args, **kwargs):
-                counts[key] += 1
+                # the agreements' records (int64 words; gathered at small
+                # worlds) apart from the data's gathers (bytes)
+                inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+                agreement = key == "gather" and isinstance(inp, torch.Tensor) and inp.dtype == torch.int64
+                counts["agreement" if agreement else key] += 1
                 return originals[name](*args, **kwargs)
             return call
 

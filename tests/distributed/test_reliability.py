@@ -118,22 +118,24 @@ def test_6_disagreement_names_the_first_real_difference(reliability, fmt):
 
 @pytest.mark.parametrize("mode", ["sharded", "full", "broadcast", "streamed"])
 def test_load_collectives_are_the_readmes(reliability, mode):
-    """The load sequence of docs/architecture.md: all-reduces of one fixed-size record per
+    """The load sequence of docs/architecture.md: agreements of one fixed-size record per
     load (consistency.RECORD_WORDS int64 words, each with its negation:
     sharded: one, full: two, broadcast: two where the tensors travel
-    inline with the metadata, three where they stream -- the same bytes at
-    any world size), plus, on broadcast loads, one broadcast of the
-    source's payload (its size came with the first agreement) and, where
-    the tensors stream, the data collectives (FSDP2's shards on dim 0:
-    scatters); nothing else (no all-gather: the flags of the ranks past
-    the source agree)."""
-    from dcp_optim._engine.consistency import RECORD_WORDS
+    inline with the metadata, three where they stream -- the same bytes
+    from each rank at any world size; each an all-gather of the records up
+    to GATHERED_MIN_RANKS ranks, as here, an all-reduce beyond), plus, on
+    broadcast loads, one broadcast of the source's payload (its size came
+    with the first agreement) and, where the tensors stream, the data
+    collectives (FSDP2's shards on dim 0: scatters); nothing else (no
+    further exchange: the flags of the ranks past the source agree)."""
+    from dcp_optim._engine.consistency import GATHERED_MIN_RANKS, RECORD_WORDS
 
     calls = [r[f"collectives[{mode}]"]["dcp_optim"] for r in reliability]
     assert calls[0] == calls[1], calls
     result, calls = calls[0]
     assert result == "ok", result
-    gathers = [c for c in calls if c[0] == "all_reduce"]
+    assert len(reliability) <= GATHERED_MIN_RANKS
+    gathers = [c for c in calls if c[0] in ("all_gather_single", "all_gather_into_tensor")]
     agreements = {"sharded": 1, "full": 2, "broadcast": 2, "streamed": 3}[mode]
     assert [size for _, size in gathers] == [2 * RECORD_WORDS * 8] * agreements, calls
     others = [c for c in calls if c not in gathers]

@@ -146,3 +146,5 @@ def test_dense_layouts_move_by_collectives(ws):
         assert counts["packed"]["all_to_all_single"] == 1 and counts["packed"]["gather"] == 1, counts
         assert counts["alone"]["all_to_all_single"] == 4 and counts["alone"]["gather"] == 2, counts
         assert all(c["batch_isend_irecv"] >= 1 for c in counts.values()), counts
+        # the agreement on the layouts, the readiness check, the completion
+        assert all(c["agreement"] == 3 for c in counts.values()), counts

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import scale
-from dcp_optim._engine.consistency import RECORD_WORDS
+from dcp_optim._engine.consistency import GATHERED_MIN_RANKS, RECORD_WORDS
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -110,9 +110,12 @@ def test_wire_model(runs):
         if p["layout"] != "fsdp" or p["world"] != 8:
             continue
         w, ops = p["world"], p["ops"]
-        # one agreement record: an all-reduce of RECORD_WORDS int64 words and
-        # their negations (a ring all-reduce moves 2 (w-1)/w of it each way)
-        record = int(2 * RECORD_WORDS * 8 * 2 * (w - 1) / w)
+        # one agreement record: RECORD_WORDS int64 words and their
+        # negations, all-gathered up to GATHERED_MIN_RANKS ranks (the other
+        # ranks' records, each way), all-reduced beyond (a ring all-reduce
+        # moves 2 (w-1)/w of it each way)
+        rec = 2 * RECORD_WORDS * 8
+        record = rec * (w - 1) if w <= GATHERED_MIN_RANKS else int(rec * 2 * (w - 1) / w)
         up, dcp = ops["full_get_model"]["upstream"], ops["full_get_model"]["dcp_optim"]
         # upstream: one all-gather per sharded tensor (9 in the mini model),
         # each receiving the other ranks' shards (even shards at W=8)
