@@ -44,6 +44,7 @@ import torch.nn as nn
 from .. import errors
 from ..options import StateDictOptions, _as_options
 from .core import C
+from .tensor_bytes import flat_bytes
 
 __all__ = [
     "FORMAT",
@@ -127,7 +128,8 @@ def _local_lanes(
     gstrides[d]``; with ``index_maps`` None at ``base`` + its local
     row-major position (a full tensor, or a shard that is one contiguous
     range of the full tensor)."""
-    flat = local.detach().contiguous().reshape(-1)
+    # its values in logical order (a conjugate view's too), flat
+    flat = flat_bytes(local.detach()).view(local.dtype)
     n = flat.numel()
     lanes = [0, 0]
     if n == 0:

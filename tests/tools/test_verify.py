@@ -67,6 +67,11 @@ def test_checksum_properties(monkeypatch):
     # memory layout does not matter, only logical positions
     assert verify.tensor_checksum(t.t().contiguous().t()) == base
     assert verify.tensor_checksum(t.t()) == verify.tensor_checksum(t.t().contiguous())
+    # one element whose stride is not 1, of a dtype wider than any integer
+    # (hashed as int64 pairs), and a conjugate view: their values
+    z = torch.randn(1, 3, dtype=torch.complex128, generator=g).t()
+    assert verify.tensor_checksum(z[1:2]) == verify.tensor_checksum(z[1:2].clone(memory_format=torch.contiguous_format))
+    assert verify.tensor_checksum(z.conj()) == verify.tensor_checksum(z.conj().resolve_conj())
     # nor the chunk size
     monkeypatch.setattr(checksums, "_CHUNK", 7)  # the hashing lives in the engine
     assert verify.tensor_checksum(t) == base
