@@ -445,12 +445,13 @@ def mesh_all_reduce_min(mesh: Any | None, words: list[int]) -> list[int]:
     return payload.cpu().tolist()
 
 
-# Up to this many ranks a minimum is taken over every rank's words,
-# gathered (one exchange of W * 16 words at most 8: constant), rather than
-# by an all-reduce: gloo's all-reduce of more than one element takes
-# several dependent steps between the ranks, each a wake-up of the other
-# side, and on a loaded host one in ten of them waited a scheduler tick
-# (about 4 ms at 2 ranks, where the gather took 0.1-0.2 ms).
+# Up to this many ranks the minimum is taken by each rank over every
+# rank's words, all-gathered (at most 8 copies of a few dozen words: still
+# a constant), rather than by an all-reduce: gloo's all-reduce of more
+# than one element takes several dependent steps between the ranks, each a
+# wake-up of the other side, and on a busy host one in ten of them waited
+# a scheduler tick (about 4 ms at 2 ranks, where the gather of the same
+# words took 0.1-0.2 ms).
 GATHERED_MIN_RANKS = 8
 
 

@@ -41,8 +41,8 @@ def bytes_view(t: torch.Tensor) -> torch.Tensor:
     view would read other values than it holds)."""
     if not own_bytes(t):
         raise ValueError(
-            f"a view of the bytes of a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
-            "(conjugate or negative views have none)"
+            f"no view of the bytes of a tensor of shape {tuple(t.shape)} and strides {t.stride()}: "
+            "it is not contiguous, or a conjugate or negative view"
         )
     return _as_bytes(t.reshape(-1))
 
