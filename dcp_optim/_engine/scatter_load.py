@@ -185,15 +185,15 @@ def _source_rows(piece: _Piece, rank: int, device: torch.device) -> tuple[torch.
     of the value where its rows are contiguous, whole and on the stream's
     device, else a padded copy; and the bytes that copy took (0 for a
     view)."""
-    value, real = piece.value, piece.real_rows(rank)
-    first = rank * piece.chunk + piece.start
-    part = value.detach()[first : first + real]
-    if real == piece.rows and own_bytes(part) and part.device == device:
-        return flat_bytes(part), 0
+    real = piece.real_rows(rank)
+    if real == piece.rows:
+        return _rows_to_send(piece, rank, real, device)
     nbytes = piece.rows * piece.row_bytes
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if real:
-        out[: real * piece.row_bytes].view(value.dtype).view(part.shape).copy_(part)
+        first = rank * piece.chunk + piece.start
+        part = piece.value.detach()[first : first + real]
+        out[: real * piece.row_bytes].view(part.dtype).view(part.shape).copy_(part)
     return out, nbytes
 
 
