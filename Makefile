@@ -151,16 +151,27 @@ TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp
                      and not resharded_loads_and_corruption and not dying \
                      and not upstream_falls_apart
 TORCHRUN_LIMIT    ?= 600
+# Every rank's output of a launch (torchrun --log-dir, --tee): the console
+# shows rank 0's only; when a launch fails, the other ranks' last lines
+# are printed from here (a rank that died shows why: pytest's faulthandler
+# writes its stacks to stderr).
+TORCHRUN_LOGS     := $(CURDIR)/.torchrun-logs
 
 .PHONY: test-torchrun
 test-torchrun: build
-	rm -f $(TORCHRUN_PASSED)
+	rm -rf $(TORCHRUN_PASSED) $(TORCHRUN_LOGS)
 	for n in $(TORCHRUN_NPROCS); do \
 	    echo "== torchrun --nproc-per-node=$$n"; \
 	    DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED) \
 	    timeout -k 10 $(TORCHRUN_LIMIT) $(VENV)/bin/torchrun --standalone --nproc-per-node=$$n \
-	        --local-ranks-filter=0 -m pytest -q -p no:cacheprovider --disable-warnings \
-	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || exit 1; \
+	        --log-dir $(TORCHRUN_LOGS)/$$n --tee 3 --local-ranks-filter=0 \
+	        -m pytest -q -p no:cacheprovider --disable-warnings \
+	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || { \
+	        for f in $$(find $(TORCHRUN_LOGS)/$$n -path '*/attempt_*/[1-9]*' -name 'std*.log' | sort); do \
+	            echo "== $$f"; \
+	            if [ "$$(wc -l < "$$f")" -le 160 ]; then cat "$$f"; \
+	            else head -n 40 "$$f"; echo "[...]"; tail -n 120 "$$f"; fi; \
+	        done; exit 1; }; \
 	done
 	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/distributed/test_torchrun.py
 
