@@ -203,6 +203,7 @@ def gather_full_tensors(
             (options_key, budget, signature, order),
             lambda: _details(signature, leaf_indices, names, options_key, budget),
             flag=1 if keep else 0,
+            error=_cannot_take_part(mesh, plan, keep),
         )
         count, first = flagged(flags)  # no pass over the ranks
         if plan.buckets and count:
@@ -215,6 +216,26 @@ def gather_full_tensors(
     for i in C.indices_of(results, ShardedTensor):
         results[i] = _gather_sharded_tensor(results[i])
     return results
+
+
+def _cannot_take_part(mesh: Any, plan: Any, keep: bool) -> BaseException | None:
+    """The error of allocating, before the gather check, the largest
+    buffer this rank takes part in the mesh's gathers through after a
+    failure of its own (``_gather_mesh``: every segment of a bucket, on a
+    rank that keeps the full tensors; its own segment, on one that only
+    sends), or None.  A rank that could not get it even then would raise
+    in the middle of the gathers, leaving the others waiting in them
+    until the group's timeout; found here, the check makes every rank
+    raise it at once, before any gather.  The buffer is freed at once (a
+    device's caching allocator keeps it for the gathers)."""
+    if not plan.buckets:
+        return None
+    nbytes = plan.max_segment * (mesh.size() if keep else 1)
+    try:
+        torch.empty(nbytes, dtype=torch.uint8, device=_mesh_device(mesh))
+    except Exception as exc:  # noqa: BLE001 - agreed on by the gather check
+        return exc
+    return None
 
 
 def _schedule(mesh: Any, root: int | None):

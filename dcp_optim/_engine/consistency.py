@@ -36,7 +36,7 @@ import hashlib
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -608,37 +608,53 @@ def _flags_learnt(
 
 
 def check_agreement(
-    mesh: Any | None, what: str, summary: Any, details_fn, flag: int = 0
+    mesh: Any | None, what: str, summary: Any, details_fn, flag: int = 0,
+    error: BaseException | None = None,
 ) -> list[int]:
     """Raise the same StateDictRuntimeError on every rank of ``mesh`` when
     their ``summary`` values differ.  ``details_fn()`` returns a list of
     (name, description) pairs that locate the difference; it runs only on
     that error path.  ``flag`` (0-255) is not compared: the flags of every
     mesh rank, in row-major mesh order, are returned (a ``RankFlags``).
+    ``error``: this rank cannot go on (it could not allocate what the
+    collectives after the check need, say): every rank raises the first
+    failing rank's exception, naming that rank, instead of going on into
+    collectives that rank would not take part in.
 
     The common case is one all-reduce of a fixed-size record (per word
     the minimum and maximum over the ranks): equal digests, and flags that
-    every rank but the first shares.  Only where the digests differ does
-    an exchange of every rank's details follow (the error), and only where
-    the flags of the ranks past the first differ one of every rank's flag
-    byte."""
+    every rank but the first shares.  Only where the digests differ, or a
+    rank failed, does an exchange of every rank's details follow (the
+    error), and only where the flags of the ranks past the first differ
+    one of every rank's flag bytes."""
     await_arrival(mesh, what)
     n = _mesh_size(mesh)
     record = _Record(_KIND_GATHER)
     dig = record.put(_digest_words(_digest(summary)))
-    at = _put_flags(record, _mesh_index(mesh), [flag])
+    failed = int(error is not None)
+    at = _put_flags(record, _mesh_index(mesh), [flag, failed])
     lo, hi = record.reduce(mesh)
-    if _same(lo, hi, 0, dig + _DIGEST_WORDS):
-        learnt = _flags_learnt(lo, hi, at, 1, n)
-        if learnt is not None:
-            return RankFlags.of(learnt[0][0], learnt[1][0], n)
-        rows, _ = mesh_all_gather_rows(mesh, bytes((flag,)))
-        return RankFlags(rows[:, 0].tolist())
+    same = _same(lo, hi, 0, dig + _DIGEST_WORDS)
+    if same:
+        learnt = _flags_learnt(lo, hi, at, 2, n)
+        if learnt is None:
+            rows, _ = mesh_all_gather_rows(mesh, bytes((flag, failed)))
+            per_rank = RankFlags(rows[:, 0].tolist())
+            anyone_failed = bool(rows[:, 1].any())
+        else:
+            per_rank = RankFlags.of(learnt[0][0], learnt[1][0], n)
+            anyone_failed = bool(learnt[0][1] or learnt[1][1])
+        if not anyone_failed:
+            return per_rank
+    # Error path: every rank is here (the records say so on every rank).
     ranks = list(_mesh_ranks(mesh))
-    details, _ = mesh_all_gather_object(mesh, ("gather", what, details_fn()))
+    exported = None if error is None else _export_error(error)
+    details, _ = mesh_all_gather_object(mesh, ("gather", what, None if same else details_fn(), exported))
     _check_same_call(details, ranks)
-    message = _describe_difference(what, [d[2] for d in details], ranks)
-    raise errors.StateDictRuntimeError(message)
+    if not same:
+        raise errors.StateDictRuntimeError(_describe_difference(what, [d[2] for d in details], ranks))
+    _raise_first_failure(error, [(r, d[3]) for r, d in zip(ranks, details) if d[3] is not None], ranks,
+                         "nothing was gathered on any rank")
 
 
 def _check_same_call(gathered: list[Any], ranks: list[int]) -> None:
@@ -817,14 +833,7 @@ class Agreement:
                 )
             )
         failures = [(r, g[2]) for r, g in zip(ranks, gathered) if g[2] is not None]
-        texts = {text for _, (_, text) in failures}
-        if error is not None and len(failures) == len(ranks) and len(texts) == 1:
-            raise error  # every rank failed alike: its own exception
-        rank, exported = failures[0]
-        agreed = _import_error(exported, _agreed_note(rank, [r for r, _ in failures], len(failures) == len(ranks)))
-        if error is not None:
-            raise agreed from error
-        raise agreed
+        _raise_first_failure(error, failures, ranks, "nothing was loaded on any rank")
 
 
 def option_pairs(options: Any, names: tuple[str, ...]) -> list[tuple[str, Any]]:
@@ -845,12 +854,28 @@ def _export_error(error: BaseException) -> tuple[bytes | None, str]:
     return blob, text
 
 
-def _agreed_note(rank: int, failing: list[int], everywhere: bool) -> str:
-    return (
+def _raise_first_failure(
+    error: BaseException | None, failures: list[tuple[int, Any]], ranks: list[int], outcome: str
+) -> NoReturn:
+    """Raise, on every rank of an agreement's error path, the exception of
+    the first of ``failures`` ((rank, ``_export_error``'s) of the ranks
+    that failed) with a note naming its rank and ``outcome``; chained to
+    this rank's own ``error`` where it failed too, or that very error
+    where every rank failed alike."""
+    texts = {text for _, (_, text) in failures}
+    if error is not None and len(failures) == len(ranks) and len(texts) == 1:
+        raise error  # every rank failed alike: its own exception
+    rank, exported = failures[0]
+    failing = [r for r, _ in failures]
+    note = (
         f" [raised on rank {rank}"
-        + ("" if everywhere else f"; rank(s) {failing} failed, the other ranks passed this check")
-        + "; nothing was loaded on any rank]"
+        + ("" if len(failures) == len(ranks) else f"; rank(s) {failing} failed, the other ranks passed this check")
+        + f"; {outcome}]"
     )
+    agreed = _import_error(exported, note)
+    if error is not None:
+        raise agreed from error
+    raise agreed
 
 
 def _import_error(exported: tuple[bytes | None, str], note: str) -> BaseException:

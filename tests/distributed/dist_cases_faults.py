@@ -512,12 +512,16 @@ def fsdp1_stream_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]
 def gather_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     """Full getters (16 KiB buckets: several per call, some a tensor of
     their own gathered straight into it, the others through the shared
-    buffer) in which rank 0 runs out of memory assembling: at the first,
-    second or fourth allocation of the gather (``torch.empty`` in
-    ``collectives``), for the model and the optimizer.  Rank 0 raises its
-    error within seconds (the group's timeout is 30 s), still sending its
-    shards; the other ranks return what upstream returns; then every rank
-    gets the same dict again."""
+    buffer) in which rank 0 runs out of memory, for the model and the
+    optimizer (``torch.empty`` in ``collectives``, counted from 1: the
+    first is the buffer allocated before the gather check, the others are
+    the gather's).  At the gather's first, second or fourth allocation
+    rank 0 raises its error within seconds (the group's timeout is 30 s),
+    still sending its shards, and the other ranks return what upstream
+    returns.  Where every allocation fails (``at`` None: it could not take
+    part in the gathers even after giving up its results) every rank
+    raises rank 0's error at the gather check, before any gather.  Then
+    every rank gets the same dict again."""
     from dcp_optim._engine import collectives as _collectives
 
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
@@ -537,7 +541,7 @@ def gather_cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     out = []
     try:
         for part, call in calls.items():
-            for at in (1, 2, 4):
+            for at in (2, 3, 5, None):
                 stand_in = _AllocationsFailing("no memory for a gathered tensor", at)
                 if rank == 0:
                     _collectives.torch = stand_in  # type: ignore[attr-defined]

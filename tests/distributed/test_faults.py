@@ -178,17 +178,25 @@ def test_a_full_getter_out_of_memory_on_one_rank():
     """Rank 0 of three out of memory while it assembles a full getter's
     tensors: it raises its error within seconds, the group's 30 s timeout
     far off; the others, whose gathers it kept taking part in, return
-    upstream's dict; the next call returns it on every rank."""
+    upstream's dict.  Where rank 0 could not even take part (every
+    allocation fails), every rank raises its error at the gather check,
+    within seconds too.  The next call returns upstream's dict on every
+    rank."""
     for rank, loads in enumerate(run_ranks(3, cases.gather_cannot_allocate_case, timeout=240)):
         assert [load.get("then") for load in loads if "then" in load] == [True, True], (rank, loads)
-        for load in (load for load in loads if "then" not in load):
+        failed = [load for load in loads if "then" not in load]
+        assert [load["at"] for load in failed] == [2, 3, 5, None] * 2, (rank, loads)
+        for load in failed:
             assert load["seconds"] < 10, (rank, load)
-            if rank == 0:
-                assert load["calls"] >= load["at"], (rank, load)
+            if rank == 0 or load["at"] is None:
                 assert load["result"].startswith("OutOfMemoryError"), (rank, load)
                 assert "no memory for a gathered tensor on rank 0" in load["result"], (rank, load)
             else:
                 assert load["result"] == "ok", (rank, load)
+            if rank == 0:
+                assert load["calls"] >= (load["at"] or 1), (rank, load)
+            if load["at"] is None:
+                assert "raised on rank 0" in load["result"] and "nothing was gathered" in load["result"], (rank, load)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
