@@ -28,9 +28,10 @@ $(STAMP): pyproject.toml Makefile
 	#   numpy, pytest, pytest-timeout, hypothesis: the test suite;
 	#   accelerate: the client test drives its FSDP save/load helpers;
 	#   matplotlib: the benchmark plot;
-	#   lightning, torchtune, torchao: trainers whose checkpoint code
-	#     tests/tools/test_trainers.py runs through dcp_optim.patch()
-	#     (torchao 0.15.0 is the newest torchao torchtune 0.6.1 imports with);
+	#   lightning, torchtune, torchao, ai2-olmo-core: trainers whose
+	#     checkpoint code tests/tools/test_trainers.py runs through
+	#     dcp_optim.patch() (torchao 0.15.0 is the newest torchao torchtune
+	#     0.6.1 imports with);
 	#   transformers: tiny GPT-2/Llama/BERT built from local configs in the
 	#     module corpus (tests/unit/test_module_corpus.py);
 	#   pytorch-optimizer ... heavyball: the optimizer corpus
@@ -39,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	#   build: the sdist and wheel of make test-wheel.
 	$(PIP) install -q --no-compile "$(TORCH)" \
 	    numpy "pytest>=8" pytest-timeout hypothesis accelerate==1.15.0 matplotlib \
-	    lightning==2.6.6 torchtune==0.6.1 torchao==0.15.0 \
+	    lightning==2.6.6 torchtune==0.6.1 torchao==0.15.0 ai2-olmo-core==3.0.0 \
 	    transformers==5.24.0 \
 	    pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 \
 	    bitsandbytes==0.50.2 torch-optimizer==0.3.0 galore-torch==1.0 apollo-torch==1.0.3 adam-mini==1.1.1 \
@@ -55,7 +56,8 @@ $(STAMP): pyproject.toml Makefile
 	    torch.distributed.fsdp, torch.distributed.tensor.parallel, torch.multiprocessing, \
 	    torch.testing._internal.distributed.fake_pg, torch.distributed._shard.sharded_tensor, \
 	    torch.distributed.algorithms._checkpoint.checkpoint_wrapper, hypothesis, pytest, \
-	    transformers, lightning, torchtune, torchao, accelerate, pytorch_optimizer, heavyball"
+	    transformers, lightning, torchtune, torchao, accelerate, pytorch_optimizer, heavyball, \
+	    olmo_core.distributed.checkpoint, olmo_core.optim"
 	touch $(STAMP)
 
 venv: $(STAMP)

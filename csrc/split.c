@@ -1211,12 +1211,14 @@ validate_state(dcp_state *st,
 
 PyDoc_STRVAR(
     dcp_prepare_install__doc__,
-    "prepare_install(ctx, optimizer, split_dict, expected, aliased=False, /)"
+    "prepare_install(ctx, optimizer, split_dict, expected, aliased=False, "
+    "first_dtypes=None, /)"
     "\n--\n\n"
     "The (state, param_groups) Optimizer.load_state_dict would install, "
     "without its quadratic scan.");
 
-/* prepare_install(ctx, optimizer, split_dict, expected[, aliased])
+/* prepare_install(ctx, optimizer, split_dict, expected[, aliased[,
+ *                 first_dtypes]])
  *   -> (state defaultdict, param_groups list)
  *
  * expected: None, or one entry per param group -- None or the dict
@@ -1226,6 +1228,11 @@ PyDoc_STRVAR(
  * would return unchanged, its dict is copied without the cast (the
  * caller passes True only when no __torch_function__ mode is active,
  * which could intercept the cast's .to()).  The checks are the same.
+ * first_dtypes (optional, None): {id(param): {key: tensor}} for
+ * parameters that hold no state: the tensors whose dtypes a first step
+ * gives those keys, where it is not the parameter's.  The cast reads
+ * them as it reads held state (cast_tensor): the state the optimizer
+ * would create keeps its precision.
  *
  * Exactly what Optimizer.load_state_dict would pass to __setstate__ for
  * `split_dict` (whose "params" are FQNs aligned with the live groups),
@@ -1242,17 +1249,23 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     dcp_ptrmap live_map = {NULL, 0, 0};
 
-    if (nargs != 4 && nargs != 5) {
+    if (nargs < 4 || nargs > 6) {
         PyErr_Format(PyExc_TypeError,
-                     "prepare_install() takes 4 or 5 arguments (%zd given)",
+                     "prepare_install() takes 4 to 6 arguments (%zd given)",
                      nargs);
         return NULL;
     }
     if (!dcp_context_check(st, args[0])) {
         return NULL;
     }
-    int fast = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    int fast = nargs >= 5 ? PyObject_IsTrue(args[4]) : 0;
     if (fast < 0) {
+        return NULL;
+    }
+    PyObject *first_dtypes = nargs == 6 ? args[5] : Py_None;
+    if (first_dtypes != Py_None && !PyDict_Check(first_dtypes)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "first_dtypes must be a dict or None");
         return NULL;
     }
     PyObject *expected = args[3];
@@ -1431,14 +1444,27 @@ dcp_prepare_install(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyObject *live =
                 li >= 0 ? PyTuple_GET_ITEM(PyList_GET_ITEM(live_items, li), 1)
                         : NULL;
-            int aliased =
-                (c.floating >= 0 && fast) ? aliased_entry(&c, value, live) : 0;
+            /* No state held: a first step's dtypes, where given (a new
+             * reference, released below; the live state is borrowed from
+             * live_items, which this function holds). */
+            PyObject *first = NULL;
+            int have_first = 0;
+            if (live == NULL && first_dtypes != Py_None) {
+                PyObject *id = PyLong_FromVoidPtr(param);
+                have_first =
+                    id ? dcp_dict_get_ref(first_dtypes, id, &first) : -1;
+                Py_XDECREF(id);
+            }
+            int aliased = (have_first < 0 || c.floating < 0) ? -1
+                          : fast ? aliased_entry(&c, value, live)
+                                 : 0;
             if (aliased > 0) {
                 cast = PyDict_Copy(value);
             }
-            else if (aliased == 0 && c.floating >= 0) {
-                cast = cast_value(&c, value, NULL, live);
+            else if (aliased == 0) {
+                cast = cast_value(&c, value, NULL, first ? first : live);
             }
+            Py_XDECREF(first);
         }
         Py_XDECREF(fp);
         Py_XDECREF(c.device);

@@ -176,7 +176,9 @@ def plan_gather(
 ) -> list[tuple[Any, GatherPlan, list[Any], list[int], int]]:
     """Bucketed gather plans for the DTensor leaves, per mesh: (mesh, plan, signature, leaf_indices, budget)."""
 
-def prepare_install(ctx: Any, optimizer: Any, split_dict: Any, expected: Any, aliased: Any = False, /) -> Any:
+def prepare_install(
+    ctx: Any, optimizer: Any, split_dict: Any, expected: Any, aliased: Any = False, first_dtypes: Any = None, /
+) -> Any:
     """The (state, param_groups) Optimizer.load_state_dict would install, without its quadratic scan."""
 
 def rename_for_load(index: Any, state_dict: Any, strict: Any, rename: Any, want_local: Any, /) -> Any:

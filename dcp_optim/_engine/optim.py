@@ -1048,11 +1048,17 @@ def _nothing() -> None:
     return None
 
 
-# The state names of the last template built for a schema-less optimizer
-# (its getter's shadow step), by FQN: the strict load that follows the
-# template flow's get -> dcp.load checks against them without a second
-# shadow step.  Names only (no tensor); gone with the optimizer.
+# The state of the last template built for a schema-less optimizer (its
+# getter's shadow step), by FQN: {name: dtype of a tensor, else None}.  The
+# load that follows the template flow's get -> dcp.load checks against the
+# names, and casts to the dtypes, without a second shadow step.  No
+# tensor is kept; gone with the optimizer.
 _TEMPLATE_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _first_step_entry(entry: dict[Any, Any]) -> dict[Any, torch.dtype | None]:
+    """A first step's state entry as names and the dtypes of its tensors."""
+    return {name: value.dtype if isinstance(value, torch.Tensor) else None for name, value in entry.items()}
 
 
 def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None) -> None:
@@ -1064,38 +1070,43 @@ def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None
         return
     for fqn, entry in pristine_states.items():
         if isinstance(entry, dict):
-            known[fqn] = list(entry)
+            known[fqn] = _first_step_entry(entry)
 
 
 def _templates(
     optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str], strict: bool
-) -> list[dict[str, list[Any] | None] | None]:
-    """Per optimizer without a schema, the state names its template has
-    for each parameter that is ``missing`` or (``strict``) has a loaded
-    entry: {fqn: names} -- those a first step gives it (the getter's
+) -> tuple[list[dict[str, list[Any] | None] | None], list[dict[int, dict[Any, torch.Tensor]] | None]]:
+    """Per optimizer without a schema, what a first step gives the
+    parameters that are ``missing``, or have a loaded entry and either
+    hold no state yet or (``strict``) any: the template's state names
+    of each, {fqn: names} -- those a first step gives it (the getter's
     template of this optimizer, or else one shadow step,
     schema.fallback_pristine) and those it holds ([] for a parameter a
     first step gives no state; where that step cannot run, the held
-    names, or None: no check).  At most one shadow step per optimizer.
-    None for optimizers with a schema (their entries are checked against
-    it by prepare_install)."""
+    names, or None: no check) -- and the dtypes the load casts to (see
+    _first_dtypes).  At most one shadow step per optimizer.  None for
+    optimizers with a schema (their entries are checked against it by
+    prepare_install; their first step's dtypes are torch's rule)."""
     todo = set(missing)
     out: list[dict[str, list[Any] | None] | None] = []
+    dtypes: list[dict[int, dict[Any, torch.Tensor]] | None] = []
     for optim, split in zip(optimizers, splits):
         if schema_for(optim) is not None:
             out.append(None)
+            dtypes.append(None)
             continue
         state = split["state"]
         try:
             known = _TEMPLATE_NAMES.get(optim) or {}
         except TypeError:
             known = {}
-        first: dict[str, list[Any] | None] = {}
+        first: dict[str, dict[Any, torch.dtype | None] | None] = {}
         shadow: list[tuple[str, Any]] = []
         pairs: list[tuple[str, Any]] = []
         for saved, live in zip(split["param_groups"], optim.param_groups):
             for fqn, param in zip(saved["params"], live["params"]):
-                if fqn not in todo and not (strict and isinstance(state.get(fqn), dict)):
+                loaded = isinstance(state.get(fqn), dict)
+                if fqn not in todo and not (loaded and (strict or not optim.state.get(param))):
                     continue
                 pairs.append((fqn, param))
                 if fqn in known:
@@ -1108,7 +1119,7 @@ def _templates(
             except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
                 states = None
             for fqn, param in shadow:
-                first[fqn] = None if states is None else list(states.get(id(param)) or ())
+                first[fqn] = None if states is None else _first_step_entry(states.get(id(param)) or {})
         names: dict[str, list[Any] | None] = {}
         for fqn, param in pairs:
             # what a step creates, with what the parameter holds (SPAM's
@@ -1116,13 +1127,70 @@ def _templates(
             # template -- the first step adds the moments
             held = optim.state.get(param)
             held_names = list(held) if isinstance(held, dict) else []
-            step_names = first[fqn]
-            if step_names is None:
+            step_entry = first[fqn]
+            if step_entry is None:
                 names[fqn] = held_names or None
             else:
-                names[fqn] = step_names + [n for n in held_names if n not in step_names]
+                names[fqn] = list(step_entry) + [n for n in held_names if n not in step_entry]
         out.append(names)
-    return out
+        dtypes.append(_first_dtypes(optim, pairs, first))
+    return out, dtypes
+
+
+def _first_dtypes(
+    optim: _Optimizer, pairs: list[tuple[str, Any]], first: dict[str, dict[Any, torch.dtype | None] | None]
+) -> dict[int, dict[Any, torch.Tensor]] | None:
+    """For prepare_install's cast (D35 in docs/differences.md): per
+    floating parameter of ``pairs`` that holds no state yet, {id(param):
+    {name: a tensor of the dtype}} for each floating tensor its first step
+    gives it (``first[fqn]``: name -> dtype) in a dtype other than the
+    parameter's -- SkipStepAdamW(dtype=bf16)'s moments of fp32
+    parameters, NAdam's float32 ``mu_product`` of bf16 ones.  The loaded
+    state takes that dtype, as it takes a held state's: torch's rule, the
+    parameter's dtype, would change the precision the optimizer keeps, and
+    the resumed run would differ from the uninterrupted one.  None where
+    there is none (the usual case: nothing for the cast to look up)."""
+    out: dict[int, dict[Any, torch.Tensor]] = {}
+    for fqn, param in pairs:
+        step_entry = first.get(fqn)
+        if not step_entry or optim.state.get(param) or not param.is_floating_point():
+            continue
+        own = {
+            name: _dtype_stand_in(dtype)
+            for name, dtype in step_entry.items()
+            if dtype is not None and dtype != param.dtype and dtype.is_floating_point and name != "step"
+        }
+        if own:
+            out[id(param)] = own
+    return out or None
+
+
+@functools.cache
+def _dtype_stand_in(dtype: torch.dtype) -> torch.Tensor:
+    """An empty meta tensor of ``dtype``: what the cast reads a dtype from."""
+    return torch.empty(0, dtype=dtype, device="meta")
+
+
+def _schema_first_dtypes(optim: _Optimizer, split: dict[str, Any]) -> dict[int, dict[Any, torch.Tensor]] | None:
+    """``_first_dtypes`` of an optimizer with a schema: its specs'
+    explicit dtypes, per group as loaded (NAdam's and ASGD's float32
+    scalars); the state shaped like the parameter takes its dtype."""
+    pairs: list[tuple[str, Any]] = []
+    first: dict[str, dict[Any, torch.dtype | None] | None] = {}
+    schema = schema_for(optim)
+    assert schema is not None  # the caller's condition
+    for saved, live in zip(split["param_groups"], optim.param_groups):
+        explicit = {
+            s.name: s.kwargs["dtype"]
+            for s in schema(optim, saved) or []
+            if s.name != "step" and s.kwargs and isinstance(s.kwargs.get("dtype"), torch.dtype)
+        }
+        if not explicit:
+            continue
+        for fqn, param in zip(saved["params"], live["params"]):
+            pairs.append((fqn, param))
+            first[fqn] = explicit
+    return _first_dtypes(optim, pairs, first) if pairs else None
 
 
 def _drop_stateless(missing: list[str], templates: list[dict[str, list[Any] | None] | None]) -> list[str]:
@@ -1204,7 +1272,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ]
     if loaded_expect != expect:
         splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
-    templates = _templates(optimizers, splits, missing, bool(info.strict))
+    templates, first_dtypes = _templates(optimizers, splits, missing, bool(info.strict))
     if missing:
         missing = _drop_stateless(missing, templates)
     wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
@@ -1233,7 +1301,8 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
             # their identity without the cast, which a __torch_function__
             # mode could intercept: then always cast
             aliased = not torch._C._is_torch_function_mode_enabled()
-            payload = C.prepare_install(ctx, optim, split, expected, aliased)
+            dtypes = first_dtypes[o] if schema_for(optim) is None else _schema_first_dtypes(optim, split)
+            payload = C.prepare_install(ctx, optim, split, expected, aliased, dtypes)
             if o in wide:
                 payload[0].update(_copy_containers(wide[o]))
             prepared.append((True, payload))

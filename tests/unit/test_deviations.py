@@ -546,7 +546,8 @@ def test_optimizer_dict_is_not_mutated_and_can_be_reused(flat):
 @impls("state is cast to the parameter dtype (bf16 moments become fp32)", raises=AssertionError)
 def test_low_precision_state_keeps_its_dtype(impl):
     """An optimizer that holds bf16 moments keeps them bf16 (a fresh,
-    never-stepped one follows torch's cast: tests/unit/test_longtail_optim.py)."""
+    never-stepped one: see the next test, and
+    tests/unit/test_longtail_optim.py for a resume at another precision)."""
     src, src_optim = trained()
     for st in src_optim.state.values():
         st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
@@ -558,6 +559,69 @@ def test_low_precision_state_keeps_its_dtype(impl):
         st["exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16)
     impl.set_optimizer_state_dict(model, optim, sd)
     assert all(st["exp_avg"].dtype == torch.bfloat16 for st in optim.state.values())
+
+
+def _olmo_skip_step_adamw(params):
+    from olmo_core.optim import SkipStepAdamW  # ai2-olmo-core, from PyPI
+
+    return SkipStepAdamW(params, lr=0.05, dtype=torch.bfloat16)
+
+
+# (optimizer, dtype of the parameters): each keeps some state in another
+# floating dtype than its parameters'
+OWN_PRECISION = {
+    # OLMo-core's SkipStepAdamW(dtype=bf16): bf16 moments of fp32 parameters
+    "olmo_skip_step_adamw_bf16_moments": (_olmo_skip_step_adamw, torch.float32),
+    # torch's NAdam: a float32 mu_product beside bf16 parameters
+    "nadam_bf16_params": (lambda ps: torch.optim.NAdam(ps, lr=0.05), torch.bfloat16),
+    # torch's ASGD: float32 eta and mu beside bf16 parameters
+    "asgd_bf16_params": (lambda ps: torch.optim.ASGD(ps, lr=0.05), torch.bfloat16),
+}
+
+
+@impls("a never-stepped optimizer's loaded state is cast to the parameter's dtype: the resumed run differs",
+       raises=AssertionError)
+@pytest.mark.filterwarnings("ignore:dcp_optim has no state schema")  # SkipStepAdamW's: a shadow step
+@pytest.mark.parametrize("name", list(OWN_PRECISION))
+@FORMATS
+def test_resume_keeps_the_precision_the_optimizer_keeps(impl, name, flat):
+    """D35: a resume into a never-stepped optimizer (a fresh process)
+    gives each state tensor the dtype the optimizer's own first step
+    gives it, where that is not the parameter's, and the run continues
+    bit for bit.  torch's Optimizer.load_state_dict, which upstream
+    calls, casts it to the parameter's dtype: SkipStepAdamW's bf16
+    moments become fp32 (twice the memory), NAdam's float32 mu_product
+    becomes bf16, and the next steps differ from the uninterrupted run."""
+    make, dtype = OWN_PRECISION[name]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = Net().to(dtype)
+        return model, make(model.parameters())
+
+    def steps(model, optim, start, count):
+        for step in range(start, start + count):
+            model(data(step).to(dtype)).backward()
+            optim.step()
+            optim.zero_grad()
+
+    options = opts(impl, flatten_optimizer_state_dict=flat)
+    src, src_optim = build(0)
+    steps(src, src_optim, 0, 2)
+    saved_dtypes = [{k: v.dtype for k, v in st.items() if torch.is_tensor(v)} for st in src_optim.state.values()]
+    assert any(v != dtype for d in saved_dtypes for k, v in d.items() if k != "step"), saved_dtypes
+    osd = copy.deepcopy(impl.get_optimizer_state_dict(src, src_optim, options=options))
+    msd = copy.deepcopy(src.state_dict())
+    steps(src, src_optim, 2, 2)
+
+    model, optim = build(1)
+    model.load_state_dict(msd)
+    impl.set_optimizer_state_dict(model, optim, osd, options=options)
+    loaded_dtypes = [{k: v.dtype for k, v in st.items() if torch.is_tensor(v)} for st in optim.state.values()]
+    assert loaded_dtypes == saved_dtypes
+    steps(model, optim, 2, 2)
+    for (n, p), q in zip(model.named_parameters(), src.parameters()):
+        assert torch.equal(p, q), n
 
 
 def test_step_follows_the_optimizers_device_policy():

@@ -163,15 +163,18 @@ def _cpu_checkpoint(name: str, kw: dict, saved_flags: dict | None = None) -> dic
     return osd
 
 
-def _expected_after_load(name, group, key, saved, param, live):
+def _expected_after_load(name, group, key, saved, param, live, first):
     """torch's load policy (``Optimizer._process_value_according_to_param_policy``,
-    flags read from the installed group), with dcp_optim's two documented
+    flags read from the installed group), with dcp_optim's documented
     differences: a ``step`` of a group that is neither capturable nor fused
     goes where a fresh optimizer creates it (the CPU; ASGD: the
     parameter's device) instead of staying where it came from, and other
     floating state keeps the dtype the optimizer already holds instead of
-    taking the parameter's (with nothing held, it takes the parameter's,
-    as in torch)."""
+    taking the parameter's (D9) -- with nothing held, the dtype a first
+    step gives it where that is another floating dtype than the
+    parameter's (``first``: NAdam's ``mu_product``, ASGD's ``eta`` and
+    ``mu`` stay float32 beside bf16 parameters, D35), else the
+    parameter's, as in torch."""
     flags = group.get("capturable") or group.get("fused")
     if key == "step":
         if flags:
@@ -181,12 +184,27 @@ def _expected_after_load(name, group, key, saved, param, live):
         dtype = saved.dtype
     elif isinstance(live, torch.Tensor):
         dtype = live.dtype
+    elif first is not None and first.is_floating_point and first != param.dtype:
+        dtype = first
     else:
         dtype = param.dtype if saved.is_floating_point() else saved.dtype
     return param.device, dtype, tuple(saved.shape)
 
 
-def _check_loaded(name, model, optim, osd, live_before):
+def _first_step_dtypes(name: str, kw: dict) -> dict[str, dict[str, torch.dtype]]:
+    """The dtypes of the state a real first step of a fresh optimizer gives
+    each parameter (on the CPU, the same parameter dtypes; the flags that
+    only move ``step`` left out), by FQN."""
+    model = _model_on(CPU)
+    optim = _build(name, {k: v for k, v in kw.items() if k not in ("capturable", "fused")}, model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optim.step()
+    return {fqn: {k: v.dtype for k, v in optim.state[p].items() if isinstance(v, torch.Tensor)}
+            for fqn, p in model.named_parameters()}
+
+
+def _check_loaded(name, model, optim, osd, live_before, first_dtypes):
     fqns = [fqn for fqn, _ in model.named_parameters()]
     group_of = {fqn: g for g, sg in zip(optim.param_groups, osd["param_groups"]) for fqn in sg["params"]}
     for fqn, p in zip(fqns, model.parameters()):
@@ -196,7 +214,8 @@ def _check_loaded(name, model, optim, osd, live_before):
         for key, value in saved.items():
             if not isinstance(value, torch.Tensor):
                 continue
-            want = _expected_after_load(name, group_of[fqn], key, value, p, live_before.get(id(p), {}).get(key))
+            want = _expected_after_load(name, group_of[fqn], key, value, p, live_before.get(id(p), {}).get(key),
+                                        first_dtypes.get(fqn, {}).get(key))
             assert _placement({key: got[key]})[key] == want, (fqn, key)
 
 
@@ -226,7 +245,7 @@ def test_loaded_state_placement(name, kw):
     ours = _build(name, kw, model)
     live = {id(p): dict(st) for p, st in ours.state.items()}
     dcp_optim.set_optimizer_state_dict(model, ours, osd)
-    _check_loaded(name, model, ours, osd, live)
+    _check_loaded(name, model, ours, osd, live, _first_step_dtypes(name, kw))
 
     ref = _build(name, kw, model)
     ref.load_state_dict(_native(osd, [fqn for fqn, _ in model.named_parameters()]))
@@ -257,7 +276,7 @@ def test_step_follows_the_installed_groups_flags(live_flags, saved_flags):
     for group in ours.param_groups:
         for flag, value in saved_flags.items():
             assert group[flag] == value
-    _check_loaded(name, model, ours, osd, {})
+    _check_loaded(name, model, ours, osd, {}, _first_step_dtypes(name, live_flags))
     ref = _build(name, live_flags, model)
     ref.load_state_dict(_native(osd, [fqn for fqn, _ in model.named_parameters()]))
     for p in model.parameters():
@@ -283,7 +302,7 @@ def test_template_round_trip_placement(name, kw, default_dtype):
     live = {id(p): dict(st) for p, st in optim.state.items()}
     template = dcp_optim.get_optimizer_state_dict(model, optim)
     dcp_optim.set_optimizer_state_dict(model, optim, template)
-    _check_loaded(name, model, optim, template, live)
+    _check_loaded(name, model, optim, template, live, _first_step_dtypes(name, kw))
 
 
 # --- model loads, offload, collective devices --------------------------------------

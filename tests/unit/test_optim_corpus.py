@@ -17,7 +17,9 @@ For each, on a tiny model, one process:
 * get, set into a fresh copy, one step: bit for bit the uninterrupted run;
 * the same through ``dcp.save``/``dcp.load`` with a never-stepped template;
 * a bf16 resume (fp32 checkpoint, bf16 parameters) steps, with the state
-  dtypes torch's ``load_state_dict`` gives.
+  dtypes torch's ``load_state_dict`` gives, but for the tensors a first
+  step on bf16 parameters makes in another dtype (fp32 moments), which
+  keep it (D35 in docs/differences.md).
 
 Optimizers that cannot take a plain training step on CPU are skipped with
 the reason printed; the session's summary prints how many of the catalogue
@@ -589,6 +591,36 @@ def test_corpus(name, tmp_path):
         _RAN.add(name)
 
 
+def _keep_first_step_dtypes(factory, src_model, src_opt, model, opt):
+    """The oracle of a precision-changing resume (D35): ``opt`` (bf16
+    parameters) holds what torch's ``load_state_dict`` gave it from
+    ``src_opt``'s state; each floating tensor a real first step of the
+    same optimizer on bf16 parameters makes in another dtype than the
+    parameter's is replaced by the source's value in that dtype.  Not for
+    an optimizer with its own ``load_state_dict`` (or its hooks), whose
+    rule is its own, nor where that first step raises."""
+    if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict or getattr(
+            opt, "_optimizer_load_state_dict_pre_hooks", None) or getattr(
+            opt, "_optimizer_load_state_dict_post_hooks", None):
+        return
+    first_model, first_opt = _build(factory, dtype=torch.bfloat16, seed=1)
+    try:
+        _step(first_model, first_opt, 0, torch.bfloat16)
+    except Exception:  # noqa: BLE001 - no first step: torch's rule
+        return
+    first = {n: first_opt.state.get(p) or {} for n, p in first_model.named_parameters()}
+    source = {n: src_opt.state.get(p) or {} for n, p in src_model.named_parameters()}
+    for n, p in model.named_parameters():
+        held = opt.state.get(p)
+        for k, v in list(held.items()) if held else ():
+            want = first[n].get(k)
+            saved = source[n].get(k)
+            if (k != "step" and isinstance(v, torch.Tensor) and isinstance(want, torch.Tensor)
+                    and isinstance(saved, torch.Tensor) and want.dtype.is_floating_point
+                    and want.dtype != p.dtype and want.dtype != v.dtype):
+                held[k] = saved.detach().to(device=v.device, dtype=want.dtype)
+
+
 def _check_refused(name, factory, failure):
     """A base optimizer whose state is kept apart (FriendlySAM, LookSAM,
     WSAM, GSAM): the getter refuses it, naming the class and attribute,
@@ -808,7 +840,11 @@ def _check_resumes(name, factory, tmp_path) -> bool:
     if not got_any:
         return False
 
-    # 5. bf16 resume of the fp32 checkpoint: steps, with torch's dtypes.
+    # 5. bf16 resume of the fp32 checkpoint into a never-stepped optimizer:
+    # steps, with torch's dtypes -- but where the optimizer's own first
+    # step on the bf16 parameters gives a floating tensor another dtype
+    # than the parameter's (fp32 second moments: NovoGrad and others), it
+    # keeps that dtype, loaded from the checkpoint's value (D35).
     sd = copy.deepcopy(dcp_optim.get_optimizer_state_dict(src_model, src_opt))
     ours_model, ours_opt = _build(factory, dtype=torch.bfloat16, seed=1)
     dcp_optim.set_optimizer_state_dict(ours_model, ours_opt, sd)
@@ -819,6 +855,7 @@ def _check_resumes(name, factory, tmp_path) -> bool:
             for k, v in st[p].items() if isinstance(v, torch.Tensor)}
         for n, p in m.named_parameters()
     }
+    _keep_first_step_dtypes(factory, src_model, src_opt, torch_model, torch_opt)
     assert dtypes(ours_opt, ours_model) == dtypes(torch_opt, torch_model)
     try:
         _step(torch_model, torch_opt, 2, torch.bfloat16)

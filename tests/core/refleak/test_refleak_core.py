@@ -584,6 +584,23 @@ def _():
         C.prepare_install(CTX, OPT, split, [{"step": need, "exp_avg": 2}])
 
 
+@case("prepare_install", "first-dtypes")
+def _():
+    # parameters that hold no state: a first step's dtypes where given
+    # (a.weight's exp_avg), the parameter's elsewhere; a held one's own
+    fresh = FakeOptimizer([PARAMS])
+    half = fakes.FakeDType("bfloat16", 2, True)
+    first = {id(PARAMS[0]): {"exp_avg": FakeTensor((0,), half)}, id(PARAMS[1]): {"x": FakeTensor((0,), half)}}
+    for opt in (fresh, OPT):
+        C.prepare_install(CTX, opt, SPLIT, None, False, first)
+        C.prepare_install(CTX, opt, SPLIT, None, True, None)
+
+
+@case("prepare_install", "first-dtypes-not-dict", TypeError, "first_dtypes must be a dict")
+def _():
+    C.prepare_install(CTX, OPT, SPLIT, None, False, [])
+
+
 @case("prepare_install", "aliased")
 def _():
     # the optimizer's own state (proven: no cast), then one entry that is

@@ -27,7 +27,7 @@ if not os.path.exists(STUB):
     )
 # How the core words a wrong argument count (dcp_check_nargs and the
 # functions with optional trailing arguments).
-ARITY = re.compile(r"takes (exactly )?\d+( or \d+)? arguments? \(\d+ given\)")
+ARITY = re.compile(r"takes (exactly )?\d+( (or|to) \d+)? arguments? \(\d+ given\)")
 
 
 def _functions() -> dict[str, object]:
