@@ -335,3 +335,78 @@ def torchtune_helpers(rank: int, ws: int, steps: int) -> dict[str, Any]:
 
     out["torchtune"], out["torchao"] = torchtune.__version__, torchao.__version__
     return out
+
+
+# --- OLMo-core: its checkpoint functions on FSDP2, with its own optimizers -----------
+
+
+def _olmo_model(seed: int, ws: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(seed)
+    model = Net()
+    mesh = init_device_mesh("cpu", (ws,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+OLMO_OPTIMIZERS = ("SkipStepAdamW", "SkipStepAdamW/bf16", "SkipStepLion")
+
+
+def _olmo_optim(name: str, model: nn.Module):
+    """OLMo-core's own optimizers (``olmo_core.optim``): they create their
+    state in ``step()`` (SkipStepAdamW's moments in ``dtype`` where given,
+    its ``step`` a float32 tensor on the parameter's device), two groups."""
+    from olmo_core import optim as olmo_optim
+
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    if name == "SkipStepLion":
+        return olmo_optim.SkipStepLion(groups, lr=0.01)
+    dtype = torch.bfloat16 if name.endswith("/bf16") else None
+    return olmo_optim.SkipStepAdamW(groups, lr=0.01, dtype=dtype, foreach=False)
+
+
+def olmo_core_checkpoints(rank: int, ws: int, root: str, steps: int) -> dict[str, Any]:
+    """OLMo-core's ``save_model_and_optim_state`` / ``load_model_and_optim_state``
+    (DCP directories of sharded, CPU-offloaded state dicts; nested and
+    flattened optimizer state), each implementation saving, then each
+    loading what each saved into a model with another init and a
+    never-stepped optimizer, and training on."""
+    from importlib.metadata import version
+
+    from olmo_core.distributed.checkpoint import (
+        load_model_and_optim_state,
+        save_model_and_optim_state,
+    )
+
+    out: dict[str, Any] = {"olmo_core": version("ai2-olmo-core")}
+    for name in OLMO_OPTIMIZERS:
+        for flat in (False, True):
+            case = f"{name}/flat={flat}"
+            for impl in IMPLS:
+                rec: dict[str, Any] = {}
+                path = os.path.join(root, case.replace("/", "_"), impl)
+                with impl_run(impl, rec):
+                    model = _olmo_model(0, ws)
+                    optim = _olmo_optim(name, model)
+                    rec["first"] = _tt_train(model, optim, steps, 0)
+                    save_model_and_optim_state(path, model, optim, flatten_optimizer_state=flat)
+                    rec["saved"] = live_state(model, optim)
+                    rec["reference"] = _tt_train(model, optim, steps, steps)
+                out[f"save {impl}/{case}"] = rec
+            for impl in IMPLS:
+                for saved_by in IMPLS:
+                    rec = {}
+                    path = os.path.join(root, case.replace("/", "_"), saved_by)
+                    with impl_run(impl, rec):
+                        model = _olmo_model(7, ws)
+                        optim = _olmo_optim(name, model)
+                        load_model_and_optim_state(path, model, optim, flatten_optimizer_state=flat)
+                        rec["loaded"] = live_state(model, optim)
+                        rec["resumed"] = _tt_train(model, optim, steps, steps)
+                    out[f"load {impl}<-{saved_by}/{case}"] = rec
+    return out

@@ -10,6 +10,11 @@ same processes (tests/distributed/dist_cases_trainers.py):
 * torchtune (``torchtune==0.6.1`` with ``torchao==0.15.0``): its
   ``training._distributed`` helpers and ``_init_optim_state``, which it
   imports at the top of its module -- here first imported while patched.
+* OLMo-core (``ai2-olmo-core==3.0.0``): ``save_model_and_optim_state`` /
+  ``load_model_and_optim_state`` (sharded DCP directories, nested and
+  flattened optimizer state) with its own optimizers, which create their
+  state in ``step()``: ``SkipStepAdamW`` (fp32, and bf16 moments of fp32
+  parameters) and ``SkipStepLion``.
 
 The clients must be installed (the Makefile's environment pins them): the
 tests fail, they are not skipped, without them.  One launch per client and
@@ -35,6 +40,8 @@ if launched_by_torchrun():
     # is still first imported inside the rank function, while patched.
     import datasets  # noqa: F401
     import lightning  # noqa: F401
+    import olmo_core.distributed.checkpoint  # noqa: F401
+    import olmo_core.optim  # noqa: F401
     import torchao  # noqa: F401
 
 STEPS = 2
@@ -141,3 +148,41 @@ def test_torchtune_distributed_helpers_run_dcp_optim():
                 assert b["loaded_with_grads"] == ("raised", "AssertionError", "Expected device to be set")
             else:
                 assert b["loaded_with_grads"]["state"] == []
+
+
+@pytest.mark.dist
+@pytest.mark.filterwarnings("ignore")  # OLMo-core's import-time notes (no transformer_engine)
+def test_olmo_core_checkpoints_run_dcp_optim(tmp_path):
+    """OLMo-core's checkpoint functions, each implementation saving and
+    each loading what each saved into a model with another init and a
+    never-stepped optimizer: the same checkpoints, and every resume
+    through dcp_optim continues bit for bit.  Upstream's does too, except
+    where the optimizer keeps bf16 moments of fp32 parameters: its load
+    casts them to fp32 (D35) and the resumed run differs."""
+    installed = version("ai2-olmo-core")
+    results = run_ranks(2, cases.olmo_core_checkpoints, str(tmp_path), STEPS)
+    for rank, r in enumerate(results):
+        assert r["olmo_core"] == installed
+        for name in cases.OLMO_OPTIMIZERS:
+            for flat in (False, True):
+                case = f"{name}/flat={flat}"
+                ours, up = r[f"save dcp_optim/{case}"], r[f"save upstream/{case}"]
+                assert ours["client_calls"] == up["client_calls"] == {"get_model_state_dict": 1,
+                                                                      "get_optimizer_state_dict": 1}
+                assert ours["upstream_internal_calls"] == {}
+                # the same training, the same state saved (the checkpoints
+                # are compared through the loads below: each reads both)
+                assert ours["first"] == up["first"] and ours["reference"] == up["reference"], (rank, case)
+                assert ours["saved"] == up["saved"], (rank, case)
+                for impl in cases.IMPLS:
+                    for saved_by in cases.IMPLS:
+                        rec = r[f"load {impl}<-{saved_by}/{case}"]
+                        origin = r[f"save {saved_by}/{case}"]
+                        assert rec["client_calls"] == {"get_model_state_dict": 1, "get_optimizer_state_dict": 1,
+                                                       "set_model_state_dict": 1, "set_optimizer_state_dict": 1}
+                        exact = rec["loaded"] == origin["saved"] and rec["resumed"] == origin["reference"]
+                        if impl == "dcp_optim":
+                            assert rec["upstream_internal_calls"] == {}
+                            assert exact, (rank, impl, saved_by, case)
+                        else:
+                            assert exact == (not name.endswith("/bf16")), (rank, impl, saved_by, case)
