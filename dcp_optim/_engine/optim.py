@@ -1053,7 +1053,7 @@ def _nothing() -> None:
 # load that follows the template flow's get -> dcp.load checks against the
 # names, and casts to the dtypes, without a second shadow step.  No
 # tensor is kept; gone with the optimizer.
-_TEMPLATE_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TEMPLATE_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _first_step_entry(entry: dict[Any, Any]) -> dict[Any, torch.dtype | None]:
@@ -1065,7 +1065,7 @@ def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None
     if not pristine_states:
         return
     try:
-        known = _TEMPLATE_NAMES.setdefault(optim, {})
+        known = _TEMPLATE_ENTRIES.setdefault(optim, {})
     except TypeError:  # not weakly referenceable
         return
     for fqn, entry in pristine_states.items():
@@ -1086,7 +1086,7 @@ def _templates(
     names, or None: no check) -- and the dtypes the load casts to (see
     _first_dtypes).  At most one shadow step per optimizer.  None for
     optimizers with a schema (their entries are checked against it by
-    prepare_install; their first step's dtypes are torch's rule)."""
+    prepare_install, their dtypes read from it: _schema_first_dtypes)."""
     todo = set(missing)
     out: list[dict[str, list[Any] | None] | None] = []
     dtypes: list[dict[int, dict[Any, torch.Tensor]] | None] = []
@@ -1097,7 +1097,7 @@ def _templates(
             continue
         state = split["state"]
         try:
-            known = _TEMPLATE_NAMES.get(optim) or {}
+            known = _TEMPLATE_ENTRIES.get(optim) or {}
         except TypeError:
             known = {}
         first: dict[str, dict[Any, torch.dtype | None] | None] = {}
