@@ -1,8 +1,9 @@
 """Full loads of values in any memory layout, against the values
 themselves: a seeded random sweep of FSDP2 models (uneven and empty
-shards, several dtypes, casts), whose full dicts hold transposed views,
-strided one-dimensional views and transposed columns (rows of one element
-with another stride), loaded by broadcast from rank 0 or from every rank,
+shards, several dtypes -- complex among them -- and casts), whose full
+dicts hold transposed views, strided one-dimensional views, transposed
+columns (rows of one element with another stride) and conjugate views
+of complex values, loaded by broadcast from rank 0 or from every rank,
 through every path of the stream (inline, bucketed broadcast, scattered
 rows: steps and point-to-point units) as the seed picks its thresholds.
 
@@ -58,6 +59,10 @@ def _laid_out(value: torch.Tensor, how: str) -> torch.Tensor:
         out = value.t().contiguous().t()
     elif how == "strided" and value.dim() == 1:
         out = torch.stack([value, -value], dim=1)[:, 0]
+    elif how == "conjugate" and value.is_complex():
+        # the same values behind a conjugate view (its bit set, lazily)
+        out = torch.conj_physical(value).conj()
+        assert out.is_conj()
     else:
         return value
     assert torch.equal(out, value)
@@ -79,7 +84,7 @@ def layouts_case(rank: int, ws: int, seeds: list[int]) -> list[str]:
                 rows = rnd.choice([1, 2, 3, 5, 7, 64, 100, 1027])
                 cols = rnd.choice([None, 1, 3, 16, 256])
                 shapes.append((rows,) if cols is None else (rows, cols))
-                dtypes.append(rnd.choice([torch.float32, torch.bfloat16, torch.float64]))
+                dtypes.append(rnd.choice([torch.float32, torch.bfloat16, torch.float64, torch.complex64]))
             source_dtype = rnd.choice([None, torch.float32, torch.float16])
             _scatter.SCATTER_MIN_CHUNK_BYTES = rnd.choice([1, 64, 1 << 62])
             _scatter.DIRECT_BYTES = rnd.choice([1 << 20, 4096, 512])
@@ -90,7 +95,10 @@ def layouts_case(rank: int, ws: int, seeds: list[int]) -> list[str]:
             model, optim = _model(shapes, dtypes, ws)
             g = torch.Generator().manual_seed(seed)
             full = dcp_optim.StateDictOptions(full_state_dict=True)
-            values = {k: torch.randn(tuple(v.shape), generator=g).to(source_dtype or v.dtype)
+            # complex values travel as they are (a cast to a real dtype
+            # would drop their imaginary parts)
+            values = {k: torch.randn(tuple(v.shape), generator=g, dtype=v.dtype) if v.is_complex()
+                      else torch.randn(tuple(v.shape), generator=g).to(source_dtype or v.dtype)
                       for k, v in dcp_optim.get_model_state_dict(model, options=full).items()}
             sent: dict[str, Any] = {}
             for k, v in values.items():
@@ -99,7 +107,8 @@ def layouts_case(rank: int, ws: int, seeds: list[int]) -> list[str]:
                     v = _laid_out(v, "transposed")
                 if how in ("strided", "both"):
                     v = _laid_out(v, "strided")
-                sent[k] = v
+                sent[k] = _laid_out(v, "conjugate")
+                assert torch.equal(sent[k], values[k])
             opts = dcp_optim.StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
             give = rank == 0 or not broadcast
             dcp_optim.set_model_state_dict(model, sent if give else {}, options=opts)
@@ -109,15 +118,18 @@ def layouts_case(rank: int, ws: int, seeds: list[int]) -> list[str]:
             osd = dcp_optim.get_optimizer_state_dict(model, optim, options=full)
             moments = {}
             for name, state in osd["state"].items():
-                m = torch.randn(tuple(state["exp_avg"].shape), generator=g).to(state["exp_avg"].dtype)
+                like = state["exp_avg"]
+                m = (torch.randn(tuple(like.shape), generator=g, dtype=like.dtype) if like.is_complex()
+                     else torch.randn(tuple(like.shape), generator=g).to(like.dtype))
                 moments[name] = m
-                state["exp_avg"] = _laid_out(_laid_out(m, "transposed"), "strided")
+                state["exp_avg"] = _laid_out(_laid_out(_laid_out(m, "transposed"), "strided"), "conjugate")
             dcp_optim.set_optimizer_state_dict(model, optim, osd if give else {}, options=opts)
             params = dict(model.named_parameters())
             for name, m in moments.items():
                 got = optim.state[params[name]]["exp_avg"].full_tensor()
                 assert torch.equal(got, m.to(got.dtype)), (seed, name, how)
-            done.append(f"seed {seed}: {len(shapes)} tensors, {how}, broadcast={broadcast}")
+            n_complex = sum(d.is_complex for d in dtypes)
+            done.append(f"seed {seed}: {len(shapes)} tensors ({n_complex} complex), {how}, broadcast={broadcast}")
     finally:
         (_scatter.SCATTER_MIN_CHUNK_BYTES, _scatter.DIRECT_BYTES, _payload.INLINE_BYTES, previous) = saved
         _collectives.set_bucket_bytes(previous)
