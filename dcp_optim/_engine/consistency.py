@@ -652,7 +652,8 @@ def check_agreement(
     details, _ = mesh_all_gather_object(mesh, ("gather", what, None if same else details_fn(), exported))
     _check_same_call(details, ranks)
     if not same:
-        raise errors.StateDictRuntimeError(_describe_difference(what, [d[2] for d in details], ranks))
+        # (a rank that also failed keeps its own error as the cause)
+        raise errors.StateDictRuntimeError(_describe_difference(what, [d[2] for d in details], ranks)) from error
     _raise_first_failure(error, [(r, d[3]) for r, d in zip(ranks, details) if d[3] is not None], ranks,
                          "nothing was gathered on any rank")
 
