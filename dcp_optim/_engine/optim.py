@@ -1019,6 +1019,8 @@ def _template_names(index: Any, optim: _Optimizer) -> dict[Any, list[Any]]:
         return {p: [s.name for s in schema(optim, groups[g]) or ()] for p, g, _ in missing}
     try:
         states, _ = fallback_pristine(optim, [p for p, _, _ in missing])
+    except Warning:
+        raise  # warnings turned into errors by the caller (see _templates)
     except Exception:  # noqa: BLE001 - no template: nothing to go by
         return {}
     out: dict[Any, list[Any]] = {}
@@ -1116,6 +1118,11 @@ def _templates(
         if shadow:
             try:
                 states: dict[int, dict[str, Any]] | None = fallback_pristine(optim, [p for _, p in shadow])[0]
+            except Warning:
+                # the caller turned warnings into errors (the shadow step's
+                # "no state schema"): raised before anything changes, not
+                # taken for "cannot tell", which would drop the checks
+                raise
             except Exception:  # noqa: BLE001 - cannot tell: torch's rule, no check
                 states = None
             for fqn, param in shadow:

@@ -624,6 +624,44 @@ def test_resume_keeps_the_precision_the_optimizer_keeps(impl, name, flat):
         assert torch.equal(p, q), n
 
 
+def test_a_load_under_warnings_as_errors_raises_the_shadow_steps_warning():
+    """D35's dtypes and the strict checks of a schema-less optimizer come
+    from a shadow step, which warns once per class.  Under warnings
+    turned into errors (as in this suite) the first load into a
+    never-stepped optimizer raises that warning before anything changes,
+    rather than taking it for a step that cannot run (which would load by
+    torch's rule, unchecked); the next load goes through."""
+
+    class HalfMoments(torch.optim.Optimizer):  # a class no call has warned about
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.05})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["m"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["m"].mul_(0.9).add_(p.grad.to(torch.bfloat16))
+                    p.sub_(group["lr"] * state["m"].to(p.dtype))
+
+    torch.manual_seed(0)
+    src = Net()
+    src_optim = HalfMoments(src.parameters())
+    train(src, src_optim, 2)
+    osd = copy.deepcopy(dcp_optim.get_optimizer_state_dict(src, src_optim))  # stepped: no shadow step
+    model = Net()
+    optim = HalfMoments(model.parameters())
+    with pytest.raises(UserWarning, match="no state schema"):
+        dcp_optim.set_optimizer_state_dict(model, optim, copy.deepcopy(osd))
+    assert not optim.state
+    dcp_optim.set_optimizer_state_dict(model, optim, copy.deepcopy(osd))
+    assert [st["m"].dtype for st in optim.state.values()] == [torch.bfloat16] * 4
+
+
 def test_step_follows_the_optimizers_device_policy():
     src, src_optim = trained()
     sd = dcp_optim.get_optimizer_state_dict(src, src_optim)

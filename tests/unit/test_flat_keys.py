@@ -241,6 +241,7 @@ def _dotted_state_name_load(impl, opts, beside_exp_avg=True, fresh=False):
 
 
 @pytest.mark.parametrize("beside_exp_avg", [True, False])
+@pytest.mark.filterwarnings("ignore:dcp_optim has no state schema:UserWarning")  # the load's shadow step
 def test_dotted_state_name_is_read_whole_as_upstream(beside_exp_avg):
     """Upstream's unflattening looks each live state name up whole
     ("state.<fqn>.exp_avg.sq") before splitting on dots; the loaded view
