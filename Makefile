@@ -153,9 +153,9 @@ TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp
                      and not resharded_loads_and_corruption and not dying \
                      and not upstream_falls_apart
 TORCHRUN_LIMIT    ?= 600
-# Every rank's output of a launch (torchrun --log-dir, --tee): the console
-# shows rank 0's only; when a launch fails, the other ranks' last lines
-# are printed from here (a rank that died shows why: pytest's faulthandler
+# The other ranks' output of a launch (torchrun --log-dir, --redirects:
+# the console shows rank 0's, as it prints it): when a launch fails, it is
+# printed from here (a rank that died shows why: pytest's faulthandler
 # writes its stacks to stderr).
 TORCHRUN_LOGS     := $(CURDIR)/.torchrun-logs
 
@@ -164,9 +164,10 @@ test-torchrun: build
 	rm -rf $(TORCHRUN_PASSED) $(TORCHRUN_LOGS)
 	for n in $(TORCHRUN_NPROCS); do \
 	    echo "== torchrun --nproc-per-node=$$n"; \
+	    others=$$(seq -s, 1 $$((n - 1)) | sed 's/\([0-9][0-9]*\)/\1:3/g'); \
 	    DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED) \
 	    timeout -k 10 $(TORCHRUN_LIMIT) $(VENV)/bin/torchrun --standalone --nproc-per-node=$$n \
-	        --log-dir $(TORCHRUN_LOGS)/$$n --tee 3 --local-ranks-filter=0 \
+	        --log-dir $(TORCHRUN_LOGS)/$$n --redirects "$$others" \
 	        -m pytest -q -p no:cacheprovider --disable-warnings \
 	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || { \
 	        for f in $$(find $(TORCHRUN_LOGS)/$$n -path '*/attempt_*/[1-9]*' -name 'std*.log' | sort); do \
