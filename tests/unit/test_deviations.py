@@ -569,9 +569,18 @@ def _olmo_skip_step_adamw(params):
     return SkipStepAdamW(params, lr=0.05, dtype=torch.bfloat16)
 
 
+def _hf_adafactor(params):
+    from transformers.optimization import Adafactor  # transformers, from PyPI
+
+    return Adafactor(params, lr=0.05, relative_step=False, scale_parameter=False, warmup_init=False)
+
+
 # (optimizer, dtype of the parameters): each keeps some state in another
 # floating dtype than its parameters'
 OWN_PRECISION = {
+    # transformers' Adafactor: float32 factored second moments and RMS
+    # beside bf16 parameters
+    "hf_adafactor_bf16_params": (_hf_adafactor, torch.bfloat16),
     # OLMo-core's SkipStepAdamW(dtype=bf16): bf16 moments of fp32 parameters
     "olmo_skip_step_adamw_bf16_moments": (_olmo_skip_step_adamw, torch.float32),
     # torch's NAdam: a float32 mu_product beside bf16 parameters
@@ -593,7 +602,8 @@ def test_resume_keeps_the_precision_the_optimizer_keeps(impl, name, flat):
     bit for bit.  torch's Optimizer.load_state_dict, which upstream
     calls, casts it to the parameter's dtype: SkipStepAdamW's bf16
     moments become fp32 (twice the memory), NAdam's float32 mu_product
-    becomes bf16, and the next steps differ from the uninterrupted run."""
+    and Adafactor's float32 moments become bf16, and the next steps
+    differ from the uninterrupted run."""
     make, dtype = OWN_PRECISION[name]
 
     def build(seed):
