@@ -1085,17 +1085,17 @@ def _templates(
     template of this optimizer, or else one shadow step,
     schema.fallback_pristine) and those it holds ([] for a parameter a
     first step gives no state; where that step cannot run, the held
-    names, or None: no check) -- and the dtypes the load casts to (see
-    _first_dtypes).  At most one shadow step per optimizer.  None for
-    optimizers with a schema (their entries are checked against it by
-    prepare_install, their dtypes read from it: _schema_first_dtypes)."""
+    names, or None: no check).  At most one shadow step per optimizer.
+    Names None for optimizers with a schema (their entries are checked
+    against it by prepare_install).  With them, per optimizer, the dtypes
+    the load casts to (see _first_dtypes; a schema's: _schema_first_dtypes)."""
     todo = set(missing)
     out: list[dict[str, list[Any] | None] | None] = []
     dtypes: list[dict[int, dict[Any, torch.Tensor]] | None] = []
     for optim, split in zip(optimizers, splits):
         if schema_for(optim) is not None:
             out.append(None)
-            dtypes.append(None)
+            dtypes.append(_schema_first_dtypes(optim, split))
             continue
         state = split["state"]
         try:
@@ -1185,7 +1185,7 @@ def _schema_first_dtypes(optim: _Optimizer, split: dict[str, Any]) -> dict[int, 
     pairs: list[tuple[str, Any]] = []
     first: dict[str, dict[Any, torch.dtype | None] | None] = {}
     schema = schema_for(optim)
-    assert schema is not None  # the caller's condition
+    assert schema is not None  # _templates' condition
     for saved, live in zip(split["param_groups"], optim.param_groups):
         explicit = {
             s.name: s.kwargs["dtype"]
@@ -1308,8 +1308,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
             # their identity without the cast, which a __torch_function__
             # mode could intercept: then always cast
             aliased = not torch._C._is_torch_function_mode_enabled()
-            dtypes = first_dtypes[o] if schema_for(optim) is None else _schema_first_dtypes(optim, split)
-            payload = C.prepare_install(ctx, optim, split, expected, aliased, dtypes)
+            payload = C.prepare_install(ctx, optim, split, expected, aliased, first_dtypes[o])
             if o in wide:
                 payload[0].update(_copy_containers(wide[o]))
             prepared.append((True, payload))

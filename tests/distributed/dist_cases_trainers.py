@@ -43,6 +43,14 @@ UPSTREAM_INTERNALS = ("_get_model_state_dict", "_load_model_state_dict",
                       "_get_optim_state_dict", "_load_optim_state_dict")
 
 
+def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Two param groups, as trainers make them: weights with weight decay
+    0.1, the rest without."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+
+
 def _batch(step: int) -> torch.Tensor:
     return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 + step))
 
@@ -129,11 +137,7 @@ def _fabric(ws: int, form: str):
 def _fabric_setup(fabric, seed: int):
     torch.manual_seed(seed)
     model = fabric.setup_module(Net())
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=0.01
-    )
+    optim = torch.optim.AdamW(_decay_groups(model), lr=0.01)
     return model, fabric.setup_optimizers(optim)
 
 
@@ -221,11 +225,7 @@ def _tt_model(seed: int):
 
 
 def _tt_optim(model):
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=0.01
-    )
+    return torch.optim.AdamW(_decay_groups(model), lr=0.01)
 
 
 def _tt_train(model, optim, steps: int, start: int) -> list[str]:
@@ -361,9 +361,7 @@ def _olmo_optim(name: str, model: nn.Module):
     its ``step`` a float32 tensor on the parameter's device), two groups."""
     from olmo_core import optim as olmo_optim
 
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    groups = _decay_groups(model)
     if name == "SkipStepLion":
         return olmo_optim.SkipStepLion(groups, lr=0.01)
     dtype = torch.bfloat16 if name.endswith("/bf16") else None
