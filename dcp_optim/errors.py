@@ -25,6 +25,7 @@ __all__ = [
     "MissingOptimizerStateError",
     "IncompleteTemplateError",
     "HeldOptimizerStateError",
+    "StaleOptimizerStateError",
     "RankLocalStateError",
 ]
 
@@ -103,6 +104,21 @@ class HeldOptimizerStateError(StateDictRuntimeError):
 
     def __reduce__(self):  # picklable (errors travel between ranks)
         return (type(self), (str(self.args[0]) if self.args else "", self.owner, self.attribute))
+
+
+class StaleOptimizerStateError(StateDictRuntimeError):
+    """An optimizer's ``state_dict()`` returns a copy of its state taken
+    earlier, and the state it holds has changed since (a
+    ``ZeroRedundancyOptimizer`` stepped after ``consolidate_state_dict``):
+    saving the copy would pair the current parameters with older optimizer
+    state.  ``position`` is the optimizer's index in the call."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+
+    def __reduce__(self):  # picklable (errors travel between ranks)
+        return (type(self), (str(self.args[0]) if self.args else "", self.position))
 
 
 class RankLocalStateError(StateDictRuntimeError):

@@ -31,6 +31,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .. import errors
 from ..schema import PARAM, PARAM_DEVICE, proxied, schema_for
+from . import zero
 from .core import C, context
 from .own_calls import is_patched, state_dict_fn
 from .pipeline import Prepared, Report
@@ -120,6 +121,11 @@ def _check_held_optimizers(optim: _Optimizer, i: int) -> None:
         if id(owner) in seen:
             continue
         seen.add(id(owner))
+        if zero.is_zero(owner):
+            # its consolidated state_dict() holds its inner optimizer's
+            # state, keyed by parameter index (zero.py)
+            zero.check_supported(owner, i)
+            continue
         own_state = getattr(owner, "state", None)
         held = [
             (name, v) for name, v in getattr(owner, "__dict__", {}).items()
@@ -317,11 +323,17 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         wrapped = _wrapper_layout(optim, osd)
         if wrapped is not None:
             osd, target, wrapper_keys = _unwrap_state_dict(index, optim, osd, *wrapped)
+        zero_owner = zero.is_zero(optim)
+        if zero_owner:
+            # (D36) its consolidated copy: checked against the live
+            # partition; templates are its inner optimizer's class's
+            zero.check_fresh(optim, o)
+            target = zero.standin(optim, osd)
         extra, group_keys = pristine(index, target)
         extra, first_wide = _pop_wide(extra)
         if extra and schema_for(target) is None:
-            _remember_template(target, extra)
-        if (extra or group_keys) and wrapped is None:
+            _remember_template(optim if zero_owner else target, extra)
+        if (extra or group_keys) and wrapped is None and not zero_owner:
             extra, group_keys = _in_own_layout(optim, index, extra, group_keys)
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
@@ -678,7 +690,12 @@ def _live_wide(optim: _Optimizer) -> list[str]:
 def init_optim_state(optim: _Optimizer) -> None:
     """Upstream's ``_init_optim_state`` made safe (D4 in docs/differences.md): fill
     ``optim.state`` with pristine state for trainable parameters lacking
-    it.  No ``step()``, no hooks, no gradients."""
+    it.  No ``step()``, no hooks, no gradients.  A ZeroRedundancyOptimizer
+    keeps its state in its inner optimizer, this rank's partition (D36):
+    filled there."""
+    if zero.is_zero(optim):
+        zero.check_supported(optim, 0)
+        optim = zero.inner(optim)
     params = [p for g in optim.param_groups for p in g["params"]]
     model = nn.Module()
     model._parameters.update({str(i): p for i, p in enumerate(params)})
@@ -802,6 +819,7 @@ def _drop_sgd_placeholders(optim: _Optimizer, split: dict[str, Any]) -> None:
 def _view(index: Any, osd: dict[str, Any], optimizers: tuple[_Optimizer, ...] = ()) -> tuple:
     if "state" in osd:
         return C.view_from_nested(osd)
+    optimizers = _load_targets(optimizers)
     # Dotted state names are read whole (upstream's unflattening looks the
     # names up whole): the names the live optimizers hold or their schemas
     # declare; where the view still nests a name (or cannot: "exp_avg" and
@@ -1268,7 +1286,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     # optimizer, installed through their own load_state_dict
     wrapped = [_live_wrapper_layout(optim) for optim in optimizers]
     owners = optimizers
-    optimizers = tuple(optim if w is None else w[1] for optim, w in zip(optimizers, wrapped))
+    optimizers = _load_targets(tuple(optim if w is None else w[1] for optim, w in zip(optimizers, wrapped)))
     expect = [_expect_state(optim) for optim in optimizers]
     splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
     # Which state is required follows the groups as loaded (the
@@ -1303,7 +1321,12 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         expected = _param_shaped(optim, split["param_groups"])
         _cast_integer_state(optim, split, expected)
         _check_steps(split["state"])
-        if w is None and _native_load(optim):
+        if optim is not owner and zero.is_zero(owner):
+            # (D36) validated as its inner optimizer's class over its
+            # groups; ZeRO's own load takes the dict keyed by index
+            C.prepare_install(ctx, optim, split, expected)
+            prepared.append((False, zero.index_keyed(split, extras)))
+        elif w is None and _native_load(optim):
             # the optimizer's own state tensors (the DCP resume) keep
             # their identity without the cast, which a __torch_function__
             # mode could intercept: then always cast
@@ -1367,11 +1390,31 @@ def _live_wrapper_layout(optim: _Optimizer) -> tuple[Any, _Optimizer, list[Any]]
     return None if found is None else (*found, [k for k in osd if k != found[0]])
 
 
+def _load_targets(optimizers: tuple[_Optimizer, ...]) -> tuple[_Optimizer, ...]:
+    """What a load validates each optimizer as: a ZeroRedundancyOptimizer
+    as its inner optimizer's class over its global groups, holding this
+    rank's partition (zero.held_standin; with the template its getter
+    remembered); every other optimizer as itself."""
+    if not any(zero.is_zero(optim) for optim in optimizers):
+        return optimizers
+    out: list[_Optimizer] = []
+    for optim in optimizers:
+        if zero.is_zero(optim):
+            zero.check_supported(optim, len(out))
+            target = zero.held_standin(optim)
+            known = _TEMPLATE_ENTRIES.get(optim)
+            if known:
+                _TEMPLATE_ENTRIES[target] = known
+            optim = target
+        out.append(optim)
+    return tuple(out)
+
+
 def held_state(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, Any]:
     """The optimizers' current state keyed by FQN (the live tensors, no
     pristine state added): where a load may write into it."""
-    optimizers = tuple(optim if w is None else w[1] for optim, w in
-                       ((o, _live_wrapper_layout(o)) for o in optimizers))
+    optimizers = _load_targets(tuple(optim if w is None else w[1] for optim, w in
+                                     ((o, _live_wrapper_layout(o)) for o in optimizers)))
     state: dict[str, Any] = {}
     C.optim_pack(index, optimizers, (None,) * len(optimizers), state, [], [])  # optimizer-wide entries: not written into
     return state

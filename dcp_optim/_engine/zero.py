@@ -1,0 +1,188 @@
+"""torch's ``ZeroRedundancyOptimizer`` (ZeRO-1 beside DDP), D36.
+
+ZeRO partitions the parameters of its (global) ``param_groups`` among the
+ranks; each rank steps its own partition with an inner optimizer at
+``.optim``, which holds the state of that partition only.  The wrapper's
+own ``state`` stays empty.  Its ``state_dict()`` is the state gathered by
+the last ``consolidate_state_dict(to=rank)`` (a copy taken then), keyed
+by global parameter index over the wrapper's groups; its
+``load_state_dict`` takes such an index-keyed dict and installs, on each
+rank, the state of the parameters that rank owns.
+
+Upstream reads the wrapper's empty ``state`` as "never stepped" and runs
+its initialising step, a real step of the inner optimizer (the moments
+decay, ``step`` advances) which on one rank alone waits for the others in
+ZeRO's broadcast; it returns the consolidated copy however old; and its
+load hands ZeRO's ``load_state_dict`` a dict keyed by FQN, which raises
+``TypeError``.  Here:
+
+* get: the consolidated dict, re-keyed by FQN, after checking it is not
+  older than the state this rank's partition holds; trainable parameters
+  without state get the state their first step creates, computed for the
+  inner optimizer's class (:func:`standin`), never by stepping ZeRO;
+* set: validated as for a plain optimizer of the inner class over ZeRO's
+  groups (:func:`standin`), installed through ZeRO's own
+  ``load_state_dict`` with the dict keyed by global index
+  (:func:`index_keyed`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+from .. import errors
+
+__all__ = ["is_zero", "check_supported", "check_fresh", "inner", "standin", "held_standin", "index_keyed"]
+
+_ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
+
+
+def is_zero(optim: Any) -> bool:
+    """Whether ``optim`` is a ``ZeroRedundancyOptimizer`` (or a subclass)."""
+    return any((c.__module__, c.__qualname__) == _ZERO for c in type(optim).__mro__)
+
+
+def check_supported(optim: Any, position: int) -> None:
+    """ZeRO with ``overlap_with_ddp=True`` steps a functional optimizer
+    inside DDP's communication hook: its state is no ``torch.optim``
+    optimizer's, and no template of it can be built here."""
+    if getattr(optim, "_overlap_with_ddp", False):
+        raise errors.HeldOptimizerStateError(
+            f"optimizer {position} (ZeroRedundancyOptimizer) was built with "
+            "overlap_with_ddp=True: the state of its partition lives in a functional "
+            "optimizer inside DDP's communication hook, which dcp_optim cannot key by "
+            "FQN or give a template of. Nothing is returned. Save and load it with "
+            "consolidate_state_dict() + state_dict() and load_state_dict()",
+            type(optim).__qualname__,
+            "optim",
+        )
+
+
+def inner(optim: Any) -> torch.optim.Optimizer:
+    """The inner optimizer stepping this rank's partition."""
+    return optim.optim
+
+
+def _flat_params(optim: Any) -> list[torch.Tensor]:
+    """ZeRO's global parameter order: its indices (``_param_to_index``)."""
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def _scalars(entry: dict[Any, Any]) -> list[tuple[Any, Any]]:
+    return [
+        (k, v) for k, v in entry.items()
+        if not isinstance(v, torch.Tensor) or v.dim() == 0
+    ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of two state values (NaN equals NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a = a.detach().to("cpu").contiguous().reshape(-1)
+        b = b.detach().to("cpu").contiguous().reshape(-1)
+        if a.is_complex():
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare: not the same
+        return False
+
+
+def _entry_changed(saved: dict[Any, Any], live: dict[Any, Any]) -> bool:
+    """Whether a partition's live state entry moved on from the copy
+    consolidated earlier: a counter or other scalar moved (every stepping
+    torch optimizer keeps ``step``), or, for entries with no scalar (SGD's
+    ``momentum_buffer``), any tensor."""
+    if saved.keys() != live.keys():
+        return True
+    scalars = _scalars(live)
+    if scalars:
+        return any(not _same(saved[k], v) for k, v in scalars)
+    return any(not _same(saved[k], v) for k, v in live.items())
+
+
+def check_fresh(optim: Any, position: int) -> None:
+    """Raises ``StaleOptimizerStateError`` where this rank's partition
+    holds state that moved on since ``consolidate_state_dict`` copied it:
+    ZeRO's ``state_dict()`` would return the old copy beside the current
+    parameters (upstream saves it)."""
+    consolidated = getattr(optim, "_all_state_dicts", None)
+    rank = getattr(optim, "rank", None)
+    if not consolidated or not isinstance(rank, int) or rank >= len(consolidated):
+        return
+    saved = consolidated[rank].get("state", {})
+    live = optim.optim.state_dict().get("state", {})
+    stale = sorted(set(saved) ^ set(live), key=repr)
+    if not stale:
+        stale = [i for i, entry in live.items() if _entry_changed(saved[i], entry)]
+    if not stale:
+        return
+    local = stale[0]
+    names = sorted(map(str, live.get(local, saved.get(local, {}))))
+    raise errors.StaleOptimizerStateError(
+        f"optimizer {position} (ZeroRedundancyOptimizer) on rank {rank}: the state its "
+        f"state_dict() returns was consolidated before the state this rank holds changed "
+        f"(parameter {local} of this rank's partition, state {names}; "
+        f"{len(stale)} parameter(s) differ). Saving it would pair the current parameters "
+        "with older optimizer state. Nothing is returned. Call "
+        "consolidate_state_dict(to=...) on every rank again right before this call",
+        position,
+    )
+
+
+def _copy_inner(optim: Any, groups: list[dict[str, Any]], state: dict[Any, Any]) -> Any:
+    """A shallow copy of ZeRO's inner optimizer (its class: the schema and
+    any shadow step are that class's) over ``groups`` holding ``state``;
+    never stepped itself, never installed into."""
+    # (not copy.copy: Optimizer.__getstate__ keeps three attributes only)
+    inner = object.__new__(type(optim.optim))
+    inner.__dict__.update(optim.optim.__dict__)
+    inner.param_groups = groups
+    inner.state = collections.defaultdict(dict, state)
+    return inner
+
+
+def _groups(optim: Any) -> list[dict[str, Any]]:
+    return [{**group, "params": list(group["params"])} for group in optim.param_groups]
+
+
+def standin(optim: Any, osd: dict[str, Any]) -> Any:
+    """The inner optimizer's class over ZeRO's global groups, holding the
+    consolidated state of ``osd`` (ZeRO's own ``state_dict()``): what the
+    getter keys by FQN and completes with pristine state."""
+    params = _flat_params(optim)
+    state = {
+        params[i]: entry for i, entry in osd.get("state", {}).items()
+        if isinstance(i, int) and 0 <= i < len(params) and isinstance(entry, dict) and entry
+    }
+    return _copy_inner(optim, _groups(optim), state)
+
+
+def held_standin(optim: Any) -> Any:
+    """The inner optimizer's class over ZeRO's global groups, holding the
+    state this rank's partition holds (the live tensors): what a load is
+    validated against."""
+    return _copy_inner(optim, _groups(optim), dict(optim.optim.state))
+
+
+def index_keyed(split: dict[str, Any], extras: dict[str, Any] | None) -> dict[str, Any]:
+    """A validated FQN-keyed load for ZeRO's own ``load_state_dict``: keyed
+    by global index, as its ``state_dict()`` keys it (a fresh dict: that
+    load overwrites the entries of parameters other ranks own)."""
+    position: dict[Any, int] = {}
+    groups = []
+    for group in split["param_groups"]:
+        ids = []
+        for fqn in group["params"]:
+            ids.append(position.setdefault(fqn, len(position)))
+        groups.append({**group, "params": ids})
+    state = {position.get(key, key): entry for key, entry in split["state"].items()}
+    return {**(extras or {}), "state": state, "param_groups": groups}

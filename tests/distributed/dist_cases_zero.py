@@ -1,0 +1,270 @@
+"""torch's ZeroRedundancyOptimizer beside DDP (D36), 2 gloo ranks, one
+launch: each scenario runs with dcp_optim and with upstream's functions
+and records what happened (plain data, compared by test_zero.py).
+
+ZeRO's ``consolidate_state_dict(to=r)`` gathers the partitions on rank
+``r`` only (the others' copy is emptied), so where every rank must call a
+getter the scenarios consolidate once per rank and keep each rank's own
+copy (``_consolidate_everywhere``)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as upstream
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dcp_optim
+import dcp_optim.state_dict as dcp_state_dict
+
+from ..support.oracle import assert_same_tree
+
+IMPLS = {"dcp_optim": dcp_optim, "upstream": upstream}
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    # five tensors of unequal sizes: ZeRO gives the ranks unequal partitions
+    return DDP(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4),
+                                   torch.nn.Linear(4, 1, bias=False)))
+
+
+def _adafactor(params, **kw):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, scale_parameter=False, relative_step=False, warmup_init=False, **kw)
+
+
+# name -> (optimizer class, its keyword arguments)
+OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "AdamW": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+    "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    # schema-less (its templates come from a shadow step of the inner
+    # class) and a Python-int step (ZeRO's CPU copy does not alias it)
+    "Adafactor": (_adafactor, {"lr": 0.05}),
+}
+
+
+def _zero(model: torch.nn.Module, name: str) -> ZeroRedundancyOptimizer:
+    cls, kw = OPTIMIZERS[name]
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kw)
+
+
+def _steps(model, optim, n: int, seed: int, zero_grad: bool = True) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(n):
+        loss = model(torch.randn(5, 6, generator=g)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        if zero_grad:
+            optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _consolidate_everywhere(optim: ZeroRedundancyOptimizer, rank: int, world: int) -> None:
+    kept = None
+    for r in range(world):
+        optim.consolidate_state_dict(to=r)
+        if r == rank:
+            kept = optim._all_state_dicts
+    optim._all_state_dicts = kept
+
+
+def _inner_state(optim: ZeroRedundancyOptimizer) -> list:
+    """This rank's partition state by global parameter index, bitwise."""
+    position = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
+    out = []
+    for p, entry in optim.optim.state.items():
+        row = {}
+        for k, v in entry.items():
+            row[k] = (str(v.dtype), v.clone().view(-1).view(torch.uint8).tolist()) if isinstance(v, torch.Tensor) else v
+        out.append((position[id(p)], sorted(row.items(), key=lambda kv: kv[0])))
+    return sorted(out, key=lambda r: r[0])
+
+
+def _state_keys(osd: dict[str, Any], flat: bool) -> list[str]:
+    return sorted(k for k in osd if k.startswith("state.")) if flat else sorted(osd["state"])
+
+
+def _run(fn: Callable[[], Any]) -> Any:
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the failure is the result
+        return (type(exc).__name__, f"{exc}"[:300] or traceback.format_exc(limit=2))
+
+
+def _opts(flat: bool, **kw):
+    return dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat, **kw)
+
+
+def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    for name in OPTIMIZERS:
+        for flat in (False, True):
+            case = f"{name}/flat={flat}"
+
+            # 1. the getter where upstream is right (consolidated, the
+            # gradients still set: upstream takes no initialising step)
+            model, optim = _model(0), None
+            optim = _zero(model, name)
+            _steps(model, optim, 2, 1)
+            _steps(model, optim, 1, 2, zero_grad=False)
+            _consolidate_everywhere(optim, rank, world)
+            before = _inner_state(optim)
+            ours = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+            theirs = upstream.get_optimizer_state_dict(
+                model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat))
+            r[f"same as upstream/{case}"] = _run(lambda: assert_same_tree(ours, theirs))
+            r[f"stepped keys/{case}"] = _state_keys(ours, flat)
+            r[f"getters change nothing, grads set/{case}"] = _inner_state(optim) == before
+
+            # 2. after zero_grad(set_to_none=True): upstream's initialising
+            # step steps the inner optimizer (every rank calls it here)
+            optim.zero_grad(set_to_none=True)
+            for impl, api in IMPLS.items():
+                before = _inner_state(optim)
+                _run(lambda: api.get_optimizer_state_dict(model, optim))
+                r[f"getter changes nothing/{impl}/{case}"] = _inner_state(optim) == before
+
+            # 3. the resume of ZeRO's own flow: rank 0 consolidates and
+            # saves one file; every rank loads it into a fresh model and a
+            # never-stepped ZeroRedundancyOptimizer; the run goes on
+            model, optim = _model(0), None
+            optim = _zero(model, name)
+            _steps(model, optim, 2, 1)
+            optim.consolidate_state_dict(to=0)
+            path = os.path.join(folder, f"zero-{name}-{flat}.pt")
+            if rank == 0:
+                saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+                torch.save((dcp_optim.get_model_state_dict(model), saved), path)
+            dist.barrier()
+            saved_state = _inner_state(optim)
+            reference = _steps(model, optim, 3, 3)
+            for impl, api in IMPLS.items():
+                model2 = _model(7)
+                optim2 = _zero(model2, name)
+                msd, osd = torch.load(path, weights_only=False)
+                kept = copy.deepcopy(osd)
+                api.set_model_state_dict(model2, msd)
+                outcome = _run(lambda: api.set_optimizer_state_dict(
+                    model2, optim2, osd, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
+                r[f"resume load/{impl}/{case}"] = outcome[0]
+                if outcome[0] == "ok":
+                    r[f"resume state/{impl}/{case}"] = _inner_state(optim2) == saved_state
+                    r[f"resume caller's dict kept/{impl}/{case}"] = _run(lambda: assert_same_tree(osd, kept))[0]
+                    r[f"resume losses/{impl}/{case}"] = _steps(model2, optim2, 3, 3) == reference
+            # the same file read on rank 0 only and broadcast (full state)
+            model2 = _model(7)
+            optim2 = _zero(model2, name)
+            msd, osd = torch.load(path, weights_only=False) if rank == 0 else ({}, {})
+            full = _opts(flat, full_state_dict=True, broadcast_from_rank0=True)
+            dcp_optim.set_model_state_dict(model2, msd, options=full)
+            outcome = _run(lambda: dcp_optim.set_optimizer_state_dict(model2, optim2, osd, options=full))
+            r[f"broadcast resume/{case}"] = outcome[0]
+            if outcome[0] == "ok":
+                r[f"broadcast resume state/{case}"] = _inner_state(optim2) == saved_state
+                r[f"broadcast resume losses/{case}"] = _steps(model2, optim2, 3, 3) == reference
+            dist.barrier()
+
+            # 4. a never-stepped ZeRO's template: the state a first step
+            # creates, as a stepped one's keys; loading it into a fresh
+            # ZeRO trains as a fresh one does
+            for impl, api in IMPLS.items():
+                # (each its own: upstream's initialising step gives the
+                # inner optimizer state)
+                model, optim = _model(0), None
+                optim = _zero(model, name)
+                _consolidate_everywhere(optim, rank, world)
+                template = _run(lambda: api.get_optimizer_state_dict(
+                    model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
+                r[f"template keys/{impl}/{case}"] = (
+                    _state_keys(template[1], flat) if template[0] == "ok" else template[0])
+            model, optim = _model(0), None
+            optim = _zero(model, name)
+            _consolidate_everywhere(optim, rank, world)
+            template = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+            fresh = _steps(model, optim, 2, 4)
+            model2 = _model(0)
+            optim2 = _zero(model2, name)
+            dcp_optim.set_optimizer_state_dict(model2, optim2, template, options=_opts(flat))
+            r[f"template trains as fresh/{case}"] = _steps(model2, optim2, 2, 4) == fresh
+
+            # 5. consolidated before steps that change this rank's
+            # partition: the copy is older than the state held
+            model, optim = _model(0), None
+            optim = _zero(model, name)
+            _steps(model, optim, 1, 1)
+            _consolidate_everywhere(optim, rank, world)
+            _steps(model, optim, 1, 2)
+            for impl, api in IMPLS.items():
+                got = _run(lambda: api.get_optimizer_state_dict(model, optim))
+                r[f"stale/{impl}/{case}"] = got[0] if got[0] != "ok" else "returned"
+
+            # 6. not consolidated on this rank: ZeRO's own error, as upstream
+            model, optim = _model(0), None
+            optim = _zero(model, name)
+            _steps(model, optim, 1, 1)
+            for impl, api in IMPLS.items():
+                got = _run(lambda: api.get_optimizer_state_dict(model, optim))
+                r[f"not consolidated/{impl}/{case}"] = got
+
+            # 7. a load that fails validation changes nothing
+            model, optim = _model(0), None
+            optim = _zero(model, name)
+            _steps(model, optim, 2, 1)
+            _consolidate_everywhere(optim, rank, world)
+            good = dcp_optim.get_optimizer_state_dict(model, optim)
+            bad = copy.deepcopy(good)
+            # a state the optimizer keeps, left out (strict: raises)
+            entry = bad["state"]["0.weight"]
+            del entry[sorted(entry)[0]]
+            before = _inner_state(optim)
+            got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, bad))
+            r[f"bad load raises/{case}"] = got[0]
+            r[f"bad load changes nothing/{case}"] = _inner_state(optim) == before
+            dist.barrier()
+    r.update(zero_init_state(rank, world))
+
+    # overlap_with_ddp=True: a functional optimizer inside DDP's hook
+    model = _model(0)
+    optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                    overlap_with_ddp=True, lr=0.05)
+    for impl, api in IMPLS.items():
+        r[f"overlap get/{impl}"] = _run(lambda: api.get_optimizer_state_dict(model, optim))[0]
+        r[f"overlap set/{impl}"] = _run(lambda: api.set_optimizer_state_dict(
+            model, optim, {"state": {}, "param_groups": [{"lr": 0.05, "params": [
+                n for n, _ in model.named_parameters()]}]}))[0]
+    return r
+
+
+def zero_init_state(rank: int, world: int) -> dict[str, Any]:
+    """``_init_optim_state`` (torchtune's optimizer load calls it): fills
+    this rank's partition with the first step's state; upstream's steps
+    ZeRO (the moments of a stepped partition decay)."""
+    r: dict[str, Any] = {}
+    for impl, fn in (("dcp_optim", dcp_state_dict._init_optim_state), ("upstream", upstream._init_optim_state)):
+        model = _model(0)
+        optim = _zero(model, "AdamW")
+        fn(optim)
+        r[f"init fresh/{impl}"] = sorted(
+            (i, sorted(entry), float(entry["step"]))
+            for i, entry in ((_position(optim, p), e) for p, e in optim.optim.state.items()))
+        r[f"init wrapper state empty/{impl}"] = not optim.state
+        _steps(model, optim, 2, 1)
+        before = _inner_state(optim)
+        fn(optim)
+        r[f"init stepped unchanged/{impl}"] = _inner_state(optim) == before
+    return r
+
+
+def _position(optim: ZeroRedundancyOptimizer, param: torch.Tensor) -> int:
+    return next(i for i, p in enumerate(p for g in optim.param_groups for p in g["params"]) if p is param)
