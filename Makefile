@@ -149,7 +149,7 @@ TORCHRUN_TESTS    ?= tests/distributed/test_sharded.py tests/distributed/test_re
                      tests/distributed/test_testing.py tests/distributed/test_reliability.py \
                      tests/distributed/test_precision_dist.py tests/tools/test_trainers.py \
                      tests/tools/test_patch.py tests/tools/test_hostile_checkpoints.py \
-                     tests/distributed/test_zero.py
+                     tests/distributed/test_distributed_optim.py
 TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp1_full_cpu_offload \
                      and not resharded_loads_and_corruption and not dying \
                      and not upstream_falls_apart

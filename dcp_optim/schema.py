@@ -166,27 +166,42 @@ def _class_schema(cls: type) -> SchemaFn | None:
     return None
 
 
-# Classes known to be pure proxies: every call goes to the optimizer they
-# hold in ``.optimizer`` (accelerate's ``AcceleratedOptimizer`` adds only
-# gradient scaling and device placement, no state).  A wrapper that shares
-# its inner optimizer's ``param_groups`` and ``state`` but adds state of
-# its own (pytorch-optimizer's TRAC adds ``group['step']``) is no proxy:
-# it keeps the shadow step.
-_PROXIES = {("accelerate.optimizer", "AcceleratedOptimizer")}
+# Classes known to be pure proxies, with the attribute holding the
+# optimizer every call goes to: accelerate's ``AcceleratedOptimizer`` adds
+# only gradient scaling and device placement, torch's
+# ``PostLocalSGDOptimizer`` only the averaging of the parameters after each
+# step (and the averager's counter, a top-level entry of its own
+# state_dict()), no per-parameter state.  A wrapper that shares its inner
+# optimizer's ``param_groups`` and ``state`` but adds state of its own
+# (pytorch-optimizer's TRAC adds ``group['step']``) is no proxy: it keeps
+# the shadow step.
+_PROXIES = {
+    ("accelerate.optimizer", "AcceleratedOptimizer"): "optimizer",
+    ("torch.distributed.optim.post_localSGD_optimizer", "PostLocalSGDOptimizer"): "optim",
+}
+# Proxies whose own step communicates (PostLocalSGDOptimizer all-reduces
+# the parameters): a shadow step, or upstream's step undone, would wait on
+# a rank that calls alone.  They step their inner optimizer (step_target).
+_COMMUNICATING = {("torch.distributed.optim.post_localSGD_optimizer", "PostLocalSGDOptimizer")}
 
 
-def _is_proxy(optimizer: Any) -> bool:
-    return any((c.__module__, c.__qualname__) in _PROXIES for c in type(optimizer).__mro__)
+def _proxy_attribute(optimizer: Any) -> str | None:
+    for c in type(optimizer).__mro__:
+        attr = _PROXIES.get((c.__module__, c.__qualname__))
+        if attr is not None:
+            return attr
+    return None
 
 
 def proxied(optimizer: Any) -> Any:
     """The optimizer a proxy wraps, at any depth: for a known proxy class
-    (accelerate's ``AcceleratedOptimizer``), its ``.optimizer`` when that
+    (accelerate's ``AcceleratedOptimizer``: ``.optimizer``; torch's
+    ``PostLocalSGDOptimizer``: ``.optim``), the optimizer it holds when that
     shares the proxy's ``param_groups`` and ``state``; ``optimizer``
     itself otherwise."""
     seen = {id(optimizer)}
-    while _is_proxy(optimizer):
-        inner = getattr(optimizer, "optimizer", None)
+    while (attr := _proxy_attribute(optimizer)) is not None:
+        inner = getattr(optimizer, attr, None)
         if (
             not isinstance(inner, torch.optim.Optimizer)
             or id(inner) in seen
@@ -196,6 +211,17 @@ def proxied(optimizer: Any) -> Any:
             return optimizer
         optimizer = inner
         seen.add(id(optimizer))
+    return optimizer
+
+
+def step_target(optimizer: Any) -> Any:
+    """What a shadow step (or upstream's step, undone) of ``optimizer``
+    steps: the optimizer a communicating proxy wraps (its own step adds
+    collectives, no state), ``optimizer`` itself otherwise."""
+    if any((c.__module__, c.__qualname__) in _COMMUNICATING for c in type(optimizer).__mro__):
+        inner = proxied(optimizer)
+        if inner is not optimizer:
+            return inner
     return optimizer
 
 

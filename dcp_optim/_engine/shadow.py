@@ -27,6 +27,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..schema import step_target
+
 __all__ = [
     "OPTIMIZER_WIDE",
     "copy_tensor",
@@ -454,7 +456,10 @@ def fallback_pristine(
     that writes into them); the first pass's state is the template
     itself; the probes' state is the size of the probes.  Only for
     optimizers without a schema, only while some parameter lacks state.
+    A proxy whose own step communicates (torch's PostLocalSGDOptimizer)
+    steps its inner optimizer (schema.step_target).
     """
+    optimizer = step_target(optimizer)
     cls = type(optimizer)
     if cls not in _warned:
         _warned.add(cls)
@@ -816,8 +821,9 @@ def upstream_pristine(
 ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
     """Pristine state of ``params`` (trainable, without state) by
     upstream's method on the real optimizer, undone; as
-    :func:`fallback_pristine` returns it.  Raises what the step raises."""
-    return _upstream_step(optimizer, {id(p) for p in params})
+    :func:`fallback_pristine` returns it (a communicating proxy's inner
+    optimizer stepped, as there).  Raises what the step raises."""
+    return _upstream_step(step_target(optimizer), {id(p) for p in params})
 
 
 def upstream_wrapper_entries(optimizer: Any, inner_key: Any) -> tuple[dict[Any, Any], list[dict[str, Any]]]:

@@ -1,6 +1,7 @@
-"""torch's ZeroRedundancyOptimizer beside DDP (D36), 2 gloo ranks, one
-launch: each scenario runs with dcp_optim and with upstream's functions
-and records what happened (plain data, compared by test_zero.py).
+"""The optimizer wrappers of ``torch.distributed.optim`` beside DDP, 2 gloo
+ranks, one launch: ZeroRedundancyOptimizer (D36) and PostLocalSGDOptimizer.
+Each scenario runs with dcp_optim and with upstream's functions and
+records what happened (plain data, compared by test_distributed_optim.py).
 
 ZeRO's ``consolidate_state_dict(to=r)`` gathers the partitions on rank
 ``r`` only (the others' copy is emptied), so where every rank must call a
@@ -104,6 +105,12 @@ def _run(fn: Callable[[], Any]) -> Any:
 
 def _opts(flat: bool, **kw):
     return dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat, **kw)
+
+
+def distributed_optim_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    r = zero_cases(rank, world, folder)
+    r.update(local_sgd_cases(rank, world, folder))
+    return r
 
 
 def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
@@ -268,3 +275,88 @@ def zero_init_state(rank: int, world: int) -> dict[str, Any]:
 
 def _position(optim: ZeroRedundancyOptimizer, param: torch.Tensor) -> int:
     return next(i for i, p in enumerate(p for g in optim.param_groups for p in g["params"]) if p is param)
+
+
+# --- PostLocalSGDOptimizer ----------------------------------------------------
+
+
+def _local_sgd(model: torch.nn.Module, name: str):
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    cls, kw = OPTIMIZERS[name]
+    # averaging every 2 steps after 1 warm-up step: the resumed run averages
+    # where the uninterrupted one does only if the averager's counter survives
+    return PostLocalSGDOptimizer(optim=cls(model.parameters(), **kw),
+                                 averager=PeriodicModelAverager(period=2, warmup_steps=1))
+
+
+def _local_state(optim) -> list:
+    position = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
+    out = []
+    for p, entry in optim.state.items():
+        row = {k: (str(v.dtype), v.clone().view(-1).view(torch.uint8).tolist()) if isinstance(v, torch.Tensor) else v
+               for k, v in entry.items()}
+        out.append((position[id(p)], sorted(row.items(), key=lambda kv: kv[0])))
+    return [sorted(out, key=lambda r: r[0]), optim.averager.step]
+
+
+def local_sgd_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """PostLocalSGDOptimizer: a proxy of its inner optimizer whose step
+    also averages the parameters across ranks (a collective) and whose
+    state_dict() adds the averager's counter."""
+    import torch.distributed.checkpoint as dcp
+
+    r: dict[str, Any] = {}
+    for name in ("AdamW", "Adafactor"):
+        for flat in (False, True):
+            case = f"{name}/flat={flat}"
+            opts = _opts(flat)
+            # a never-stepped one's template, on rank 0 alone: no step (its
+            # step would wait for rank 1 in the averaging)
+            model = _model(0)
+            optim = _local_sgd(model, name)
+            params = [p.detach().clone() for p in model.parameters()]
+            if rank == 0:
+                for impl, api in IMPLS.items():
+                    got = _run(lambda: api.get_optimizer_state_dict(
+                        model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
+                    r[f"plsgd template/{impl}/{case}"] = _state_keys(got[1], flat) if got[0] == "ok" else got[0]
+                    r[f"plsgd template changes nothing/{impl}/{case}"] = (
+                        not optim.state and optim.averager.step == 0
+                        and all(torch.equal(a, b) for a, b in zip(params, model.parameters())))
+            dist.barrier()
+
+            # the DCP flow: every rank gets, dcp.save; fresh processes'
+            # stand-ins (another init, never stepped) get their template,
+            # dcp.load, set; both go on
+            model = _model(0)
+            optim = _local_sgd(model, name)
+            _steps(model, optim, 3, 1)
+            path = os.path.join(folder, f"plsgd-{name}-{flat}")
+            saved = dcp_optim.get_optimizer_state_dict(model, optim, options=opts)
+            r[f"plsgd saved step/{case}"] = saved.get("step")
+            upstream_saved = upstream.get_optimizer_state_dict(
+                model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat))
+            r[f"plsgd upstream saved step/{case}"] = upstream_saved.get("step", "dropped")
+            dcp.save({"model": dcp_optim.get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+            saved_state = _local_state(optim)
+            reference = _steps(model, optim, 4, 2)
+            model2 = _model(7)
+            optim2 = _local_sgd(model2, name)
+            target = {"model": dcp_optim.get_model_state_dict(model2),
+                      "optim": dcp_optim.get_optimizer_state_dict(model2, optim2, options=opts)}
+            dcp.load(target, checkpoint_id=path)
+            dcp_optim.set_model_state_dict(model2, target["model"])
+            dcp_optim.set_optimizer_state_dict(model2, optim2, target["optim"], options=opts)
+            r[f"plsgd resume state/{case}"] = _local_state(optim2) == saved_state
+            r[f"plsgd resume losses/{case}"] = _steps(model2, optim2, 4, 2) == reference
+            # upstream's load into a never-stepped one
+            model3 = _model(7)
+            optim3 = _local_sgd(model3, name)
+            got = _run(lambda: upstream.set_optimizer_state_dict(
+                model3, optim3, upstream_saved,
+                options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
+            r[f"plsgd upstream load/{case}"] = got[0]
+            dist.barrier()
+    return r

@@ -1,20 +1,27 @@
-"""torch's ZeroRedundancyOptimizer beside DDP (D36 in docs/differences.md),
-2 gloo ranks, one launch (tests/distributed/dist_cases_zero.py): AdamW,
-SGD with momentum and transformers' Adafactor (schema-less) as ZeRO's
-inner optimizer, nested and flattened.
+"""The optimizer wrappers of ``torch.distributed.optim`` beside DDP, 2 gloo
+ranks, one launch (tests/distributed/dist_cases_distributed_optim.py),
+nested and flattened.
+
+ZeroRedundancyOptimizer (D36 in docs/differences.md): AdamW, SGD with
+momentum and transformers' Adafactor (schema-less) as ZeRO's inner
+optimizer.
 
 Where upstream is right (consolidated, gradients still set) dcp_optim
 returns exactly its dict.  Upstream's known failures are asserted as such
 (if upstream is fixed, the expectation here has to change): its getter
 steps the inner optimizer once the gradients are cleared, its template of
-a never-stepped ZeRO holds no state, and its load raises ``TypeError``."""
+a never-stepped ZeRO holds no state, and its load raises ``TypeError``.
+
+PostLocalSGDOptimizer (a proxy of its inner optimizer whose step averages
+the parameters across ranks): templates without a step, and the DCP
+resume keeps the averager's counter and continues bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 
 from ..support.harness import run_ranks
-from . import dist_cases_zero as cases
+from . import dist_cases_distributed_optim as cases
 
 pytestmark = pytest.mark.dist
 
@@ -23,7 +30,7 @@ CASES = [f"{name}/flat={flat}" for name in cases.OPTIMIZERS for flat in (False, 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return run_ranks(2, cases.zero_cases, str(tmp_path_factory.mktemp("zero")), timeout=600)
+    return run_ranks(2, cases.distributed_optim_cases, str(tmp_path_factory.mktemp("dist_optim")), timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -113,3 +120,32 @@ def test_overlap_with_ddp_is_refused_by_name(outcomes):
         for call in ("get", "set"):
             assert r[f"overlap {call}/dcp_optim"] == "HeldOptimizerStateError", rank
             assert r[f"overlap {call}/upstream"] == "RuntimeError", rank
+
+
+LOCAL_SGD = [f"{name}/flat={flat}" for name in ("AdamW", "Adafactor") for flat in (False, True)]
+
+
+@pytest.mark.parametrize("case", LOCAL_SGD)
+def test_post_local_sgd_templates_take_no_step(outcomes, case):
+    """On rank 0 alone: a step of PostLocalSGDOptimizer would average the
+    parameters with rank 1, which is not there.  The template is the inner
+    optimizer's first-step state (a stepped one's keys), nothing changes.
+    Upstream's initialising step calls its step(closure=None): TypeError."""
+    r = outcomes[0]
+    # (the keys of the ZeRO case's stepped optimizer: the same model and
+    # inner class)
+    assert r[f"plsgd template/dcp_optim/{case}"] == r[f"stepped keys/{case}"]
+    assert r[f"plsgd template changes nothing/dcp_optim/{case}"]
+    assert r[f"plsgd template/upstream/{case}"] == "TypeError"
+
+
+@pytest.mark.parametrize("case", LOCAL_SGD)
+def test_post_local_sgd_resumes_through_dcp_with_its_averagers_counter(outcomes, case):
+    for rank, r in enumerate(outcomes):
+        assert r[f"plsgd saved step/{case}"] == 3, rank
+        assert r[f"plsgd resume state/{case}"], rank
+        assert r[f"plsgd resume losses/{case}"], rank
+        # upstream's dict drops the counter; its load into a never-stepped
+        # one takes the initialising step: TypeError
+        assert r[f"plsgd upstream saved step/{case}"] == "dropped", rank
+        assert r[f"plsgd upstream load/{case}"] == "TypeError", rank
