@@ -184,5 +184,15 @@ def index_keyed(split: dict[str, Any], extras: dict[str, Any] | None) -> dict[st
         for fqn in group["params"]:
             ids.append(position.setdefault(fqn, len(position)))
         groups.append({**group, "params": ids})
-    state = {position.get(key, key): entry for key, entry in split["state"].items()}
+    odd = [key for key in split["state"] if key not in position]
+    if odd:
+        # optimizer-wide entries (D29): ZeRO's load looks every key up as
+        # a parameter index
+        raise errors.StateDictKeyError(
+            f"the optimizer state dict holds the optimizer-wide entry {odd[0]!r} for a "
+            "ZeroRedundancyOptimizer, which "
+            "is no parameter's state: ZeRO's load_state_dict takes parameter state only "
+            "(keyed by index). Nothing was loaded"
+        )
+    state = {position[key]: entry for key, entry in split["state"].items()}
     return {**(extras or {}), "state": state, "param_groups": groups}

@@ -238,6 +238,12 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, bad))
             r[f"bad load raises/{case}"] = got[0]
             r[f"bad load changes nothing/{case}"] = _inner_state(optim) == before
+            # an optimizer-wide entry (D29's key) ZeRO's own load cannot take
+            odd = {**good, "state": {**good["state"], ".optimizer_0": {"k": torch.tensor(3.0)}}}
+            got = _run(lambda: dcp_optim.set_optimizer_state_dict(
+                model, optim, odd, options=dcp_optim.StateDictOptions(strict=False)))
+            r[f"wide entry raises/{case}"] = got[0]
+            r[f"wide entry changes nothing/{case}"] = _inner_state(optim) == before
             dist.barrier()
     r.update(zero_init_state(rank, world))
 

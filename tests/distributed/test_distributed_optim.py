@@ -92,6 +92,8 @@ def test_a_load_that_fails_changes_nothing(outcomes, case):
     for rank, r in enumerate(outcomes):
         assert r[f"bad load raises/{case}"] in ("StateDictValueError", "MissingOptimizerStateError"), rank
         assert r[f"bad load changes nothing/{case}"], rank
+        assert r[f"wide entry raises/{case}"] == "StateDictKeyError", (rank, r[f"wide entry raises/{case}"])
+        assert r[f"wide entry changes nothing/{case}"], rank
 
 
 def test_init_optim_state_fills_the_partition_without_a_step(outcomes):
