@@ -17,13 +17,16 @@ load hands ZeRO's ``load_state_dict`` a dict keyed by FQN, which raises
 ``TypeError``.  Here:
 
 * get: the consolidated dict, re-keyed by FQN, after checking it is not
-  older than the state this rank's partition holds; trainable parameters
-  without state get the state their first step creates, computed for the
-  inner optimizer's class (:func:`standin`), never by stepping ZeRO;
+  older than the state this rank's partition holds; without a consolidated
+  copy (where ZeRO's ``state_dict()`` raises), this rank's partition
+  (:func:`state_dict`); trainable parameters without state get the state
+  their first step creates, computed for the inner optimizer's class
+  (:func:`standin`), never by stepping ZeRO;
 * set: validated as for a plain optimizer of the inner class over ZeRO's
   groups (:func:`standin`), installed through ZeRO's own
   ``load_state_dict`` with the dict keyed by global index
-  (:func:`index_keyed`).
+  (:func:`index_keyed`); the state of parameters other ranks own is not
+  required (optim._outside_partitions).
 """
 
 from __future__ import annotations
@@ -35,7 +38,18 @@ import torch
 
 from .. import errors
 
-__all__ = ["is_zero", "check_supported", "check_fresh", "inner", "standin", "held_standin", "index_keyed"]
+__all__ = [
+    "is_zero",
+    "check_supported",
+    "check_fresh",
+    "consolidated",
+    "state_dict",
+    "owned",
+    "inner",
+    "standin",
+    "held_standin",
+    "index_keyed",
+]
 
 _ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
 
@@ -136,6 +150,44 @@ def check_fresh(optim: Any, position: int) -> None:
         "consolidate_state_dict(to=...) on every rank again right before this call",
         position,
     )
+
+
+def consolidated(optim: Any) -> bool:
+    """Whether ``consolidate_state_dict`` left a copy on this rank."""
+    return bool(getattr(optim, "_all_state_dicts", None))
+
+
+def state_dict(optim: Any, position: int, full: bool) -> tuple[dict[str, Any], set[int] | None]:
+    """What the getter keys by FQN, with the ids of the parameters whose
+    state it may hold (None: all of them).
+
+    * Consolidated on this rank: ZeRO's own ``state_dict()`` -- the whole
+      state, exactly upstream's -- after :func:`check_fresh`;
+    * not consolidated (where ZeRO's ``state_dict()`` and upstream raise):
+      this rank's partition, the live state of its inner optimizer keyed by
+      global index, with ZeRO's global groups.  Every rank calling the
+      getter (DCP's flow) together returns the whole state, each entry
+      once, with no gather; a load takes it at any world size.  A full
+      state dict (``full``) is the consolidated one: without it, ZeRO's
+      own error, as upstream."""
+    if consolidated(optim) or full:
+        osd = optim.state_dict()
+        check_fresh(optim, position)
+        return osd, None
+    params = _flat_params(optim)
+    index = {id(p): i for i, p in enumerate(params)}
+    live = optim.optim.state
+    state = {
+        index[id(p)]: live[p] for p in params
+        if id(p) in index and p in live and live[p]
+    }
+    groups = torch.optim.Optimizer.state_dict(optim)["param_groups"]
+    return {"state": state, "param_groups": groups}, owned(optim)
+
+
+def owned(optim: Any) -> set[int]:
+    """The ids of the parameters of this rank's partition."""
+    return {id(p) for group in optim.optim.param_groups for p in group["params"]}
 
 
 def _copy_inner(optim: Any, groups: list[dict[str, Any]], state: dict[Any, Any]) -> Any:

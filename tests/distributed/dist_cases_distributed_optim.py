@@ -11,6 +11,7 @@ copy (``_consolidate_everywhere``)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import traceback
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as upstream
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,12 +105,49 @@ def _run(fn: Callable[[], Any]) -> Any:
         return (type(exc).__name__, f"{exc}"[:300] or traceback.format_exc(limit=2))
 
 
+def _dcp_load(model, optim, flat: bool, path: str) -> bool:
+    target = {"model": dcp_optim.get_model_state_dict(model),
+              "optim": dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))}
+    dcp.load(target, checkpoint_id=path)
+    dcp_optim.set_model_state_dict(model, target["model"])
+    dcp_optim.set_optimizer_state_dict(model, optim, target["optim"], options=_opts(flat))
+    return True
+
+
+def _dcp_resume(rank: int, name: str, flat: bool, path: str, reference: list[float], key: str) -> dict[str, Any]:
+    """A fresh model (another init) and never-stepped ZeRO loading the
+    checkpoint through DCP (their template: this rank's partition), then
+    training on: the losses of the run that saved it?"""
+    model = _model(7)
+    optim = _zero(model, name)
+    template = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+    out = {f"dcp template keys/{key}": _state_keys(template, flat)}
+    got = _run(lambda: _dcp_load(model, optim, flat, path))
+    out[f"dcp resume/{key}"] = got if got[0] != "ok" else _steps(model, optim, 3, 3) == reference
+    return out
+
+
+def zero_dcp_resume(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """Another world size loads the checkpoints zero_cases saved at 2
+    ranks through DCP: ZeRO partitions the parameters anew, each rank's
+    template names its new partition."""
+    r: dict[str, Any] = {}
+    for name in OPTIMIZERS:
+        for flat in (False, True):
+            path = os.path.join(folder, f"zero-dcp-{name}-{flat}")
+            with open(path + ".losses.json") as f:
+                reference = json.load(f)
+            r.update(_dcp_resume(rank, name, flat, path, reference, f"{name}/flat={flat}"))
+    return r
+
+
 def _opts(flat: bool, **kw):
     return dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat, **kw)
 
 
 def distributed_optim_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
     r = zero_cases(rank, world, folder)
+    r["folder"] = folder
     r.update(local_sgd_cases(rank, world, folder))
     return r
 
@@ -216,13 +255,33 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
                 got = _run(lambda: api.get_optimizer_state_dict(model, optim))
                 r[f"stale/{impl}/{case}"] = got[0] if got[0] != "ok" else "returned"
 
-            # 6. not consolidated on this rank: ZeRO's own error, as upstream
+            # 6. not consolidated on this rank (ZeRO's own state_dict() and
+            # upstream raise): this rank's partition, in DCP's flow --
+            # every rank gets, dcp.save; a fresh ZeRO's template (its
+            # partition), dcp.load, set; the run goes on
             model, optim = _model(0), None
             optim = _zero(model, name)
-            _steps(model, optim, 1, 1)
-            for impl, api in IMPLS.items():
-                got = _run(lambda: api.get_optimizer_state_dict(model, optim))
-                r[f"not consolidated/{impl}/{case}"] = got
+            _steps(model, optim, 2, 1)
+            got = _run(lambda: upstream.get_optimizer_state_dict(model, optim))
+            r[f"not consolidated/upstream/{case}"] = got[0]
+            # a full state dict is the consolidated one: ZeRO's error, as upstream
+            full = dcp_optim.StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flat)
+            got = _run(lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=full))
+            r[f"not consolidated full/{case}"] = got
+            saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+            r[f"partition keys/{case}"] = _state_keys(saved, flat)
+            path = os.path.join(folder, f"zero-dcp-{name}-{flat}")
+            dcp.save({"model": dcp_optim.get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+            saved_state = _inner_state(optim)
+            reference = _steps(model, optim, 3, 3)
+            if rank == 0:
+                with open(path + ".losses.json", "w") as f:
+                    json.dump(reference, f)
+            r.update(_dcp_resume(rank, name, flat, path, reference, f"same world/{case}"))
+            model2 = _model(7)
+            optim2 = _zero(model2, name)
+            r[f"dcp resume state/{case}"] = _dcp_load(model2, optim2, flat, path) and _inner_state(optim2) == saved_state
+            dist.barrier()
 
             # 7. a load that fails validation changes nothing
             model, optim = _model(0), None
@@ -311,8 +370,6 @@ def local_sgd_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
     """PostLocalSGDOptimizer: a proxy of its inner optimizer whose step
     also averages the parameters across ranks (a collective) and whose
     state_dict() adds the averager's counter."""
-    import torch.distributed.checkpoint as dcp
-
     r: dict[str, Any] = {}
     for name in ("AdamW", "Adafactor"):
         for flat in (False, True):

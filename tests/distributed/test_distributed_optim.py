@@ -80,11 +80,40 @@ def test_a_consolidated_copy_older_than_the_state_held_raises(outcomes, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_not_consolidated_raises_zeros_own_error_as_upstream(outcomes, case):
+def test_without_consolidation_dcp_saves_each_partition_once_and_resumes(outcomes, case):
+    """Not consolidated (upstream and ZeRO's state_dict() raise): each rank
+    returns its partition, together the whole state with no gather; a
+    fresh ZeRO's template is its partition; DCP's resume continues bit for
+    bit."""
+    keys = []
     for rank, r in enumerate(outcomes):
-        ours, theirs = r[f"not consolidated/dcp_optim/{case}"], r[f"not consolidated/upstream/{case}"]
-        assert ours == theirs, rank
-        assert ours[0] == "RuntimeError" and f"consolidate_state_dict(to={rank})" in ours[1], rank
+        assert r[f"not consolidated/upstream/{case}"] == "RuntimeError", rank
+        full = r[f"not consolidated full/{case}"]
+        assert full[0] == "RuntimeError" and f"consolidate_state_dict(to={rank})" in full[1], (rank, full)
+        mine = r[f"partition keys/{case}"]
+        assert mine, rank
+        keys += mine
+        assert r[f"dcp template keys/same world/{case}"] == mine, rank
+        assert r[f"dcp resume/same world/{case}"] is True, (rank, r[f"dcp resume/same world/{case}"])
+        assert r[f"dcp resume state/{case}"], rank
+    # each parameter's state on exactly one rank, all of them
+    assert sorted(keys) == outcomes[0][f"stepped keys/{case}"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_zero_checkpoint_resumes_at_another_world_size(outcomes, tmp_path_factory, world):
+    """The checkpoints saved at 2 ranks (each partition once), loaded
+    through DCP at 1 and 4 ranks: ZeRO partitions anew, every resumed run
+    continues bit for bit (the same global batch on every rank: the runs
+    are the same at every world size)."""
+    folder = outcomes[0]["folder"]
+    results = run_ranks(world, cases.zero_dcp_resume, folder, timeout=600)
+    for case in CASES:
+        keys = []
+        for rank, r in enumerate(results):
+            assert r[f"dcp resume/{case}"] is True, (world, rank, case, r[f"dcp resume/{case}"])
+            keys += r[f"dcp template keys/{case}"]
+        assert sorted(keys) == outcomes[0][f"stepped keys/{case}"], (world, case)
 
 
 @pytest.mark.parametrize("case", CASES)
