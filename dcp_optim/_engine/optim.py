@@ -335,7 +335,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             target = zero.standin(optim, osd)
         extra, group_keys = pristine(index, target)
         if extra and partition is not None:
-            extra = _only_params(index, extra, partition)
+            extra = zero.in_partition(index, extra, partition)
         extra, first_wide = _pop_wide(extra)
         if extra and schema_for(target) is None:
             _remember_template(optim if zero_owner else target, extra)
@@ -357,38 +357,6 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     info.group_counts = counts
     info.optim_extras = extras
     return {"state": state, "param_groups": groups}
-
-
-def _fqns_of(index: Any, param_ids: set[int], params: list[Any]) -> set[str]:
-    """The FQNs of those of ``params`` whose id is in ``param_ids``."""
-    out: set[str] = set()
-    for p in params:
-        if id(p) in param_ids:
-            slot = index.slot_of(p)
-            if slot is not None:
-                out.update(index.tensor_fqns[slot])
-    return out
-
-
-def _outside_partitions(index: Any, owners: tuple[_Optimizer, ...], missing: list[str]) -> list[str]:
-    """``missing`` without the parameters other ranks' ZeRO partitions
-    hold: ZeRO's load keeps this rank's partition only, and DCP's flow
-    reads each rank's partition (zero.state_dict)."""
-    others: set[str] = set()
-    for owner in owners:
-        if zero.is_zero(owner):
-            params = [p for g in owner.param_groups for p in g["params"]]
-            mine = zero.owned(owner)
-            others |= _fqns_of(index, {id(p) for p in params if id(p) not in mine}, params)
-    return [fqn for fqn in missing if fqn not in others]
-
-
-def _only_params(index: Any, extra: dict[str, Any], param_ids: set[int]) -> dict[str, Any] | None:
-    """Pristine entries of the parameters in ``param_ids`` only (a ZeRO
-    rank's partition: the other ranks return the others')."""
-    params = [p for p in index.tensors if id(p) in param_ids]
-    keep = _fqns_of(index, param_ids, params)
-    return {k: v for k, v in extra.items() if k in keep} or None
 
 
 def _in_own_layout(
@@ -1336,7 +1304,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     if loaded_expect != expect:
         splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
     if missing and any(zero.is_zero(owner) for owner in owners):
-        missing = _outside_partitions(info.index, owners, missing)
+        missing = zero.without_other_partitions(info.index, owners, missing)
     templates, first_dtypes = _templates(optimizers, splits, missing, bool(info.strict))
     if missing:
         missing = _drop_stateless(missing, templates)

@@ -26,7 +26,7 @@ load hands ZeRO's ``load_state_dict`` a dict keyed by FQN, which raises
   groups (:func:`standin`), installed through ZeRO's own
   ``load_state_dict`` with the dict keyed by global index
   (:func:`index_keyed`); the state of parameters other ranks own is not
-  required (optim._outside_partitions).
+  required (:func:`without_other_partitions`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ __all__ = [
     "consolidated",
     "state_dict",
     "owned",
+    "in_partition",
+    "without_other_partitions",
     "inner",
     "standin",
     "held_standin",
@@ -188,6 +190,35 @@ def state_dict(optim: Any, position: int, full: bool) -> tuple[dict[str, Any], s
 def owned(optim: Any) -> set[int]:
     """The ids of the parameters of this rank's partition."""
     return {id(p) for group in optim.optim.param_groups for p in group["params"]}
+
+
+def _fqns(index: Any, params: list[Any]) -> set[str]:
+    """The FQNs of ``params`` in the model index."""
+    out: set[str] = set()
+    for p in params:
+        slot = index.slot_of(p)
+        if slot is not None:
+            out.update(index.tensor_fqns[slot])
+    return out
+
+
+def in_partition(index: Any, extra: dict[str, Any], param_ids: set[int]) -> dict[str, Any] | None:
+    """Pristine entries (keyed by FQN) of this rank's partition only: the
+    other ranks return the others'."""
+    keep = _fqns(index, [p for p in index.tensors if id(p) in param_ids])
+    return {k: v for k, v in extra.items() if k in keep} or None
+
+
+def without_other_partitions(index: Any, optimizers: tuple[Any, ...], missing: list[str]) -> list[str]:
+    """``missing`` (FQNs a load gives no state) without the parameters of
+    other ranks' partitions: ZeRO's load keeps this rank's partition only,
+    and DCP's flow reads each rank's partition (:func:`state_dict`)."""
+    others: set[str] = set()
+    for optim in optimizers:
+        if is_zero(optim):
+            mine = owned(optim)
+            others |= _fqns(index, [p for p in _flat_params(optim) if id(p) not in mine])
+    return [fqn for fqn in missing if fqn not in others]
 
 
 def _copy_inner(optim: Any, groups: list[dict[str, Any]], state: dict[Any, Any]) -> Any:
