@@ -92,6 +92,7 @@ def _check_optimizer(optim: Any, position: int) -> None:
                 "(for a composite optimizer, pass its sub-optimizers as the "
                 "`optimizers` iterable)"
             )
+    zero.check_not_wrapped(optim, position)
 
 
 def _add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> None:

@@ -23,7 +23,7 @@ load hands ZeRO's ``load_state_dict`` a dict keyed by FQN, which raises
   their first step creates, computed for the inner optimizer's class
   (:func:`standin`), never by stepping ZeRO;
 * set: validated as for a plain optimizer of the inner class over ZeRO's
-  groups (:func:`standin`), installed through ZeRO's own
+  groups (:func:`held_standin`), installed through ZeRO's own
   ``load_state_dict`` with the dict keyed by global index
   (:func:`index_keyed`); the state of parameters other ranks own is not
   required (:func:`without_other_partitions`).
@@ -41,6 +41,7 @@ from .. import errors
 __all__ = [
     "is_zero",
     "check_supported",
+    "check_not_wrapped",
     "check_fresh",
     "consolidated",
     "state_dict",
@@ -80,6 +81,27 @@ def check_supported(optim: Any, position: int) -> None:
 def inner(optim: Any) -> torch.optim.Optimizer:
     """The inner optimizer stepping this rank's partition."""
     return optim.optim
+
+
+def check_not_wrapped(optim: Any, position: int) -> None:
+    """A proxy of a ZeroRedundancyOptimizer (torch's PostLocalSGDOptimizer
+    or accelerate's AcceleratedOptimizer around one) shares ZeRO's empty
+    ``state``: its templates would be taken for the whole state, and its
+    own ``state_dict()`` holds entries of its own beside ZeRO's.  Refused
+    by name (a step of it, upstream's initialising one, communicates)."""
+    from ..schema import proxied
+
+    inner = proxied(optim)
+    if inner is not optim and is_zero(inner):
+        cls = type(optim).__qualname__
+        raise errors.HeldOptimizerStateError(
+            f"optimizer {position} ({cls}) wraps a ZeroRedundancyOptimizer: dcp_optim reads "
+            "ZeRO's partitions from the ZeroRedundancyOptimizer itself, not through a "
+            f"wrapper. Nothing was read or changed. Pass the ZeroRedundancyOptimizer, and "
+            f"save {cls}'s own entries apart",
+            cls,
+            "optim" if hasattr(optim, "optim") else "optimizer",
+        )
 
 
 def _flat_params(optim: Any) -> list[torch.Tensor]:

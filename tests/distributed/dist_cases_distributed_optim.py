@@ -306,6 +306,23 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             dist.barrier()
     r.update(zero_init_state(rank, world))
 
+    # a PostLocalSGDOptimizer around a ZeroRedundancyOptimizer: refused by
+    # name, nothing changed (upstream: its initialising step's TypeError)
+    model = _model(0)
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    wrapped = PostLocalSGDOptimizer(optim=_zero(model, "AdamW"), averager=PeriodicModelAverager(period=2))
+    _steps(model, wrapped, 1, 1)
+    _consolidate_everywhere(wrapped.optim, rank, world)
+    zero_state = dcp_optim.get_optimizer_state_dict(model, wrapped.optim)
+    before = _inner_state(wrapped.optim)
+    for impl, api in IMPLS.items():
+        r[f"wrapped zero get/{impl}"] = _run(lambda: api.get_optimizer_state_dict(model, wrapped))[0]
+        r[f"wrapped zero set/{impl}"] = _run(lambda: api.set_optimizer_state_dict(
+            model, wrapped, copy.deepcopy(zero_state)))[0]
+    r["wrapped zero unchanged"] = _inner_state(wrapped.optim) == before
+
     # overlap_with_ddp=True: a functional optimizer inside DDP's hook
     model = _model(0)
     optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,

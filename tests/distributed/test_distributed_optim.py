@@ -180,3 +180,14 @@ def test_post_local_sgd_resumes_through_dcp_with_its_averagers_counter(outcomes,
         # one takes the initialising step: TypeError
         assert r[f"plsgd upstream saved step/{case}"] == "dropped", rank
         assert r[f"plsgd upstream load/{case}"] == "TypeError", rank
+
+
+def test_a_wrapper_around_zero_is_refused_by_name(outcomes):
+    """PostLocalSGDOptimizer around a ZeroRedundancyOptimizer shares ZeRO's
+    empty state: refused on get and set, nothing changed.  Upstream's
+    initialising step (ZeRO's state is empty) raises TypeError on both."""
+    for rank, r in enumerate(outcomes):
+        for call in ("get", "set"):
+            assert r[f"wrapped zero {call}/dcp_optim"] == "HeldOptimizerStateError", rank
+            assert r[f"wrapped zero {call}/upstream"] == "TypeError", (rank, r[f"wrapped zero {call}/upstream"])
+        assert r["wrapped zero unchanged"], rank
