@@ -43,6 +43,7 @@ reproduce them:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -186,11 +187,18 @@ _COMMUNICATING = {("torch.distributed.optim.post_localSGD_optimizer", "PostLocal
 
 
 def _proxy_attribute(optimizer: Any) -> str | None:
-    for c in type(optimizer).__mro__:
-        attr = _PROXIES.get((c.__module__, c.__qualname__))
-        if attr is not None:
-            return attr
-    return None
+    cls = type(optimizer)
+    try:
+        return _PROXY_ATTRIBUTES[cls]
+    except KeyError:
+        pass
+    attr = next((a for c in cls.__mro__ if (a := _PROXIES.get((c.__module__, c.__qualname__)))), None)
+    _PROXY_ATTRIBUTES[cls] = attr
+    return attr
+
+
+# class -> its proxy attribute (None: no proxy); weak, as classes come and go
+_PROXY_ATTRIBUTES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
 
 
 def proxied(optimizer: Any) -> Any:

@@ -32,6 +32,7 @@ load hands ZeRO's ``load_state_dict`` a dict keyed by FQN, which raises
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any
 
 import torch
@@ -59,7 +60,17 @@ _ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOpt
 
 def is_zero(optim: Any) -> bool:
     """Whether ``optim`` is a ``ZeroRedundancyOptimizer`` (or a subclass)."""
-    return any((c.__module__, c.__qualname__) == _ZERO for c in type(optim).__mro__)
+    cls = type(optim)
+    found = _ZERO_CLASSES.get(cls)
+    if found is None:
+        # by name: torch.distributed.optim is not imported for every call
+        found = _ZERO_CLASSES[cls] = any((c.__module__, c.__qualname__) == _ZERO for c in cls.__mro__)
+    return found
+
+
+# class -> whether it is ZeRO; weak: a class defined and dropped (tests)
+# is not kept alive
+_ZERO_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def check_supported(optim: Any, position: int) -> None:
