@@ -231,13 +231,14 @@ def _unaliased(osd: dict[str, Any], optimizers: tuple[_Optimizer, ...]) -> dict[
     the optimizer's own state tensors there (``step`` on every device),
     and training on after the get changes the dict about to be saved.
     Every returned tensor that shares storage with the live state (of
-    any optimizer, including a wrapper's inner one) is cloned; the
+    any optimizer, including a wrapper's inner one and a
+    ZeroRedundancyOptimizer's partition) is cloned; the
     containers are rebuilt around them."""
     live: set[int] = set()
     for optim in optimizers:
         for entry in getattr(optim, "state", {}).values():
             _live_storages(entry, live)
-        inner = _inner_optimizer(optim)
+        inner = zero.inner(optim) if zero.is_zero(optim) else _inner_optimizer(optim)
         if inner is not None:
             for entry in inner.state.values():
                 _live_storages(entry, live)

@@ -173,6 +173,19 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             r[f"stepped keys/{case}"] = _state_keys(ours, flat)
             r[f"getters change nothing, grads set/{case}"] = _inner_state(optim) == before
 
+            # cpu_offload returns copies (D28), consolidated or not
+            for mode in ("consolidated", "partition"):
+                if mode == "partition":
+                    optim._all_state_dicts = []
+                got = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat, cpu_offload=True))
+                live = {t.untyped_storage().data_ptr() for e in optim.optim.state.values()
+                        for t in e.values() if isinstance(t, torch.Tensor)}
+                leaves = [t for t in (got.values() if flat else (v for e in got["state"].values() for v in e.values()))
+                          if isinstance(t, torch.Tensor)]
+                r[f"offload copies/{mode}/{case}"] = bool(leaves) and not any(
+                    t.untyped_storage().data_ptr() in live for t in leaves)
+            _consolidate_everywhere(optim, rank, world)
+
             # 2. after zero_grad(set_to_none=True): upstream's initialising
             # step steps the inner optimizer (every rank calls it here)
             optim.zero_grad(set_to_none=True)

@@ -39,6 +39,9 @@ def test_the_getter_returns_upstreams_dict_and_steps_nothing(outcomes, case):
         assert r[f"same as upstream/{case}"] == ("ok", None), (rank, r[f"same as upstream/{case}"])
         assert r[f"stepped keys/{case}"], rank
         assert r[f"getters change nothing, grads set/{case}"], rank
+        # cpu_offload: copies, never the live partition's tensors (D28)
+        assert r[f"offload copies/consolidated/{case}"], rank
+        assert r[f"offload copies/partition/{case}"], rank
         assert r[f"getter changes nothing/dcp_optim/{case}"], rank
         # upstream: ZeRO's own state is empty, so its getter takes the
         # initialising step, a real step of the inner optimizer
