@@ -160,7 +160,7 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
 
             # 1. the getter where upstream is right (consolidated, the
             # gradients still set: upstream takes no initialising step)
-            model, optim = _model(0), None
+            model = _model(0)
             optim = _zero(model, name)
             _steps(model, optim, 2, 1)
             _steps(model, optim, 1, 2, zero_grad=False)
@@ -197,7 +197,7 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             # 3. the resume of ZeRO's own flow: rank 0 consolidates and
             # saves one file; every rank loads it into a fresh model and a
             # never-stepped ZeroRedundancyOptimizer; the run goes on
-            model, optim = _model(0), None
+            model = _model(0)
             optim = _zero(model, name)
             _steps(model, optim, 2, 1)
             optim.consolidate_state_dict(to=0)
@@ -240,14 +240,14 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             for impl, api in IMPLS.items():
                 # (each its own: upstream's initialising step gives the
                 # inner optimizer state)
-                model, optim = _model(0), None
+                model = _model(0)
                 optim = _zero(model, name)
                 _consolidate_everywhere(optim, rank, world)
                 template = _run(lambda: api.get_optimizer_state_dict(
                     model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
                 r[f"template keys/{impl}/{case}"] = (
                     _state_keys(template[1], flat) if template[0] == "ok" else template[0])
-            model, optim = _model(0), None
+            model = _model(0)
             optim = _zero(model, name)
             _consolidate_everywhere(optim, rank, world)
             template = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
@@ -259,7 +259,7 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
 
             # 5. consolidated before steps that change this rank's
             # partition: the copy is older than the state held
-            model, optim = _model(0), None
+            model = _model(0)
             optim = _zero(model, name)
             _steps(model, optim, 1, 1)
             _consolidate_everywhere(optim, rank, world)
@@ -272,7 +272,7 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             # upstream raise): this rank's partition, in DCP's flow --
             # every rank gets, dcp.save; a fresh ZeRO's template (its
             # partition), dcp.load, set; the run goes on
-            model, optim = _model(0), None
+            model = _model(0)
             optim = _zero(model, name)
             _steps(model, optim, 2, 1)
             got = _run(lambda: upstream.get_optimizer_state_dict(model, optim))
@@ -297,7 +297,7 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             dist.barrier()
 
             # 7. a load that fails validation changes nothing
-            model, optim = _model(0), None
+            model = _model(0)
             optim = _zero(model, name)
             _steps(model, optim, 2, 1)
             _consolidate_everywhere(optim, rank, world)
