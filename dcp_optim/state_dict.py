@@ -833,6 +833,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _as_tuple(optimizers: Any) -> tuple[Any, ...]:
+    if optimizers is None:
+        return ()
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return (optimizers,)
+    try:
+        return tuple(optimizers)
+    except TypeError:
+        return ()
+
+
 def _agreement_for(
     api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any,
     optimizers: Any = None,
@@ -863,10 +874,16 @@ def _agreement_for(
     fsdp1, fsdp1_known, fsdp1_mesh = agreement_mesh(model, info)
     if fsdp1 and fsdp1_known and mesh is None:
         mesh, sharded = fsdp1_mesh, fsdp1_mesh is not None or sharded
+    # D36: a ZeroRedundancyOptimizer's ranks all load with it
+    from ._engine.zero import agreement_mesh as zero_mesh
+
+    has_zero, zero_group_mesh = zero_mesh(_as_tuple(optimizers))
+    if has_zero and mesh is None:
+        mesh = zero_group_mesh
     # Without one device mesh the group is the default one, which may
     # hold other models (pipeline stages): only loads that communicate
     # there anyway agree there.
-    if not (full or (sharded and mesh is not None) or (fsdp1 and fsdp1_known)):
+    if not (full or (sharded and mesh is not None) or (fsdp1 and fsdp1_known) or has_zero):
         return None
     pairs = [("api", api), *option_pairs(options, _COLLECTIVE_OPTIONS), ("bucket", repr(_bucket_setting()))]
     structure = None

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import errors
 
@@ -899,3 +900,17 @@ def _import_error(exported: tuple[bytes | None, str], note: str) -> BaseExceptio
     else:
         exc.args = (*exc.args, note.strip())
     return exc
+
+
+_GROUP_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+
+
+def mesh_for_group(group: Any, device_type: str) -> DeviceMesh:
+    """A 1-D DeviceMesh over a process group (FSDP1's, a
+    ZeroRedundancyOptimizer's), built once (no communication)."""
+    key = (id(group), device_type)
+    mesh = _GROUP_MESHES.get(key)
+    if mesh is None or mesh.get_group() is not group:
+        mesh = DeviceMesh.from_group(group, device_type)
+        _GROUP_MESHES[key] = mesh
+    return mesh

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import errors
 from .collectives import gather_full_tensors
+from .consistency import mesh_for_group
 from .core import C, context
 from .own_calls import state_dict_fn
 from .pristine import pristine_states
@@ -117,7 +118,7 @@ def agreement_mesh(model: nn.Module, info: Any) -> tuple[bool, bool, DeviceMesh 
         return True, False, None
     if group is None or isinstance(group, tuple):
         return True, False, None
-    return True, True, _mesh_for(group, first.compute_device.type)
+    return True, True, mesh_for_group(group, first.compute_device.type)
 
 
 def _getter_options(info: Any) -> tuple[tuple[str, Any], ...]:
@@ -210,19 +211,6 @@ def _handles(info: Any) -> list[_Handle]:
             )
         )
     return out
-
-
-_MESHES: dict[tuple[int, str], DeviceMesh] = {}
-
-
-def _mesh_for(group, device_type: str) -> DeviceMesh:
-    """A 1-D DeviceMesh over an FSDP process group (no communication)."""
-    key = (id(group), device_type)
-    mesh = _MESHES.get(key)
-    if mesh is None or mesh.get_group() is not group:
-        mesh = DeviceMesh.from_group(group, device_type)
-        _MESHES[key] = mesh
-    return mesh
 
 
 def _sort_names(entry: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +398,7 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
     group_meshes = {}
     for h in handles:
         if h.sharded and id(h.group) not in group_meshes:
-            group_meshes[id(h.group)] = _mesh_for(h.group, h.flat.device.type)
+            group_meshes[id(h.group)] = mesh_for_group(h.group, h.flat.device.type)
     gathered_meta: dict[str, dict[str, Any]] = {}
     present: dict[str, set[int]] = {}
     param_scalars: dict[str, dict[int, dict[str, Any]]] = {}
@@ -623,7 +611,7 @@ def _to_dtensor(value: Any, h: _Handle) -> Any:
         local = shards[0].tensor
     else:
         local = torch.empty((0, *size[1:]), dtype=value.dtype, device=h.flat.device)
-    mesh = _mesh_for(h.group, local.device.type)
+    mesh = mesh_for_group(h.group, local.device.type)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=size,
                               stride=torch.empty(size, device="meta").stride())
 

@@ -36,6 +36,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import errors
 
@@ -43,6 +44,7 @@ __all__ = [
     "is_zero",
     "check_supported",
     "check_not_wrapped",
+    "agreement_mesh",
     "check_fresh",
     "consolidated",
     "state_dict",
@@ -113,6 +115,25 @@ def check_not_wrapped(optim: Any, position: int) -> None:
             cls,
             "optim" if hasattr(optim, "optim") else "optimizer",
         )
+
+
+def agreement_mesh(optimizers: Any) -> tuple[bool, Any]:
+    """(whether a ZeroRedundancyOptimizer takes part, the mesh its ranks
+    agree on: None for the default group).  Every rank of ZeRO's process
+    group steps and loads with it, so a load into one agrees there like a
+    sharded load into DTensors: a partition that fails its checks on one
+    rank fails the load on every rank (DCP's flow validates each rank's
+    own partition)."""
+    for optim in optimizers or ():
+        if is_zero(optim):
+            group = getattr(optim, "process_group", None)
+            if group is None or group is dist.group.WORLD or group is dist.distributed_c10d._get_default_group():
+                return True, None
+            from .consistency import mesh_for_group
+
+            device = getattr(optim, "_default_device", torch.device("cpu"))
+            return True, mesh_for_group(group, torch.device(device).type)
+    return False, None
 
 
 def _flat_params(optim: Any) -> list[torch.Tensor]:

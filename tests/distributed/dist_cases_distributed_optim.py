@@ -310,6 +310,17 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, bad))
             r[f"bad load raises/{case}"] = got[0]
             r[f"bad load changes nothing/{case}"] = _inner_state(optim) == before
+            # a partition that fails its checks on one rank only (each rank
+            # loads its own, as in DCP's flow): every rank raises
+            optim._all_state_dicts = []
+            own = copy.deepcopy(dcp_optim.get_optimizer_state_dict(model, optim))
+            _consolidate_everywhere(optim, rank, world)
+            if rank == 1:
+                entry = next(iter(own["state"].values()))
+                del entry[sorted(entry)[0]]
+            got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, own))
+            r[f"one rank's bad partition/{case}"] = got[0]
+            r[f"one rank's bad partition changes nothing/{case}"] = _inner_state(optim) == before
             # an optimizer-wide entry (D29's key) ZeRO's own load cannot take
             odd = {**good, "state": {**good["state"], ".optimizer_0": {"k": torch.tensor(3.0)}}}
             got = _run(lambda: dcp_optim.set_optimizer_state_dict(

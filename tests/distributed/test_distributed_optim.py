@@ -124,6 +124,10 @@ def test_a_load_that_fails_changes_nothing(outcomes, case):
     for rank, r in enumerate(outcomes):
         assert r[f"bad load raises/{case}"] in ("StateDictValueError", "MissingOptimizerStateError"), rank
         assert r[f"bad load changes nothing/{case}"], rank
+        # one rank's partition fails: the same error type on every rank
+        assert r[f"one rank's bad partition/{case}"] == outcomes[1][f"one rank's bad partition/{case}"], rank
+        assert r[f"one rank's bad partition/{case}"] in ("StateDictValueError", "MissingOptimizerStateError"), rank
+        assert r[f"one rank's bad partition changes nothing/{case}"], rank
         assert r[f"wide entry raises/{case}"] == "StateDictKeyError", (rank, r[f"wide entry raises/{case}"])
         assert r[f"wide entry changes nothing/{case}"], rank
 
