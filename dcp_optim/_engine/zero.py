@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
+from ..schema import proxied
+from .consistency import mesh_for_group
 
 __all__ = [
     "is_zero",
@@ -102,10 +104,8 @@ def check_not_wrapped(optim: Any, position: int) -> None:
     ``state``: its templates would be taken for the whole state, and its
     own ``state_dict()`` holds entries of its own beside ZeRO's.  Refused
     by name (a step of it, upstream's initialising one, communicates)."""
-    from ..schema import proxied
-
-    inner = proxied(optim)
-    if inner is not optim and is_zero(inner):
+    held = proxied(optim)
+    if held is not optim and is_zero(held):
         cls = type(optim).__qualname__
         raise errors.HeldOptimizerStateError(
             f"optimizer {position} ({cls}) wraps a ZeroRedundancyOptimizer: dcp_optim reads "
@@ -129,8 +129,6 @@ def agreement_mesh(optimizers: Any) -> tuple[bool, Any]:
             group = getattr(optim, "process_group", None)
             if group is None or group is dist.group.WORLD or group is dist.distributed_c10d._get_default_group():
                 return True, None
-            from .consistency import mesh_for_group
-
             device = getattr(optim, "_default_device", torch.device("cpu"))
             return True, mesh_for_group(group, torch.device(device).type)
     return False, None
