@@ -330,6 +330,24 @@ def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
             dist.barrier()
     r.update(zero_init_state(rank, world))
 
+    # ZeRO over a process group of its own (not the default one): its
+    # loads agree there (a DeviceMesh over that group)
+    group = dist.new_group(list(range(world)))
+    model = _model(0)
+    optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                    process_group=group, lr=0.05)
+    _steps(model, optim, 2, 1)
+    own = copy.deepcopy(dcp_optim.get_optimizer_state_dict(model, optim))
+    before = _inner_state(optim)
+    bad = copy.deepcopy(own)
+    if rank == 1:
+        entry = next(iter(bad["state"].values()))
+        del entry[sorted(entry)[0]]
+    r["subgroup bad partition"] = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, bad))[0]
+    r["subgroup bad partition changes nothing"] = _inner_state(optim) == before
+    r["subgroup load"] = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, own))[0]
+    r["subgroup load keeps the state"] = _inner_state(optim) == before
+
     # a PostLocalSGDOptimizer around a ZeroRedundancyOptimizer: refused by
     # name, nothing changed (upstream: its initialising step's TypeError)
     model = _model(0)

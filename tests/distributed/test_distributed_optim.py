@@ -198,3 +198,14 @@ def test_a_wrapper_around_zero_is_refused_by_name(outcomes):
             assert r[f"wrapped zero {call}/dcp_optim"] == "HeldOptimizerStateError", rank
             assert r[f"wrapped zero {call}/upstream"] == "TypeError", (rank, r[f"wrapped zero {call}/upstream"])
         assert r["wrapped zero unchanged"], rank
+
+
+def test_zero_over_its_own_process_group_agrees_there(outcomes):
+    """ZeRO built over a process group other than the default one: a
+    partition failing on rank 1 fails the load on both ranks (agreed over
+    a mesh of that group), nothing changed; a good load then succeeds."""
+    for rank, r in enumerate(outcomes):
+        assert r["subgroup bad partition"] == "StateDictValueError", (rank, r["subgroup bad partition"])
+        assert r["subgroup bad partition changes nothing"], rank
+        assert r["subgroup load"] == "ok", rank
+        assert r["subgroup load keeps the state"], rank
