@@ -152,182 +152,211 @@ def distributed_optim_cases(rank: int, world: int, folder: str) -> dict[str, Any
     return r
 
 
+def _zero_getter(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
+    """1-2. The getter beside upstream's, with and without gradients set; cpu_offload copies."""
+    case = f"{name}/flat={flat}"
+    # 1. the getter where upstream is right (consolidated, the
+    # gradients still set: upstream takes no initialising step)
+    model = _model(0)
+    optim = _zero(model, name)
+    _steps(model, optim, 2, 1)
+    _steps(model, optim, 1, 2, zero_grad=False)
+    _consolidate_everywhere(optim, rank, world)
+    before = _inner_state(optim)
+    ours = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+    theirs = upstream.get_optimizer_state_dict(
+        model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat))
+    r[f"same as upstream/{case}"] = _run(lambda: assert_same_tree(ours, theirs))
+    r[f"stepped keys/{case}"] = _state_keys(ours, flat)
+    r[f"getters change nothing, grads set/{case}"] = _inner_state(optim) == before
+
+    # cpu_offload returns copies (D28), consolidated or not
+    for mode in ("consolidated", "partition"):
+        if mode == "partition":
+            optim._all_state_dicts = []
+        got = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat, cpu_offload=True))
+        live = {t.untyped_storage().data_ptr() for e in optim.optim.state.values()
+                for t in e.values() if isinstance(t, torch.Tensor)}
+        leaves = [t for t in (got.values() if flat else (v for e in got["state"].values() for v in e.values()))
+                  if isinstance(t, torch.Tensor)]
+        r[f"offload copies/{mode}/{case}"] = bool(leaves) and not any(
+            t.untyped_storage().data_ptr() in live for t in leaves)
+    _consolidate_everywhere(optim, rank, world)
+
+    # 2. after zero_grad(set_to_none=True): upstream's initialising
+    # step steps the inner optimizer (every rank calls it here)
+    optim.zero_grad(set_to_none=True)
+    for impl, api in IMPLS.items():
+        before = _inner_state(optim)
+        _run(lambda: api.get_optimizer_state_dict(model, optim))
+        r[f"getter changes nothing/{impl}/{case}"] = _inner_state(optim) == before
+
+
+def _zero_own_flow_resume(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
+    """3. ZeRO's own flow: rank 0 consolidates and saves one file; every rank loads it."""
+    case = f"{name}/flat={flat}"
+    # 3. the resume of ZeRO's own flow: rank 0 consolidates and
+    # saves one file; every rank loads it into a fresh model and a
+    # never-stepped ZeroRedundancyOptimizer; the run goes on
+    model = _model(0)
+    optim = _zero(model, name)
+    _steps(model, optim, 2, 1)
+    optim.consolidate_state_dict(to=0)
+    path = os.path.join(folder, f"zero-{name}-{flat}.pt")
+    if rank == 0:
+        saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+        torch.save((dcp_optim.get_model_state_dict(model), saved), path)
+    dist.barrier()
+    saved_state = _inner_state(optim)
+    reference = _steps(model, optim, 3, 3)
+    for impl, api in IMPLS.items():
+        model2 = _model(7)
+        optim2 = _zero(model2, name)
+        msd, osd = torch.load(path, weights_only=False)
+        kept = copy.deepcopy(osd)
+        api.set_model_state_dict(model2, msd)
+        outcome = _run(lambda: api.set_optimizer_state_dict(
+            model2, optim2, osd, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
+        r[f"resume load/{impl}/{case}"] = outcome[0]
+        if outcome[0] == "ok":
+            r[f"resume state/{impl}/{case}"] = _inner_state(optim2) == saved_state
+            r[f"resume caller's dict kept/{impl}/{case}"] = _run(lambda: assert_same_tree(osd, kept))[0]
+            r[f"resume losses/{impl}/{case}"] = _steps(model2, optim2, 3, 3) == reference
+    # the same file read on rank 0 only and broadcast (full state)
+    model2 = _model(7)
+    optim2 = _zero(model2, name)
+    msd, osd = torch.load(path, weights_only=False) if rank == 0 else ({}, {})
+    full = _opts(flat, full_state_dict=True, broadcast_from_rank0=True)
+    dcp_optim.set_model_state_dict(model2, msd, options=full)
+    outcome = _run(lambda: dcp_optim.set_optimizer_state_dict(model2, optim2, osd, options=full))
+    r[f"broadcast resume/{case}"] = outcome[0]
+    if outcome[0] == "ok":
+        r[f"broadcast resume state/{case}"] = _inner_state(optim2) == saved_state
+        r[f"broadcast resume losses/{case}"] = _steps(model2, optim2, 3, 3) == reference
+    dist.barrier()
+
+
+def _zero_never_stepped_template(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
+    """4. A never-stepped ZeRO's template."""
+    case = f"{name}/flat={flat}"
+    # 4. a never-stepped ZeRO's template: the state a first step
+    # creates, as a stepped one's keys; loading it into a fresh
+    # ZeRO trains as a fresh one does
+    for impl, api in IMPLS.items():
+        # (each its own: upstream's initialising step gives the
+        # inner optimizer state)
+        model = _model(0)
+        optim = _zero(model, name)
+        _consolidate_everywhere(optim, rank, world)
+        template = _run(lambda: api.get_optimizer_state_dict(
+            model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
+        r[f"template keys/{impl}/{case}"] = (
+            _state_keys(template[1], flat) if template[0] == "ok" else template[0])
+    model = _model(0)
+    optim = _zero(model, name)
+    _consolidate_everywhere(optim, rank, world)
+    template = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+    fresh = _steps(model, optim, 2, 4)
+    model2 = _model(0)
+    optim2 = _zero(model2, name)
+    dcp_optim.set_optimizer_state_dict(model2, optim2, template, options=_opts(flat))
+    r[f"template trains as fresh/{case}"] = _steps(model2, optim2, 2, 4) == fresh
+
+
+def _zero_stale_copy(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
+    """5. A consolidated copy older than the state held."""
+    case = f"{name}/flat={flat}"
+    # 5. consolidated before steps that change this rank's
+    # partition: the copy is older than the state held
+    model = _model(0)
+    optim = _zero(model, name)
+    _steps(model, optim, 1, 1)
+    _consolidate_everywhere(optim, rank, world)
+    _steps(model, optim, 1, 2)
+    for impl, api in IMPLS.items():
+        got = _run(lambda: api.get_optimizer_state_dict(model, optim))
+        r[f"stale/{impl}/{case}"] = got[0] if got[0] != "ok" else "returned"
+
+
+def _zero_dcp_partitions(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
+    """6. Not consolidated: each rank's partition, through DCP."""
+    case = f"{name}/flat={flat}"
+    # 6. not consolidated on this rank (ZeRO's own state_dict() and
+    # upstream raise): this rank's partition, in DCP's flow --
+    # every rank gets, dcp.save; a fresh ZeRO's template (its
+    # partition), dcp.load, set; the run goes on
+    model = _model(0)
+    optim = _zero(model, name)
+    _steps(model, optim, 2, 1)
+    got = _run(lambda: upstream.get_optimizer_state_dict(model, optim))
+    r[f"not consolidated/upstream/{case}"] = got[0]
+    # a full state dict is the consolidated one: ZeRO's error, as upstream
+    full = dcp_optim.StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flat)
+    got = _run(lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=full))
+    r[f"not consolidated full/{case}"] = got
+    saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
+    r[f"partition keys/{case}"] = _state_keys(saved, flat)
+    path = os.path.join(folder, f"zero-dcp-{name}-{flat}")
+    dcp.save({"model": dcp_optim.get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+    saved_state = _inner_state(optim)
+    reference = _steps(model, optim, 3, 3)
+    if rank == 0:
+        with open(path + ".losses.json", "w") as f:
+            json.dump(reference, f)
+    r.update(_dcp_resume(rank, name, flat, path, reference, f"same world/{case}"))
+    model2 = _model(7)
+    optim2 = _zero(model2, name)
+    r[f"dcp resume state/{case}"] = _dcp_load(model2, optim2, flat, path) and _inner_state(optim2) == saved_state
+    dist.barrier()
+
+
+def _zero_failed_loads(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
+    """7. Loads that fail change nothing."""
+    case = f"{name}/flat={flat}"
+    # 7. a load that fails validation changes nothing
+    model = _model(0)
+    optim = _zero(model, name)
+    _steps(model, optim, 2, 1)
+    _consolidate_everywhere(optim, rank, world)
+    good = dcp_optim.get_optimizer_state_dict(model, optim)
+    bad = copy.deepcopy(good)
+    # a state the optimizer keeps, left out (strict: raises)
+    entry = bad["state"]["0.weight"]
+    del entry[sorted(entry)[0]]
+    before = _inner_state(optim)
+    got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, bad))
+    r[f"bad load raises/{case}"] = got[0]
+    r[f"bad load changes nothing/{case}"] = _inner_state(optim) == before
+    # a partition that fails its checks on one rank only (each rank
+    # loads its own, as in DCP's flow): every rank raises
+    optim._all_state_dicts = []
+    own = copy.deepcopy(dcp_optim.get_optimizer_state_dict(model, optim))
+    _consolidate_everywhere(optim, rank, world)
+    if rank == 1:
+        entry = next(iter(own["state"].values()))
+        del entry[sorted(entry)[0]]
+    got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, own))
+    r[f"one rank's bad partition/{case}"] = got[0]
+    r[f"one rank's bad partition changes nothing/{case}"] = _inner_state(optim) == before
+    # an optimizer-wide entry (D29's key) ZeRO's own load cannot take
+    odd = {**good, "state": {**good["state"], ".optimizer_0": {"k": torch.tensor(3.0)}}}
+    got = _run(lambda: dcp_optim.set_optimizer_state_dict(
+        model, optim, odd, options=dcp_optim.StateDictOptions(strict=False)))
+    r[f"wide entry raises/{case}"] = got[0]
+    r[f"wide entry changes nothing/{case}"] = _inner_state(optim) == before
+    dist.barrier()
+
+
 def zero_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
     r: dict[str, Any] = {}
     for name in OPTIMIZERS:
         for flat in (False, True):
-            case = f"{name}/flat={flat}"
-
-            # 1. the getter where upstream is right (consolidated, the
-            # gradients still set: upstream takes no initialising step)
-            model = _model(0)
-            optim = _zero(model, name)
-            _steps(model, optim, 2, 1)
-            _steps(model, optim, 1, 2, zero_grad=False)
-            _consolidate_everywhere(optim, rank, world)
-            before = _inner_state(optim)
-            ours = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
-            theirs = upstream.get_optimizer_state_dict(
-                model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat))
-            r[f"same as upstream/{case}"] = _run(lambda: assert_same_tree(ours, theirs))
-            r[f"stepped keys/{case}"] = _state_keys(ours, flat)
-            r[f"getters change nothing, grads set/{case}"] = _inner_state(optim) == before
-
-            # cpu_offload returns copies (D28), consolidated or not
-            for mode in ("consolidated", "partition"):
-                if mode == "partition":
-                    optim._all_state_dicts = []
-                got = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat, cpu_offload=True))
-                live = {t.untyped_storage().data_ptr() for e in optim.optim.state.values()
-                        for t in e.values() if isinstance(t, torch.Tensor)}
-                leaves = [t for t in (got.values() if flat else (v for e in got["state"].values() for v in e.values()))
-                          if isinstance(t, torch.Tensor)]
-                r[f"offload copies/{mode}/{case}"] = bool(leaves) and not any(
-                    t.untyped_storage().data_ptr() in live for t in leaves)
-            _consolidate_everywhere(optim, rank, world)
-
-            # 2. after zero_grad(set_to_none=True): upstream's initialising
-            # step steps the inner optimizer (every rank calls it here)
-            optim.zero_grad(set_to_none=True)
-            for impl, api in IMPLS.items():
-                before = _inner_state(optim)
-                _run(lambda: api.get_optimizer_state_dict(model, optim))
-                r[f"getter changes nothing/{impl}/{case}"] = _inner_state(optim) == before
-
-            # 3. the resume of ZeRO's own flow: rank 0 consolidates and
-            # saves one file; every rank loads it into a fresh model and a
-            # never-stepped ZeroRedundancyOptimizer; the run goes on
-            model = _model(0)
-            optim = _zero(model, name)
-            _steps(model, optim, 2, 1)
-            optim.consolidate_state_dict(to=0)
-            path = os.path.join(folder, f"zero-{name}-{flat}.pt")
-            if rank == 0:
-                saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
-                torch.save((dcp_optim.get_model_state_dict(model), saved), path)
-            dist.barrier()
-            saved_state = _inner_state(optim)
-            reference = _steps(model, optim, 3, 3)
-            for impl, api in IMPLS.items():
-                model2 = _model(7)
-                optim2 = _zero(model2, name)
-                msd, osd = torch.load(path, weights_only=False)
-                kept = copy.deepcopy(osd)
-                api.set_model_state_dict(model2, msd)
-                outcome = _run(lambda: api.set_optimizer_state_dict(
-                    model2, optim2, osd, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
-                r[f"resume load/{impl}/{case}"] = outcome[0]
-                if outcome[0] == "ok":
-                    r[f"resume state/{impl}/{case}"] = _inner_state(optim2) == saved_state
-                    r[f"resume caller's dict kept/{impl}/{case}"] = _run(lambda: assert_same_tree(osd, kept))[0]
-                    r[f"resume losses/{impl}/{case}"] = _steps(model2, optim2, 3, 3) == reference
-            # the same file read on rank 0 only and broadcast (full state)
-            model2 = _model(7)
-            optim2 = _zero(model2, name)
-            msd, osd = torch.load(path, weights_only=False) if rank == 0 else ({}, {})
-            full = _opts(flat, full_state_dict=True, broadcast_from_rank0=True)
-            dcp_optim.set_model_state_dict(model2, msd, options=full)
-            outcome = _run(lambda: dcp_optim.set_optimizer_state_dict(model2, optim2, osd, options=full))
-            r[f"broadcast resume/{case}"] = outcome[0]
-            if outcome[0] == "ok":
-                r[f"broadcast resume state/{case}"] = _inner_state(optim2) == saved_state
-                r[f"broadcast resume losses/{case}"] = _steps(model2, optim2, 3, 3) == reference
-            dist.barrier()
-
-            # 4. a never-stepped ZeRO's template: the state a first step
-            # creates, as a stepped one's keys; loading it into a fresh
-            # ZeRO trains as a fresh one does
-            for impl, api in IMPLS.items():
-                # (each its own: upstream's initialising step gives the
-                # inner optimizer state)
-                model = _model(0)
-                optim = _zero(model, name)
-                _consolidate_everywhere(optim, rank, world)
-                template = _run(lambda: api.get_optimizer_state_dict(
-                    model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
-                r[f"template keys/{impl}/{case}"] = (
-                    _state_keys(template[1], flat) if template[0] == "ok" else template[0])
-            model = _model(0)
-            optim = _zero(model, name)
-            _consolidate_everywhere(optim, rank, world)
-            template = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
-            fresh = _steps(model, optim, 2, 4)
-            model2 = _model(0)
-            optim2 = _zero(model2, name)
-            dcp_optim.set_optimizer_state_dict(model2, optim2, template, options=_opts(flat))
-            r[f"template trains as fresh/{case}"] = _steps(model2, optim2, 2, 4) == fresh
-
-            # 5. consolidated before steps that change this rank's
-            # partition: the copy is older than the state held
-            model = _model(0)
-            optim = _zero(model, name)
-            _steps(model, optim, 1, 1)
-            _consolidate_everywhere(optim, rank, world)
-            _steps(model, optim, 1, 2)
-            for impl, api in IMPLS.items():
-                got = _run(lambda: api.get_optimizer_state_dict(model, optim))
-                r[f"stale/{impl}/{case}"] = got[0] if got[0] != "ok" else "returned"
-
-            # 6. not consolidated on this rank (ZeRO's own state_dict() and
-            # upstream raise): this rank's partition, in DCP's flow --
-            # every rank gets, dcp.save; a fresh ZeRO's template (its
-            # partition), dcp.load, set; the run goes on
-            model = _model(0)
-            optim = _zero(model, name)
-            _steps(model, optim, 2, 1)
-            got = _run(lambda: upstream.get_optimizer_state_dict(model, optim))
-            r[f"not consolidated/upstream/{case}"] = got[0]
-            # a full state dict is the consolidated one: ZeRO's error, as upstream
-            full = dcp_optim.StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=flat)
-            got = _run(lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=full))
-            r[f"not consolidated full/{case}"] = got
-            saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
-            r[f"partition keys/{case}"] = _state_keys(saved, flat)
-            path = os.path.join(folder, f"zero-dcp-{name}-{flat}")
-            dcp.save({"model": dcp_optim.get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
-            saved_state = _inner_state(optim)
-            reference = _steps(model, optim, 3, 3)
-            if rank == 0:
-                with open(path + ".losses.json", "w") as f:
-                    json.dump(reference, f)
-            r.update(_dcp_resume(rank, name, flat, path, reference, f"same world/{case}"))
-            model2 = _model(7)
-            optim2 = _zero(model2, name)
-            r[f"dcp resume state/{case}"] = _dcp_load(model2, optim2, flat, path) and _inner_state(optim2) == saved_state
-            dist.barrier()
-
-            # 7. a load that fails validation changes nothing
-            model = _model(0)
-            optim = _zero(model, name)
-            _steps(model, optim, 2, 1)
-            _consolidate_everywhere(optim, rank, world)
-            good = dcp_optim.get_optimizer_state_dict(model, optim)
-            bad = copy.deepcopy(good)
-            # a state the optimizer keeps, left out (strict: raises)
-            entry = bad["state"]["0.weight"]
-            del entry[sorted(entry)[0]]
-            before = _inner_state(optim)
-            got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, bad))
-            r[f"bad load raises/{case}"] = got[0]
-            r[f"bad load changes nothing/{case}"] = _inner_state(optim) == before
-            # a partition that fails its checks on one rank only (each rank
-            # loads its own, as in DCP's flow): every rank raises
-            optim._all_state_dicts = []
-            own = copy.deepcopy(dcp_optim.get_optimizer_state_dict(model, optim))
-            _consolidate_everywhere(optim, rank, world)
-            if rank == 1:
-                entry = next(iter(own["state"].values()))
-                del entry[sorted(entry)[0]]
-            got = _run(lambda: dcp_optim.set_optimizer_state_dict(model, optim, own))
-            r[f"one rank's bad partition/{case}"] = got[0]
-            r[f"one rank's bad partition changes nothing/{case}"] = _inner_state(optim) == before
-            # an optimizer-wide entry (D29's key) ZeRO's own load cannot take
-            odd = {**good, "state": {**good["state"], ".optimizer_0": {"k": torch.tensor(3.0)}}}
-            got = _run(lambda: dcp_optim.set_optimizer_state_dict(
-                model, optim, odd, options=dcp_optim.StateDictOptions(strict=False)))
-            r[f"wide entry raises/{case}"] = got[0]
-            r[f"wide entry changes nothing/{case}"] = _inner_state(optim) == before
-            dist.barrier()
+            _zero_getter(rank, world, folder, name, flat, r)
+            _zero_own_flow_resume(rank, world, folder, name, flat, r)
+            _zero_never_stepped_template(rank, world, folder, name, flat, r)
+            _zero_stale_copy(rank, world, folder, name, flat, r)
+            _zero_dcp_partitions(rank, world, folder, name, flat, r)
+            _zero_failed_loads(rank, world, folder, name, flat, r)
     r.update(zero_init_state(rank, world))
 
     # ZeRO over a process group of its own (not the default one): its
