@@ -20,7 +20,7 @@ pytestmark = pytest.mark.torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# A user's suite: the README's conftest.py and checks that pass, fail or
+# A user's suite: docs/pytest-plugin.md's conftest.py and checks that pass, fail or
 # hang on one rank.
 CONFTEST = 'pytest_plugins = ["dcp_optim.testing"]\n'
 CASES = textwrap.dedent(
@@ -119,12 +119,12 @@ TIMEOUT_CONFTEST = textwrap.dedent(
 )
 
 
-def _readme_example() -> tuple[str, str]:
-    """The README's example ``conftest.py`` and test file."""
-    with open(os.path.join(REPO, "README.md")) as f:
+def _documented_example() -> tuple[str, str]:
+    """The example ``conftest.py`` and test file of docs/pytest-plugin.md."""
+    with open(os.path.join(REPO, "docs", "pytest-plugin.md")) as f:
         text = f.read()
     blocks = re.findall(r"```python\n(# conftest\.py\n.*?)```\n+```python\n(# test_checkpoint\.py\n.*?)```", text, re.S)
-    assert len(blocks) == 1, "README: the conftest.py / test_checkpoint.py example is missing"
+    assert len(blocks) == 1, "docs/pytest-plugin.md: the conftest.py / test_checkpoint.py example is missing"
     return blocks[0]
 
 
@@ -158,9 +158,9 @@ def _torchrun(nproc: int, *args: str, cwd: str, timeout: float, logs=None):
 
 
 def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
-    """The README's example suite passes; checks failing or hanging on one
+    """The documented example suite passes; checks failing or hanging on one
     rank fail on every rank, naming it; the hangs end at the timeouts."""
-    conftest, example = _readme_example()
+    conftest, example = _documented_example()
     assert conftest.strip().endswith(CONFTEST.strip())
     (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "test_checkpoint.py").write_text(example)
@@ -188,7 +188,7 @@ def test_failing_and_hanging_ranks_fail_the_run_naming_the_rank(tmp_path):
         assert "Timed out waiting 5000ms" in out, out
         assert "3 failed, 4 passed" in out, out
     # the hangs were ended by the hanging test's own timeout (8 s; the
-    # others get 120 s, as the README's checks can take longer than 8 s on
+    # others get 120 s, as the example's checks can take longer than 8 s on
     # a loaded machine) and the group's (5 s):
     # the consolidated Timeout/"Timed out" verdicts above say so (no
     # wall-clock bound: _torchrun's own limit ends a real hang)
