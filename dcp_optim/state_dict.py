@@ -833,17 +833,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _as_tuple(optimizers: Any) -> tuple[Any, ...]:
-    if optimizers is None:
-        return ()
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return (optimizers,)
-    try:
-        return tuple(optimizers)
-    except TypeError:
-        return ()
-
-
 def _agreement_for(
     api: str, model: Any, info: Any, options: Any, model_state_dict: Any, optim_state_dict: Any,
     optimizers: Any = None,
@@ -877,7 +866,11 @@ def _agreement_for(
     # D36: a ZeroRedundancyOptimizer's ranks all load with it
     from ._engine.zero import agreement_mesh as zero_mesh
 
-    has_zero, zero_group_mesh = zero_mesh(_as_tuple(optimizers))
+    try:  # (normalised already, unless that failed on this rank)
+        listed = () if optimizers is None else _normalize_optimizers(optimizers)
+    except TypeError:
+        listed = ()
+    has_zero, zero_group_mesh = zero_mesh(listed)
     if has_zero and mesh is None:
         mesh = zero_group_mesh
     # Without one device mesh the group is the default one, which may

@@ -82,16 +82,30 @@ def _consolidate_everywhere(optim: ZeroRedundancyOptimizer, rank: int, world: in
     optim._all_state_dicts = kept
 
 
-def _inner_state(optim: ZeroRedundancyOptimizer) -> list:
-    """This rank's partition state by global parameter index, bitwise."""
-    position = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
+def _state_rows(groups: list[dict[str, Any]], state: dict[Any, Any]) -> list:
+    """``state`` (keyed by parameter) by the parameter's index in
+    ``groups``, bitwise and order-free."""
+    position = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
     out = []
-    for p, entry in optim.optim.state.items():
-        row = {}
-        for k, v in entry.items():
-            row[k] = (str(v.dtype), v.clone().view(-1).view(torch.uint8).tolist()) if isinstance(v, torch.Tensor) else v
+    for p, entry in state.items():
+        row = {k: (str(v.dtype), v.clone().view(-1).view(torch.uint8).tolist()) if isinstance(v, torch.Tensor) else v
+               for k, v in entry.items()}
         out.append((position[id(p)], sorted(row.items(), key=lambda kv: kv[0])))
     return sorted(out, key=lambda r: r[0])
+
+
+def _inner_state(optim: ZeroRedundancyOptimizer) -> list:
+    """This rank's partition state by global parameter index, bitwise."""
+    return _state_rows(optim.param_groups, optim.optim.state)
+
+
+def _trained_zero(name: str, steps: int, seed: int = 1):
+    """A model (seed 0) and its ZeRO over ``name``, trained ``steps`` steps."""
+    model = _model(0)
+    optim = _zero(model, name)
+    if steps:
+        _steps(model, optim, steps, seed)
+    return model, optim
 
 
 def _state_keys(osd: dict[str, Any], flat: bool) -> list[str]:
@@ -155,11 +169,9 @@ def distributed_optim_cases(rank: int, world: int, folder: str) -> dict[str, Any
 def _zero_getter(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
     """1-2. The getter beside upstream's, with and without gradients set; cpu_offload copies."""
     case = f"{name}/flat={flat}"
-    # 1. the getter where upstream is right (consolidated, the
+    # the getter where upstream is right (consolidated, the
     # gradients still set: upstream takes no initialising step)
-    model = _model(0)
-    optim = _zero(model, name)
-    _steps(model, optim, 2, 1)
+    model, optim = _trained_zero(name, 2, 1)
     _steps(model, optim, 1, 2, zero_grad=False)
     _consolidate_everywhere(optim, rank, world)
     before = _inner_state(optim)
@@ -183,7 +195,7 @@ def _zero_getter(rank: int, world: int, folder: str, name: str, flat: bool, r: d
             t.untyped_storage().data_ptr() in live for t in leaves)
     _consolidate_everywhere(optim, rank, world)
 
-    # 2. after zero_grad(set_to_none=True): upstream's initialising
+    # after zero_grad(set_to_none=True): upstream's initialising
     # step steps the inner optimizer (every rank calls it here)
     optim.zero_grad(set_to_none=True)
     for impl, api in IMPLS.items():
@@ -195,12 +207,10 @@ def _zero_getter(rank: int, world: int, folder: str, name: str, flat: bool, r: d
 def _zero_own_flow_resume(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
     """3. ZeRO's own flow: rank 0 consolidates and saves one file; every rank loads it."""
     case = f"{name}/flat={flat}"
-    # 3. the resume of ZeRO's own flow: rank 0 consolidates and
+    # the resume of ZeRO's own flow: rank 0 consolidates and
     # saves one file; every rank loads it into a fresh model and a
     # never-stepped ZeroRedundancyOptimizer; the run goes on
-    model = _model(0)
-    optim = _zero(model, name)
-    _steps(model, optim, 2, 1)
+    model, optim = _trained_zero(name, 2, 1)
     optim.consolidate_state_dict(to=0)
     path = os.path.join(folder, f"zero-{name}-{flat}.pt")
     if rank == 0:
@@ -239,26 +249,23 @@ def _zero_own_flow_resume(rank: int, world: int, folder: str, name: str, flat: b
 def _zero_never_stepped_template(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
     """4. A never-stepped ZeRO's template."""
     case = f"{name}/flat={flat}"
-    # 4. a never-stepped ZeRO's template: the state a first step
+    # a never-stepped ZeRO's template: the state a first step
     # creates, as a stepped one's keys; loading it into a fresh
     # ZeRO trains as a fresh one does
     for impl, api in IMPLS.items():
         # (each its own: upstream's initialising step gives the
         # inner optimizer state)
-        model = _model(0)
-        optim = _zero(model, name)
+        model, optim = _trained_zero(name, 0)
         _consolidate_everywhere(optim, rank, world)
         template = _run(lambda: api.get_optimizer_state_dict(
             model, optim, options=upstream.StateDictOptions(flatten_optimizer_state_dict=flat)))
         r[f"template keys/{impl}/{case}"] = (
             _state_keys(template[1], flat) if template[0] == "ok" else template[0])
-    model = _model(0)
-    optim = _zero(model, name)
+    model, optim = _trained_zero(name, 0)
     _consolidate_everywhere(optim, rank, world)
     template = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat))
     fresh = _steps(model, optim, 2, 4)
-    model2 = _model(0)
-    optim2 = _zero(model2, name)
+    model2, optim2 = _trained_zero(name, 0)
     dcp_optim.set_optimizer_state_dict(model2, optim2, template, options=_opts(flat))
     r[f"template trains as fresh/{case}"] = _steps(model2, optim2, 2, 4) == fresh
 
@@ -266,11 +273,9 @@ def _zero_never_stepped_template(rank: int, world: int, folder: str, name: str, 
 def _zero_stale_copy(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
     """5. A consolidated copy older than the state held."""
     case = f"{name}/flat={flat}"
-    # 5. consolidated before steps that change this rank's
+    # consolidated before steps that change this rank's
     # partition: the copy is older than the state held
-    model = _model(0)
-    optim = _zero(model, name)
-    _steps(model, optim, 1, 1)
+    model, optim = _trained_zero(name, 1, 1)
     _consolidate_everywhere(optim, rank, world)
     _steps(model, optim, 1, 2)
     for impl, api in IMPLS.items():
@@ -281,13 +286,11 @@ def _zero_stale_copy(rank: int, world: int, folder: str, name: str, flat: bool, 
 def _zero_dcp_partitions(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
     """6. Not consolidated: each rank's partition, through DCP."""
     case = f"{name}/flat={flat}"
-    # 6. not consolidated on this rank (ZeRO's own state_dict() and
+    # not consolidated on this rank (ZeRO's own state_dict() and
     # upstream raise): this rank's partition, in DCP's flow --
     # every rank gets, dcp.save; a fresh ZeRO's template (its
     # partition), dcp.load, set; the run goes on
-    model = _model(0)
-    optim = _zero(model, name)
-    _steps(model, optim, 2, 1)
+    model, optim = _trained_zero(name, 2, 1)
     got = _run(lambda: upstream.get_optimizer_state_dict(model, optim))
     r[f"not consolidated/upstream/{case}"] = got[0]
     # a full state dict is the consolidated one: ZeRO's error, as upstream
@@ -313,10 +316,8 @@ def _zero_dcp_partitions(rank: int, world: int, folder: str, name: str, flat: bo
 def _zero_failed_loads(rank: int, world: int, folder: str, name: str, flat: bool, r: dict[str, Any]) -> None:
     """7. Loads that fail change nothing."""
     case = f"{name}/flat={flat}"
-    # 7. a load that fails validation changes nothing
-    model = _model(0)
-    optim = _zero(model, name)
-    _steps(model, optim, 2, 1)
+    # a load that fails validation changes nothing
+    model, optim = _trained_zero(name, 2, 1)
     _consolidate_everywhere(optim, rank, world)
     good = dcp_optim.get_optimizer_state_dict(model, optim)
     bad = copy.deepcopy(good)
@@ -445,13 +446,7 @@ def _local_sgd(model: torch.nn.Module, name: str):
 
 
 def _local_state(optim) -> list:
-    position = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
-    out = []
-    for p, entry in optim.state.items():
-        row = {k: (str(v.dtype), v.clone().view(-1).view(torch.uint8).tolist()) if isinstance(v, torch.Tensor) else v
-               for k, v in entry.items()}
-        out.append((position[id(p)], sorted(row.items(), key=lambda kv: kv[0])))
-    return [sorted(out, key=lambda r: r[0]), optim.averager.step]
+    return [_state_rows(optim.param_groups, optim.state), optim.averager.step]
 
 
 def local_sgd_cases(rank: int, world: int, folder: str) -> dict[str, Any]:
