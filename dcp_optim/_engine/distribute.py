@@ -864,6 +864,19 @@ def _state_device(index: Any) -> torch.device:
     return dist.distributed_c10d._get_pg_default_device()
 
 
+def fsdp2_param_groups(state: Any) -> list[Any]:
+    """The parameter groups of an FSDP2 state: ``_fsdp_param_groups`` from
+    torch 2.12 on (a module may hold several), the single
+    ``_fsdp_param_group`` (or ``None``) on torch 2.11.  Raises
+    ``AttributeError`` on a layout that has neither, so that a torch with
+    another layout fails loudly instead of skipping the groups."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def reshard_fsdp2(model: nn.Module) -> None:
     """Bring every FSDP2 parameter group of ``model`` that a forward left
     unsharded (a ``no_grad`` forward of the root, ``reshard_after_forward=
@@ -888,7 +901,7 @@ def reshard_fsdp2(model: nn.Module) -> None:
         g._sharded_state is sharded
         for ref in list(_module_state_mapping.values())
         if isinstance(state := ref(), FSDPState)
-        for g in getattr(state, "_fsdp_param_groups", ())
+        for g in fsdp2_param_groups(state)
     ):
         return
     pending = []
@@ -896,7 +909,7 @@ def reshard_fsdp2(model: nn.Module) -> None:
         state = ref()
         if not isinstance(state, FSDPState):
             continue
-        groups = [g for g in getattr(state, "_fsdp_param_groups", ()) if not g.is_sharded]
+        groups = [g for g in fsdp2_param_groups(state) if not g.is_sharded]
         if groups:
             pending.append((module, groups))
     if not pending:

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import dcp_optim
+from dcp_optim._engine.distribute import fsdp2_param_groups
 
 from ..support.oracle import assert_same_tree
 from .dist_cases import MLP, CollectiveCounter, train
@@ -53,7 +54,7 @@ def _local_snapshot(model: nn.Module, optim) -> Any:
     params = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp2_param_groups(module._get_fsdp_state()):
                 params.extend(local(fp.sharded_param) for fp in group.fsdp_params)
     state = []
     if optim is not None:
