@@ -166,7 +166,8 @@ def test_case_count() -> None:
     assert any(c.model.compile_wrap for c in CASES)
     assert any(len(c.optim.kinds) > 1 for c in CASES)
     assert any(c.optim.groups_per_optimizer > 1 for c in CASES)
-    assert torch.__version__.startswith("2.13")
+    # the oracle is the installed torch's upstream: one dcp_optim supports
+    assert torch.__version__.startswith(("2.11", "2.12", "2.13")), torch.__version__
 
 
 class _SharedModules(torch.nn.Module):

@@ -82,9 +82,10 @@ def _peak_beyond_template(cls) -> tuple[int, int, dict]:
     the parameters' bytes, the state dict)."""
     model = _model()
     opt = cls(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        warnings.simplefilter("ignore")
-        sd = dcp_optim.get_optimizer_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's own notes (torch 2.11 warns on entering it)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            sd = dcp_optim.get_optimizer_state_dict(model, opt)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     live = peak = 0
