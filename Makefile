@@ -179,6 +179,20 @@ test-torchrun: build
 	done
 	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/distributed/test_torchrun.py
 
+# The older torches the package supports (pyproject.toml: torch>=2.11), each
+# in a virtualenv of its own (VENV and TORCH overridden): the whole suite and
+# the torchrun tests, the differential tests against that torch's upstream.
+# PyPI's builds of them are CUDA builds (about 3.5 GB each with their NVIDIA
+# libraries; they run on the CPU): opt-in, not in CI (docs/testing.md,
+# "Supported versions").
+TORCH_OLDER ?= 2.11.0 2.12.0
+.PHONY: test-torch-floor
+test-torch-floor:
+	for v in $(TORCH_OLDER); do \
+	    echo "== torch $$v"; \
+	    $(MAKE) --no-print-directory VENV=.venv-torch$$v TORCH=torch==$$v test test-torchrun || exit 1; \
+	done
+
 # Issue 24's fault matrix (docs/reliability.md): every fault x path,
 # dcp_optim beside upstream, one 2-rank gloo launch per cell; prints the
 # table.  A sample of it runs in `make test` (tests/distributed/test_faults.py).
