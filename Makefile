@@ -37,8 +37,11 @@ $(STAMP): pyproject.toml Makefile
 	#   pytorch-optimizer ... heavyball: the optimizer corpus
 	#     (tests/unit/test_optim_corpus.py);
 	#   mypy: make lint-mypy checks against torch's own hints;
-	#   build: the sdist and wheel of make test-wheel.
-	$(PIP) install -q --no-compile "$(TORCH)" \
+	#   build: the sdist and wheel of make test-wheel;
+	#   setuptools>=77: make build's in-place build reads pyproject.toml's
+	#     SPDX license (PEP 639); venv's own setuptools (65 on 3.11) rejects
+	#     it, and only some torch releases happen to pull a newer one.
+	$(PIP) install -q --no-compile "$(TORCH)" "setuptools>=77" \
 	    numpy "pytest>=8" pytest-timeout hypothesis accelerate==1.15.0 matplotlib \
 	    lightning==2.6.6 torchtune==0.6.1 torchao==0.15.0 ai2-olmo-core==3.0.0 \
 	    transformers==5.24.0 \
