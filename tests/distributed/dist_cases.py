@@ -23,7 +23,7 @@ import torch.distributed.checkpoint.state_dict as upstream
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -74,6 +74,32 @@ def fsdp2_model(mesh, seed=0, frozen=False, reshard=True, layers=2, width=8, hid
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def fsdp2_per_param_mesh_model(mesh2d, seed=0):
+    """FSDP2 with a mesh per parameter (torch 2.12+, ``ShardPlacementResult``):
+    the blocks' ``up`` weights -- the "experts" -- are sharded over the
+    inner dimension of a 2-D mesh and replicated over the outer one, every
+    other parameter over the whole world (the default mesh).  On the
+    default group every parameter is fully sharded; the experts' DTensors
+    live on a mesh of their own."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+    torch.manual_seed(seed)
+    model = MLP(width=8, hidden=8, layers=2)
+    world = init_device_mesh("cpu", (mesh2d.size(),))
+    experts = {id(block.up.weight) for block in model.layers}
+    inner = FSDPMeshInfo(mesh=mesh2d["ep"], shard_mesh_dim=0)
+
+    def placement(param):
+        return ShardPlacementResult(placement=Shard(0), mesh_info=inner) if id(param) in experts else None
+
+    for block in model.layers:
+        fully_shard(block, mesh=world, shard_placement_fn=placement)
+    fully_shard(model, mesh=world)
+    meshes = {name: p.device_mesh.mesh.tolist() for name, p in model.named_parameters()}
+    assert all((meshes[n] == mesh2d["ep"].mesh.tolist()) == (".up.weight" in n) for n in meshes), meshes
     return model
 
 
@@ -239,6 +265,9 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
     elif kind == "fsdp_tp":
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
         configs = [dict(build=lambda s: fsdp_tp_model(mesh, s), optim="adamw", groups=1)]
+    elif kind == "per_param_mesh":
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("edp", "ep"))
+        configs = [dict(build=lambda s: fsdp2_per_param_mesh_model(mesh, s), optim="adam", groups=2)]
     elif kind == "hsdp":
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
         configs = [dict(build=lambda s: fsdp2_model(mesh, s), optim="adam", groups=1)]
