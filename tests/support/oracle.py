@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+# The torch releases dcp_optim supports (pyproject.toml: torch>=2.11; each
+# one's upstream is the oracle when the suite runs on it).
+SUPPORTED_TORCH = ("2.11", "2.12", "2.13")
+
 
 def _tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
