@@ -354,6 +354,17 @@ def _live_locals(jobs: list[tuple[Any, Any, Any]]) -> list[torch.Tensor]:
     return out
 
 
+_PLAIN_LOCALS = (torch.Tensor, nn.Parameter)
+
+
+def _subclass_locals(jobs: list[tuple[Any, Any, Any]]) -> bool:
+    """Whether a live template's local tensor is a tensor subclass (not a
+    plain tensor or parameter): its storage is not the values (a wrapper
+    subclass has none), so the stream cannot write it in place nor keep
+    it in the undo log by its storage."""
+    return any(type(local) not in _PLAIN_LOCALS for local in _live_locals(jobs))
+
+
 class _UndoLog:
     """The previous values of the live tensors an in-place stream writes
     into, each copied to the host the first time a bucket reaches it:
@@ -541,6 +552,11 @@ class _StreamedLoad:
     def _settle_in_place(self) -> None:
         if self.inline is not None or not in_place_allowed(self.info):
             self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
+        elif self.in_place and _subclass_locals(self.jobs):
+            # a tensor subclass (torchao's float8 weights under FSDP2, say)
+            # is written by its own copy_ in load_state_dict, as upstream's
+            # load does: new tensors here, nothing written before commit
+            self.in_place = False
 
     def reserve(self) -> None:
         """Before the agreement ahead of a broadcast load's stream: plan

@@ -103,6 +103,26 @@ def fsdp2_per_param_mesh_model(mesh2d, seed=0):
     return model
 
 
+def fsdp2_float8_model(mesh, seed=0):
+    """FSDP2 over torchao's float8 training (``convert_to_float8_training``
+    with float8 all-gathers): the blocks' weights are DTensors whose local
+    tensors are torchao's ``WeightWithDynamicFloat8CastTensor`` subclass.
+    Width 16: float8 matmuls need dimensions divisible by 16 (the head,
+    16 -> 5, stays a plain Linear)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(seed)
+    model = MLP(width=16, hidden=32, layers=2)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda module, fqn: fqn != "head")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    subclass = {type(p.to_local()).__name__ for p in model.layers.parameters() if p.dim() == 2}
+    assert subclass == {"WeightWithDynamicFloat8CastTensor"}, subclass
+    return model
+
+
 def tp_model(mesh, seed=0):
     torch.manual_seed(seed)
     model = MLP(width=8, hidden=8, layers=2)
@@ -265,6 +285,9 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
     elif kind == "fsdp_tp":
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
         configs = [dict(build=lambda s: fsdp_tp_model(mesh, s), optim="adamw", groups=1)]
+    elif kind == "float8":
+        mesh = init_device_mesh("cpu", (ws,))
+        configs = [dict(build=lambda s: fsdp2_float8_model(mesh, s), optim="adamw", groups=2, width=16)]
     elif kind == "per_param_mesh":
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("edp", "ep"))
         configs = [dict(build=lambda s: fsdp2_per_param_mesh_model(mesh, s), optim="adam", groups=2)]
@@ -279,7 +302,7 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
             m = cfg["build"](seed)
             o = make_optimizer(m, cfg["optim"], cfg["groups"])
             if step:
-                train(m, o, seed=seed)
+                train(m, o, seed=seed, width=cfg.get("width", 8))
             return m, o
 
         (mu, ou), (md, od) = twin(), twin()
@@ -312,8 +335,8 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
         assert_same_tree(params_snapshot(fu), params_snapshot(fd))
         assert_same_optimizers(fou, fod, skip_frozen=True)
         _assert_state_like_params(fod)
-        train(fu, fou, steps=1, seed=9)
-        train(fd, fod, steps=1, seed=9)
+        train(fu, fou, steps=1, seed=9, width=cfg.get("width", 8))
+        train(fd, fod, steps=1, seed=9, width=cfg.get("width", 8))
         assert_same_tree(params_snapshot(fu), params_snapshot(fd))
 
         if kind == "fsdp2":

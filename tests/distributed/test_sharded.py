@@ -1,5 +1,6 @@
 """Sharded training on CPU gloo: FSDP2 (1-D, uneven shards), tensor
-parallel, FSDP2+TP on a 2x2 mesh, HSDP, FSDP2 with a mesh per parameter --
+parallel, FSDP2+TP on a 2x2 mesh, HSDP, FSDP2 with a mesh per parameter,
+FSDP2 over torchao's float8 training --
 every getter and setter against upstream, optimizer state placement (D9),
 never-stepped templates (D1/D2)."""
 
@@ -48,3 +49,11 @@ def test_fsdp2_per_parameter_mesh():
         pytest.skip("this torch has no per-parameter FSDP2 meshes (ShardPlacementResult: 2.12+)")
     results = run_ranks(4, dist_cases.compare_sharded_suite, "per_param_mesh", timeout=400)
     assert all(r == ["per_param_mesh[0]"] for r in results)
+
+
+def test_fsdp2_float8_weights():
+    """torchao's float8 training under FSDP2 (float8 all-gathers: the
+    weights' local tensors are a torchao tensor subclass), AdamW."""
+    pytest.importorskip("torchao")
+    results = run_ranks(2, dist_cases.compare_sharded_suite, "float8", timeout=300)
+    assert all(r == ["float8[0]"] for r in results)
