@@ -924,7 +924,8 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         dst_leaves = dict(_leaves(template)) if template is not None else None
         src_desc = {p: _describe(v, rank, True) for p, v in src_leaves.items()}
         dst_desc = None if dst_leaves is None else {p: _describe(v, rank, False) for p, v in dst_leaves.items()}
-        local_problem = _shared_memory(src_leaves, dst_leaves)
+        local_problem = (_wrapper_local(src_leaves, "source") or _wrapper_local(dst_leaves, "template")
+                         or _shared_memory(src_leaves, dst_leaves))
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         local_problem = f"{type(exc).__name__}: {exc}"
         src_desc, dst_desc = {}, None
@@ -1432,6 +1433,23 @@ def _buffer_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _wrapper_local(leaves: dict | None, side: str) -> str | None:
+    """A tensor whose local values are a wrapper subclass (its class
+    overrides ``__torch_dispatch__``: torchao's float8 training weights
+    under FSDP2, say): its storage is not its values, and the transfer
+    moves storage bytes.  The first such leaf, as an error text."""
+    for path, value in (leaves or {}).items():
+        if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
+            cls = type(_local(value))
+            if cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+                return (
+                    f"the {side}'s '{_name(path)}' holds a {cls.__module__}.{cls.__qualname__}, a tensor "
+                    "subclass whose storage is not its values: reshard_state_dict moves storage bytes "
+                    "and cannot reshard it"
+                )
+    return None
 
 
 def _storages(leaves: dict) -> dict[int, tuple]:

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.testing._internal.two_tensor import TwoTensor
 
 import dcp_optim
 from dcp_optim import StateDictOptions as Opts
@@ -311,6 +312,13 @@ def errors_case(rank: int, ws: int) -> list[str]:
     attempt(fresh, "buckets", bucket_bytes=1024 + 16 * rank)
     # the template shares memory with the source
     attempt({"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": src["b"]}, "alias")
+    # a wrapper subclass's local tensor (torchao's float8 weights are one):
+    # its storage is not its values
+    plain = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)])
+    local = plain.to_local()
+    wrapped = DTensor.from_local(TwoTensor(local, local.clone()), mesh, [Shard(1)],
+                                 shape=plain.shape, stride=plain.stride())
+    attempt({"w": wrapped, "b": torch.zeros(3)}, "subclass")
     # a rank that leaves (no template) holds a source tensor of another
     # shape: the others' view does not fit it, the gathered agreement says so
     attempt({"b": torch.zeros(3)} if rank != ws - 1 else None, "leaver",

@@ -42,14 +42,16 @@ def test_errors_same_on_every_rank(ws):
     for r in results[1:]:
         assert r == results[0]
     labels = [m.split(":")[0] for m in results[0]]
-    assert labels == ["shape", "missing", "keys", "partial", "kind", "type", "buckets", "alias", "leaver"]
+    assert labels == ["shape", "missing", "keys", "partial", "kind", "type", "buckets", "alias", "subclass", "leaver"]
     assert "rank 0: TypeError: source and template must be dicts" in results[0][5]
     assert "different bucket_bytes" in results[0][6]
     assert "the template's 'b' shares memory with the source's 'b'" in results[0][7]
     assert "global shape [6, 4] differs from the template's [6, 5]" in results[0][0]
     assert "in no rank's source state dict" in results[0][1]
     assert "pending reduction" in results[0][3]
-    assert f"ranks 0 and {ws - 1} hold different source tensors (torch.float32 [3] vs torch.float32 [4])" in results[0][8]
+    assert ("the template's 'w' holds a torch.testing._internal.two_tensor.TwoTensor, a tensor subclass"
+            in results[0][8])
+    assert f"ranks 0 and {ws - 1} hold different source tensors (torch.float32 [3] vs torch.float32 [4])" in results[0][9]
 
 
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
