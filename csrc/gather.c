@@ -763,8 +763,63 @@ PyDoc_STRVAR(
     "gathered tensor), at most `budget`.  Raises ValueError for Partial "
     "placements.");
 
+/* The group of `mesh` among `meshes` (one object per group), appending
+ * a group when no known mesh equals it.  Equal meshes reach DTensors as
+ * different objects (torch's sharding propagation caches output specs,
+ * whose mesh is the first equal one it met), so a mesh object not met
+ * before is compared with each group's by ==, once: `seen` holds every
+ * object met, `seen_group` its group.  The same leaves give the same
+ * groups on every rank.  Returns the group index, or -1 with an error. */
+static Py_ssize_t
+mesh_group(PyObject *meshes,
+           PyObject *members,
+           PyObject *seen,
+           PyObject *seen_group,
+           PyObject *mesh)
+{
+    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(seen); s++) {
+        if (PyList_GET_ITEM(seen, s) == mesh) {
+            return PyLong_AsSsize_t(PyList_GET_ITEM(seen_group, s));
+        }
+    }
+    Py_ssize_t g = 0, n = PyList_GET_SIZE(meshes);
+    for (; g < n; g++) {
+        /* pinned: DeviceMesh.__eq__ runs Python code */
+        PyObject *known = Py_NewRef(PyList_GET_ITEM(meshes, g));
+        int eq = PyObject_RichCompareBool(known, mesh, Py_EQ);
+        Py_DECREF(known);
+        if (eq < 0) {
+            return -1;
+        }
+        if (eq) {
+            break;
+        }
+    }
+    if (g == n) {
+        PyObject *list = PyList_New(0);
+        int rc = (list == NULL || PyList_Append(meshes, mesh) < 0 ||
+                  PyList_Append(members, list) < 0)
+                     ? -1
+                     : 0;
+        Py_XDECREF(list);
+        /* a failed append to `members` leaves `meshes` one longer: the
+         * caller's error path drops both */
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    PyObject *index = PyLong_FromSsize_t(g);
+    int rc = (index == NULL || PyList_Append(seen, mesh) < 0 ||
+              PyList_Append(seen_group, index) < 0)
+                 ? -1
+                 : 0;
+    Py_XDECREF(index);
+    return rc < 0 ? -1 : g;
+}
+
 /* plan_gather(leaves, dtensor_cls, placement_classes, budget[, floor]):
- * groups the DTensor leaves by mesh identity, then plans each mesh. */
+ * groups the DTensor leaves by mesh (equal meshes together), then plans
+ * each mesh. */
 static PyObject *
 dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -799,8 +854,10 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *meshes = PyList_New(0), *members = PyList_New(0);
+    PyObject *seen = PyList_New(0), *seen_group = PyList_New(0);
     PyObject *result = NULL;
-    if (meshes == NULL || members == NULL) {
+    if (meshes == NULL || members == NULL || seen == NULL ||
+        seen_group == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(leaves); i++) {
@@ -816,27 +873,17 @@ dcp_plan_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (mesh == NULL) {
             goto done;
         }
-        Py_ssize_t g = 0, n = PyList_GET_SIZE(meshes);
-        while (g < n && PyList_GET_ITEM(meshes, g) != mesh) {
-            g++;
+        Py_ssize_t g = mesh_group(meshes, members, seen, seen_group, mesh);
+        Py_DECREF(mesh);
+        if (g < 0) {
+            goto done;
         }
         PyObject *index = PyLong_FromSsize_t(i);
         int rc = index == NULL ? -1 : 0;
-        if (rc == 0 && g == n) {
-            PyObject *list = PyList_New(0);
-            rc = (list == NULL || PyList_Append(meshes, mesh) < 0 ||
-                  PyList_Append(members, list) < 0)
-                     ? -1
-                     : 0;
-            Py_XDECREF(list);
-            /* a failed append to `members` leaves `meshes` one longer:
-             * the error path drops both */
-        }
         if (rc == 0) {
             rc = PyList_Append(PyList_GET_ITEM(members, g), index);
         }
         Py_XDECREF(index);
-        Py_DECREF(mesh);
         if (rc < 0) {
             goto done;
         }
@@ -861,6 +908,8 @@ done:
     Py_DECREF(leaves);
     Py_XDECREF(meshes);
     Py_XDECREF(members);
+    Py_XDECREF(seen);
+    Py_XDECREF(seen_group);
     return result;
 }
 

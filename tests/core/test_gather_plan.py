@@ -168,6 +168,32 @@ def test_direct_bucket_is_the_tensor_bytes():
     assert two.buckets == 1 and two.direct(0) is None
 
 
+class EqualMesh(Mesh):
+    """A mesh equal to every other of its world size, as torch's equal
+    DeviceMesh objects are (its sharding propagation hands DTensors the
+    first equal mesh it met, so one model's leaves can hold several)."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        EqualMesh.compared += 1
+        return isinstance(other, EqualMesh) and other.shape == self.shape
+
+    __hash__ = object.__hash__
+
+
+def test_equal_mesh_objects_share_one_plan():
+    fulls = [torch.arange(8.0 * (i + 1)) for i in range(6)]
+    a, b, other = EqualMesh(2), EqualMesh(2), EqualMesh(4)
+    meshes = [a, b, a, b, other, b]
+    leaves = [FakeDT(full, mesh, Shard(0), 0) for full, mesh in zip(fulls, meshes)]
+    EqualMesh.compared = 0
+    plans = C.plan_gather(leaves, FakeDT, CLASSES, 1 << 20, 0)
+    assert [(p[0], list(p[3])) for p in plans] == [(a, [0, 1, 2, 3, 5]), (other, [4])]
+    # each mesh object is compared once, not once per leaf
+    assert EqualMesh.compared == 2
+
+
 def test_plan_of_a_cleared_plan_refuses():
     full = torch.arange(8.0)
     plan, _ = _plan([full], 2, Shard(0))
