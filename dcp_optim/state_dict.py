@@ -39,6 +39,7 @@ from ._engine.optim import OptimLoad, get_optim, init_optim_state
 from ._engine.own_calls import PATCH_MARK
 from ._engine.payload import OutgoingPayload, encode_payload, payload_flags
 from ._engine.pipeline import LoadPart, Prepared
+from ._engine.zero import agreement_mesh as zero_agreement_mesh
 from .options import StateDictOptions
 
 __all__ = [
@@ -864,13 +865,11 @@ def _agreement_for(
     if fsdp1 and fsdp1_known and mesh is None:
         mesh, sharded = fsdp1_mesh, fsdp1_mesh is not None or sharded
     # D36: a ZeroRedundancyOptimizer's ranks all load with it
-    from ._engine.zero import agreement_mesh as zero_mesh
-
     try:  # (normalised already, unless that failed on this rank)
         listed = () if optimizers is None else _normalize_optimizers(optimizers)
     except TypeError:
         listed = ()
-    has_zero, zero_group_mesh = zero_mesh(listed)
+    has_zero, zero_group_mesh = zero_agreement_mesh(listed)
     if has_zero and mesh is None:
         mesh = zero_group_mesh
     # Without one device mesh the group is the default one, which may

@@ -536,6 +536,9 @@ class _StreamedLoad:
     # inline loads (``payload``): the source's tree, as every rank received it
     inline: Any = None
     undo: _UndoLog | None = None
+    # whether every live template's local tensor is plain (None: not
+    # looked at yet; reserve and move both settle in_place)
+    plain_locals: bool | None = None
 
     def stream_paths(self) -> int:
         self.scattered = _scattered(self.jobs, self.route)
@@ -552,11 +555,13 @@ class _StreamedLoad:
     def _settle_in_place(self) -> None:
         if self.inline is not None or not in_place_allowed(self.info):
             self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
-        elif self.in_place and _subclass_locals(self.jobs):
+        elif self.in_place:
+            if self.plain_locals is None:
+                self.plain_locals = not _subclass_locals(self.jobs)
             # a tensor subclass (torchao's float8 weights under FSDP2, say)
             # is written by its own copy_ in load_state_dict, as upstream's
             # load does: new tensors here, nothing written before commit
-            self.in_place = False
+            self.in_place = self.plain_locals
 
     def reserve(self) -> None:
         """Before the agreement ahead of a broadcast load's stream: plan
@@ -888,7 +893,7 @@ def fsdp2_param_groups(state: Any) -> list[Any]:
     another layout fails loudly instead of skipping the groups."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
-        return list(groups)
+        return groups  # FSDP2's own list, read only (every get and set walks it)
     group = state._fsdp_param_group
     return [] if group is None else [group]
 

@@ -298,11 +298,13 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
         raise ValueError(kind)
 
     for ci, cfg in enumerate(configs):
-        def twin(seed=0, step=True):
+        width = cfg.get("width", 8)
+
+        def twin(seed=0, step=True, width=width):
             m = cfg["build"](seed)
             o = make_optimizer(m, cfg["optim"], cfg["groups"])
             if step:
-                train(m, o, seed=seed, width=cfg.get("width", 8))
+                train(m, o, seed=seed, width=width)
             return m, o
 
         (mu, ou), (md, od) = twin(), twin()
@@ -335,8 +337,8 @@ def compare_sharded_suite(rank: int, ws: int, kind: str) -> list[str]:
         assert_same_tree(params_snapshot(fu), params_snapshot(fd))
         assert_same_optimizers(fou, fod, skip_frozen=True)
         _assert_state_like_params(fod)
-        train(fu, fou, steps=1, seed=9, width=cfg.get("width", 8))
-        train(fd, fod, steps=1, seed=9, width=cfg.get("width", 8))
+        train(fu, fou, steps=1, seed=9, width=width)
+        train(fd, fod, steps=1, seed=9, width=width)
         assert_same_tree(params_snapshot(fu), params_snapshot(fd))
 
         if kind == "fsdp2":
