@@ -47,6 +47,7 @@ from .payload import (
 from .scatter_load import (
     DIRECT_BYTES,
     NO_CHUNKING,
+    ScatterSchedule,
     paths_digest,
     run_scatter,
     scatter_jobs,
@@ -180,18 +181,19 @@ def route_for(index: Any, device: torch.device | None) -> Route:
 class StreamPlan:
     """What a load's stream needs before it starts, made by
     ``plan_stream``: the plans of its scattered and broadcast jobs, with
-    their destinations (the new tensors of a load that is not in place)
-    and the broadcast buffer allocated.  A broadcast load makes it before
+    their destinations (the new tensors of a load that is not in place),
+    the scatters' schedule (``ScatterSchedule``: every transfer this rank
+    takes part in) and the broadcast buffer allocated.  A broadcast load makes it before
     the agreement ahead of the stream (``reserve``): a rank that cannot
     allocate them fails there, with every rank, before any collective of
     the stream, where it would have left its peers waiting in the
     stream's first collective until the group's timeout."""
 
-    __slots__ = ("scattered", "in_place", "rest", "plan", "splan", "budget", "storage")
+    __slots__ = ("scattered", "in_place", "rest", "plan", "splan", "schedule", "storage")
 
-    def __init__(self, scattered, in_place, rest, plan, splan, budget, storage):
+    def __init__(self, scattered, in_place, rest, plan, splan, schedule, storage):
         self.scattered, self.in_place, self.rest = scattered, in_place, rest
-        self.plan, self.splan, self.budget, self.storage = plan, splan, budget, storage
+        self.plan, self.splan, self.schedule, self.storage = plan, splan, schedule, storage
 
 
 def plan_stream(
@@ -208,13 +210,13 @@ def plan_stream(
         scattered = []
     elif scattered is None:
         scattered = scatter_jobs(jobs, route)
-    splan = None
+    splan = schedule = None
     if scattered:
         taken = set(scattered)
         rest = [i for i in range(len(jobs)) if i not in taken]
-        splan = C.plan_full_load(
-            [jobs[i] for i in scattered], DTensor, _CLASSES, NO_CHUNKING, torch.empty, True, in_place
-        )
+        picked = [jobs[i] for i in scattered]
+        splan = C.plan_full_load(picked, DTensor, _CLASSES, NO_CHUNKING, torch.empty, True, in_place)
+        schedule = ScatterSchedule(picked, splan.dests, route, budget)
         plan = C.plan_full_load([jobs[i] for i in rest], DTensor, _CLASSES, budget, torch.empty, True, in_place)
     else:
         rest = list(range(len(jobs)))
@@ -224,7 +226,7 @@ def plan_stream(
         # One buffer for the whole stream: re-allocating per bucket lets
         # the allocator keep several freed buckets resident.
         storage = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=route.device)
-    return StreamPlan(list(scattered), in_place, rest, plan, splan, budget, storage)
+    return StreamPlan(list(scattered), in_place, rest, plan, splan, schedule, storage)
 
 
 def run_full_load(
@@ -265,7 +267,7 @@ def run_full_load(
             if plan.nbuckets:
                 _broadcast_stream(plan, route, undo, planned.storage)
             if scattered:
-                run_scatter([jobs[i] for i in scattered], splan.dests, route, planned.budget, undo)
+                run_scatter(planned.schedule, route, undo)
         except BaseException:
             # a peer died (or the backend failed) mid-stream: what the
             # stream so far wrote into live tensors is put back

@@ -296,33 +296,96 @@ def _landing(unit_bytes: int, pieces: list[_Piece], rank: int, device: torch.dev
     return torch.empty(unit_bytes, dtype=torch.uint8, device=device), True
 
 
-def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
-    """Scatter ``jobs`` (``scatter_jobs``'s) from the route's source into
-    ``dests`` (their plan's destinations), in the units of ``_units``:
-    a step of a large tensor is one ``scatter``; a packed unit travels
-    point to point, one message per piece and receiving rank (``_Messages``).
-    The units are in flight together while the buffers they hold stay
-    within two buckets; ``undo`` (or None) keeps each live destination
-    before the first write to it.  Returns the number of units.
+class ScatterSchedule:
+    """Everything this rank does in a load's scatters, from the plan
+    alone: the group (``_Peers``), the units (``_units``) and, for each
+    unit sent point to point, its messages (``_unit_messages``).  Made by
+    ``plan_stream`` before the agreement ahead of the stream: a rank whose
+    geometry cannot be computed (a bug) fails there, with every rank,
+    instead of inside the stream, where its peers would wait for its
+    messages until the group's timeout.  After the agreement, a rank whose
+    own code fails takes part in the rest of the stream from these numbers
+    alone (``_sink_ops``): nothing that could fail the same way again."""
+
+    __slots__ = ("peers", "source", "budget", "units", "messages")
+
+    def __init__(self, jobs: list[tuple[Any, Any, Any]], dests: Any, route: Any, budget: int):
+        group, src = route.stages[0]
+        world = dist.get_world_size(group)
+        me = dist.get_rank() if group is None else dist.get_group_rank(group, dist.get_rank())
+        self.peers = _Peers(group, src, world, me)
+        self.source = bool(route.is_source)
+        self.budget = budget
+        self.units = _units(jobs, dests, world, budget)
+        # per unit: its messages, or None for a step (one scatter)
+        self.messages: list[list[tuple] | None] = []
+        tag = 0
+        for unit_bytes, pieces in self.units:
+            if _is_step(unit_bytes, pieces):
+                self.messages.append(None)
+                continue
+            self.messages.append(_unit_messages(pieces, self.peers, self.source, tag))
+            tag += len(pieces)
+
+
+def _unit_messages(pieces: list[_Piece], peers: _Peers, source: bool, tag: int) -> list[tuple]:
+    """This rank's messages of a unit sent point to point: (piece, the
+    group rank whose rows travel, rows, bytes, global peer, tag), one per
+    piece and receiving rank that holds rows of it, in piece order -- the
+    same sequence on both ends.  Each piece's messages carry their own tag
+    (its place in the stream, the same on every rank): gloo matches
+    messages by (peer, tag), and many in flight under one tag stall it."""
+    out = []
+    if source:
+        for t, p in enumerate(pieces, tag):
+            for r in range(peers.world):
+                real = p.real_rows(r) if r != peers.me else 0
+                if real:
+                    out.append((p, r, real, real * p.row_bytes, peers.globals[r], _tag(t)))
+        return out
+    for t, p in enumerate(pieces, tag):
+        real = p.real_rows(peers.me)
+        if real:
+            out.append((p, peers.me, real, real * p.row_bytes, peers.source, _tag(t)))
+    return out
+
+
+def _sink_ops(messages: list[tuple], peers: _Peers, source: bool, sink: _Sink) -> list[Any]:
+    """A unit's messages through the sink's buffers (this rank failed:
+    it takes part, writing nothing)."""
+    make = send_op if source else recv_op
+    take = sink.send if source else sink.recv
+    return [make(take(nbytes), peer, peers.group, tag) for _, _, _, nbytes, peer, tag in messages]
+
+
+def run_scatter(schedule: ScatterSchedule, route: Any, undo: Any) -> int:
+    """The scatters of ``schedule`` from the route's source into their
+    jobs' destinations: a step of a large tensor is one ``scatter``; a
+    packed unit travels point to point, one message per piece and
+    receiving rank (``_Messages``).  The units are in flight together
+    while the buffers they hold stay within two buckets; ``undo`` (or
+    None) keeps each live destination before the first write to it.
+    Returns the number of units.
 
     A failure of this rank's own (packing, landing, unpacking: not the
     backend's) does not end its part in the stream: the peers are waiting
     in the same sequence of transfers.  It keeps issuing every remaining
     one through a sink buffer that no live tensor shares (writing
-    nothing more), and raises the failure once the stream is done; the
-    load's agreement then fails on every rank, whose undo logs put back
-    what the stream wrote (garbage, after a source's failure)."""
-    group, src = route.stages[0]
-    world = dist.get_world_size(group)
-    me = dist.get_rank() if group is None else dist.get_group_rank(group, dist.get_rank())
-    source = route.is_source
+    nothing more; the transfers' sizes come from the schedule, computed
+    before the stream), and raises the failure once the stream is done;
+    the load's agreement then fails on every rank, whose undo logs put
+    back what the stream wrote (garbage, after a source's failure)."""
+    _, src = route.stages[0]
+    peers = schedule.peers
+    me, world, group = peers.me, peers.world, peers.group
+    source = schedule.source
+    budget = schedule.budget
     device = route.device
     # each entry: (works, what lands once they completed or None, bytes held)
     pending: deque[tuple[list[Any], Any, int]] = deque()
     held = 0
     failure = OwnFailure()
     sink = _Sink(device)
-    peers = _Peers(group, src, world, me)
 
     def finish_oldest() -> None:
         nonlocal held
@@ -341,21 +404,20 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
         while pending and (nbytes is None or held + nbytes > 2 * budget or len(pending) >= MAX_UNITS_IN_FLIGHT):
             finish_oldest()
 
-    units = _units(jobs, dests, world, budget)
-    tag = 0
-    for unit_bytes, pieces in units:
-        if not _is_step(unit_bytes, pieces):
-            messages = failure.attempt(_Messages, pieces, peers, source, device, undo, None, tag)
+    for (unit_bytes, pieces), entries in zip(schedule.units, schedule.messages):
+        if entries is not None:
+            messages = failure.attempt(_Messages, pieces, entries, peers, source, device, undo)
             if messages is None:  # this rank failed: it takes part, writing nothing
                 make_room(None)
-                messages = _Messages(pieces, peers, source, device, None, sink, tag)
-            tag += len(pieces)
-            make_room(messages.nbytes)
-            works = dist.batch_isend_irecv(messages.ops) if messages.ops else []
-            if messages.own:
+                ops, land, nbytes = _sink_ops(entries, peers, source, sink), None, 0
+            else:
+                ops, land, nbytes = messages.ops, (messages.land if messages.scratch else None), messages.nbytes
+            make_room(nbytes)
+            works = dist.batch_isend_irecv(ops) if ops else []
+            if messages is not None and messages.own:
                 failure.attempt(messages.copy_own)
-            pending.append((works, messages.land if messages.scratch else None, messages.nbytes))
-            held += messages.nbytes
+            pending.append((works, land, nbytes))
+            held += nbytes
             continue
         # what the unit holds until it completes, beyond the values and
         # the destinations: the source's copies, a receiver's scratch
@@ -373,7 +435,7 @@ def run_scatter(jobs, dests, route: Any, budget: int, undo: Any) -> int:
     while pending:
         finish_oldest()
     failure.raise_if_any()
-    return len(units)
+    return len(schedule.units)
 
 
 class _Peers:
@@ -389,68 +451,47 @@ class _Peers:
 
 
 class _Messages:
-    """A packed unit sent point to point: the source sends each receiving
-    rank its rows of every piece straight from the full value (a view
-    where they are contiguous on the stream's device, else one copy) and
-    copies its own rows into its shards; each receiver takes its rows
-    straight into its destination where that is contiguous on the
-    device, else into a scratch it copies out of (``land``).  No packing
-    and no unpacking: where ``scatter`` needs one buffer of equal parts,
-    messages have each piece's own size, so a rank's rows never go
-    through a buffer that only reorders them.
-
-    Every rank derives the same messages from the plan (one per piece and
-    receiving rank that holds rows of it, in piece order): a receiver with
-    no destination for a piece, or with ``sink`` (it failed: everything
-    goes through the sink's buffers), still takes its part."""
+    """A packed unit's messages (``_unit_messages``) with their tensors:
+    the source sends each receiving rank its rows of every piece straight
+    from the full value (a view where they are contiguous on the stream's
+    device, else one copy) and copies its own rows into its shards; each
+    receiver takes its rows straight into its destination where that is
+    contiguous on the device, else into a scratch it copies out of
+    (``land``).  No packing and no unpacking: where ``scatter`` needs one
+    buffer of equal parts, messages have each piece's own size, so a
+    rank's rows never go through a buffer that only reorders them.  A
+    receiver with no destination for a piece still takes its part."""
 
     __slots__ = ("ops", "nbytes", "scratch", "own", "undo", "me")
 
-    def __init__(self, pieces: list[_Piece], peers: _Peers, source: bool, device: torch.device,
-                 undo: Any, sink: _Sink | None = None, tag: int = 0):
+    def __init__(self, pieces: list[_Piece], entries: list[tuple], peers: _Peers, source: bool,
+                 device: torch.device, undo: Any):
         self.ops: list[Any] = []
         self.nbytes = 0
         self.scratch: list[tuple[torch.Tensor, _Piece, int]] = []
         self.own: list[_Piece] = []  # the source's: its own rows, copied once its sends are issued
         self.undo = undo
-        group, me = peers.group, peers.me
-        self.me = me
-        # Each piece's messages carry their own tag (its place in the
-        # stream, the same on every rank): gloo matches messages by
-        # (peer, tag), and many in flight under one tag stall it.
+        group = peers.group
+        self.me = peers.me
         if source:
-            for t, p in enumerate(pieces, tag):
-                for r in range(peers.world):
-                    real = p.real_rows(r) if r != me else 0
-                    if not real:
-                        continue
-                    if sink is not None:
-                        data = sink.send(real * p.row_bytes)
-                    else:
-                        data, copied = _rows_to_send(p, r, real, device)
-                        self.nbytes += copied
-                    self.ops.append(send_op(data, peers.globals[r], group, _tag(t)))
-            self.own = pieces if sink is None else []
+            for p, r, real, _, peer, tag in entries:
+                data, copied = _rows_to_send(p, r, real, device)
+                self.nbytes += copied
+                self.ops.append(send_op(data, peer, group, tag))
+            self.own = pieces
             return
         if undo is not None:  # before anything lands in the live destinations
             undo.save_dests([p.dest for p in pieces])
-        peer = peers.source
-        for t, p in enumerate(pieces, tag):
-            real = p.real_rows(me)
-            if not real:
-                continue
-            nbytes = real * p.row_bytes
+        for p, _, real, nbytes, peer, tag in entries:
             dest = p.dest
-            if sink is not None:
-                into = sink.recv(nbytes)
-            elif dest is not None and own_bytes(dest) and dest.device == device:
+            if dest is not None and own_bytes(dest) and dest.device == device:
                 into = bytes_view(dest[p.start : p.start + real])
             else:
                 into = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self.nbytes += nbytes
                 if dest is not None:
                     self.scratch.append((into, p, real))
-            self.ops.append(recv_op(into, peer, group, _tag(t)))
+            self.ops.append(recv_op(into, peer, group, tag))
 
     def copy_own(self) -> None:
         """The source's own rows into its shards (after its sends are

@@ -331,7 +331,13 @@ _FAILING_STEPS = {
 }
 
 
-def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) -> dict[str, Any]:
+# a bug rather than a passing failure: the unit's messages themselves
+# cannot be built on that rank, from the third unit on, every time
+_PERSISTENT_STEPS = ("_Messages",)
+
+
+def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str,
+                          persistent: bool = False) -> dict[str, Any]:
     """A broadcast load in which one rank fails on its own -- an exception
     in our code, not the backend's -- in the middle of its stream (64-byte
     buckets): the source (``who`` "source") while preparing the third unit
@@ -341,14 +347,18 @@ def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) ->
     collective, so every rank raises the failing rank's error well within
     the group's timeout (30 s), and no rank's model or optimizer changed
     (the others received what the failed source sent in place of data:
-    their undo logs put it back)."""
+    their undo logs put it back).
+
+    ``persistent``: every call of ``_PERSISTENT_STEPS`` from the third on
+    raises (a bug, where the rank's part in the rest of the stream must
+    not build them again)."""
     from dcp_optim._engine import collectives as _collectives
     from dcp_optim._engine import distribute as _distribute
     from dcp_optim._engine import scatter_load as _scatter
 
     model, optim, msd, osd, before = _stream_load_inputs(ws, timeout_s=30)
     bad = 0 if who == "source" else ws - 1
-    names = _FAILING_STEPS[who, path]
+    names = _PERSISTENT_STEPS if persistent else _FAILING_STEPS[who, path]
     saved = [(m, n, getattr(m, n)) for m in (_scatter, _distribute) for n in names if hasattr(m, n)]
     assert len(saved) == len(names), names
     calls = [0]
@@ -356,7 +366,7 @@ def fails_mid_stream_case(rank: int, ws: int, part: str, who: str, path: str) ->
     def failing(fn):
         def wrapper(*args, **kwargs):
             calls[0] += 1
-            if calls[0] == 3:
+            if calls[0] == 3 or (persistent and calls[0] > 3):
                 raise RuntimeError(f"injected failure on rank {rank}")
             return fn(*args, **kwargs)
 

@@ -119,6 +119,24 @@ def test_a_rank_failing_on_its_own_mid_stream(part, who, path):
         assert rec["unchanged"], (rank, rec)
 
 
+@pytest.mark.parametrize("who", ["source", "receiver"])
+def test_a_bug_mid_scatter_ends_on_every_rank(who):
+    """A rank whose own code cannot build a scatter unit's messages at
+    all from the third unit on (a bug, not a passing failure): its part in
+    the rest of the stream comes from the schedule made before the stream
+    (sizes and peers only), not from that code again, so every rank raises
+    its error within seconds, nothing changed anywhere.  (When the sink
+    rebuilt the messages it raised again, and the peers waited in their
+    transfers until the group's timeout.)"""
+    records = run_ranks(3, cases.fails_mid_stream_case, "model", who, "scatter", True, timeout=120)
+    bad = 0 if who == "source" else 2
+    assert records[bad]["calls"] >= 3, records
+    for rank, rec in enumerate(records):
+        assert rec["result"].startswith("RuntimeError") and "injected failure on rank" in rec["result"], (rank, rec)
+        assert rec["seconds"] < 20, (rank, rec)
+        assert rec["unchanged"], (rank, rec)
+
+
 def assert_safe(records) -> None:
     """The fault matrix's acceptance, on one dcp_optim cell: every rank
     ended (killed, or with a result: no hang); every surviving rank that
