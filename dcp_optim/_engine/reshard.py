@@ -924,7 +924,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         dst_leaves = dict(_leaves(template)) if template is not None else None
         src_desc = {p: _describe(v, rank, True) for p, v in src_leaves.items()}
         dst_desc = None if dst_leaves is None else {p: _describe(v, rank, False) for p, v in dst_leaves.items()}
-        local_problem = (_wrapper_local(src_leaves, "source") or _wrapper_local(dst_leaves, "template")
+        local_problem = (_unmovable_wrapper(src_leaves, "source") or _unmovable_wrapper(dst_leaves, "template")
                          or _shared_memory(src_leaves, dst_leaves))
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         local_problem = f"{type(exc).__name__}: {exc}"
@@ -940,6 +940,28 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         agreed = _agree(src_desc, dst_desc, rank, group, local_problem, limit, list(group_ranks))
     specs, objects = agreed
 
+    # A wrapper subclass's local tensor (torchao's float8 training weights)
+    # holds its values in one inner tensor: the transfer reads and writes
+    # plain stand-ins, filled and emptied through the subclass's own copy_
+    # (``_stand_ins``).  Allocating them can fail: agreed with the buffers.
+    failure: Exception | None = None
+    src_plain: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    dst_plain: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    try:
+        paths = [spec.path for spec in specs]
+        src_plain = _stand_ins(src_leaves, paths, read=True)
+        dst_plain = _stand_ins(dst_leaves, paths, read=False)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
+        failure = exc
+
+    def src_local(path: tuple) -> torch.Tensor:
+        staged = src_plain.get(path)
+        return _local(src_leaves[path]) if staged is None else staged[1]
+
+    def dst_local(path: tuple) -> torch.Tensor:
+        staged = dst_plain.get(path)
+        return _local(dst_leaves[path]) if staged is None else staged[1]  # type: ignore[index]
+
     # this rank's boxes: locals, and per peer the ordered send / recv items
     locals_: list[tuple] = []
     sends: dict[int, list] = {}
@@ -951,18 +973,21 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         dtype = getattr(torch, spec.dtype.split(".")[-1])
         itemsize = torch.empty((), dtype=dtype).element_size()
         kind = _dense_kind(spec, order, itemsize, limit)
+        # a stand-in is no live tensor: the undo log need not keep it
+        undone = spec.path not in dst_plain
         if kind is not None:
-            dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
-            written[id(dst_t)] = dst_t
-            dense.append((*kind[:3], _local(src_leaves[spec.path]), dst_t, kind[3]))
+            dst_t = dst_local(spec.path)
+            if undone:
+                written[id(dst_t)] = dst_t
+            dense.append((*kind[:3], src_local(spec.path), dst_t, kind[3]))
             continue
         local, recv, send = _plan(spec, rank)
         if local or recv:
-            dst_t = _local(dst_leaves[spec.path])  # type: ignore[index]
-            if recv:
+            dst_t = dst_local(spec.path)
+            if recv and undone:
                 written[id(dst_t)] = dst_t
         if local or send:
-            src_t = _local(src_leaves[spec.path])
+            src_t = src_local(spec.path)
         for sstart, dstart, lens in local:
             locals_.append((src_t, sstart, dst_t, dstart, lens))
         for peer, sstart, dstart, lens in recv:
@@ -990,8 +1015,9 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     batches = _transfer_batches(sends, recvs, group_ranks, rank, limit, device)
     buffers: dict = kept if kept is not None else {}
     undo = None
-    failure: Exception | None = None
     try:
+        if failure is not None:
+            raise failure
         for role, need in _buffer_needs(steps, batches).items():
             if need:
                 _scratch(buffers, role, need, device)
@@ -1023,6 +1049,9 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         raise
     for src_t, sstart, dst_t, dstart, lens in locals_:
         dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
+    with torch.no_grad():
+        for live, plain in dst_plain.values():
+            live.copy_(plain)  # the subclass's own copy_, as a load's
 
     if template is None:
         return None
@@ -1435,29 +1464,80 @@ def _buffer_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _wrapper_local(leaves: dict | None, side: str) -> str | None:
-    """A tensor whose local values are a wrapper subclass (its class
-    overrides ``__torch_dispatch__``: torchao's float8 training weights
-    under FSDP2, say): its storage is not its values, and the transfer
-    moves storage bytes.  The first such leaf, as an error text."""
+def _wraps(t: torch.Tensor) -> bool:
+    """Whether ``t``'s class overrides ``__torch_dispatch__`` (a wrapper
+    subclass: its storage, if any, is not its values)."""
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor | None:
+    """The one inner tensor of a wrapper subclass that holds its values in
+    exactly one plain tensor of its own shape, dtype and device (its
+    ``__tensor_flatten__``: torchao's float8 training weights), else None."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = flatten()
+    if len(names) != 1:
+        return None
+    inner = getattr(t, names[0], None)
+    if not isinstance(inner, torch.Tensor) or _wraps(inner):
+        return None
+    if inner.shape != t.shape or inner.dtype != t.dtype or inner.device != t.device:
+        return None
+    return inner
+
+
+def _unmovable_wrapper(leaves: dict | None, side: str) -> str | None:
+    """A tensor whose local values are a wrapper subclass that does not
+    hold them in one inner tensor of its own shape and dtype (``_inner``;
+    torch's ``TwoTensor`` holds two): a plain stand-in would lose some of
+    them.  The first such leaf, as an error text."""
     for path, value in (leaves or {}).items():
         if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
-            cls = type(_local(value))
-            if cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            local = _local(value)
+            if _wraps(local) and _inner(local) is None:
+                cls = type(local)
                 return (
                     f"the {side}'s '{_name(path)}' holds a {cls.__module__}.{cls.__qualname__}, a tensor "
-                    "subclass whose storage is not its values: reshard_state_dict moves storage bytes "
-                    "and cannot reshard it"
+                    "subclass that does not keep its values in one inner tensor of its own shape and dtype: "
+                    "reshard_state_dict cannot reshard it"
                 )
     return None
+
+
+def _stand_ins(leaves: dict | None, paths: list[tuple], read: bool) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """For each of ``paths`` whose local tensor is a wrapper subclass
+    (``_inner`` holds its values): (that tensor, a plain tensor of its
+    shape and dtype), filled from it through its own ``copy_`` where
+    ``read`` (the source), else to be copied into it once every rank
+    received everything (the template: it is not written before)."""
+    out: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    if leaves is None:
+        return out
+    for path in paths:
+        value = leaves.get(path)
+        if not isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
+            continue
+        live = _local(value)
+        if not _wraps(live):
+            continue
+        plain = torch.empty(live.shape, dtype=live.dtype, device=live.device)
+        if read:
+            with torch.no_grad():
+                plain.copy_(live)
+        out[path] = (live, plain)
+    return out
 
 
 def _storages(leaves: dict) -> dict[int, tuple]:
     out = {}
     for path, value in leaves.items():
         if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
-            t = _local(value)
-            if t.numel():
+            t: torch.Tensor | None = _local(value)
+            if t is not None and _wraps(t):
+                t = _inner(t)  # its values' storage (the others were refused)
+            if t is not None and t.numel():
                 out[t.untyped_storage().data_ptr()] = path
     return out
 

@@ -669,3 +669,133 @@ def dense_case(rank: int, ws: int) -> dict[str, dict[str, int]]:
             want = distribute_tensor(src[k].full_tensor().to(t.dtype), mesh, [cases[k][2]])
             assert torch.equal(t.to_local(), want.to_local()), (round_, k)
     return out
+
+
+def _values(local: torch.Tensor) -> torch.Tensor:
+    """A shard's values as a plain tensor, read without its class's
+    ``copy_`` (what reshard_state_dict goes through): a wrapper subclass's
+    one inner tensor (``__tensor_flatten__``)."""
+    if type(local) is torch.Tensor or isinstance(local, nn.Parameter):
+        return local.detach().clone()
+    names, _ = local.__tensor_flatten__()
+    assert len(names) == 1, (type(local), names)
+    inner = getattr(local, names[0])
+    assert type(inner) is torch.Tensor, type(inner)
+    return inner.detach().clone()
+
+
+def _values_tree(tree: Any) -> Any:
+    """``_local_tree`` with every shard's values read by ``_values``, and
+    its class beside them."""
+    if isinstance(tree, dict):
+        return {k: _values_tree(v) for k, v in tree.items()}
+    if isinstance(tree, DTensor):
+        local = tree.to_local()
+        return (tuple(str(p) for p in tree.placements), _mesh_ranks(tree.device_mesh), tuple(tree.shape),
+                type(local).__name__, _values(local))
+    if isinstance(tree, torch.Tensor):
+        return (type(tree).__name__, _values(tree))
+    return tree
+
+
+def _shard_classes(tree: dict[str, Any]) -> set[tuple[str, str]]:
+    """(top-level key, class name) of every DTensor's local shard."""
+    out = set()
+
+    def walk(part: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(part, v)
+        elif isinstance(value, DTensor):
+            out.add((part, type(value.to_local()).__name__))
+
+    for part, value in tree.items():
+        walk(part, value)
+    return out
+
+
+def float8_case(rank: int, ws: int, path: str) -> dict[str, Any]:
+    """torchao's float8 training under FSDP2 (the blocks' weights are
+    DTensors over ``WeightWithDynamicFloat8CastTensor`` shards) as the source of plain TP and of float8 FSDP2, and plain FSDP2
+    as the source of float8 FSDP2: reshard_state_dict's result equals
+    dcp.save + dcp.load into the same (poisoned) template, shard by shard,
+    the shards' classes kept; the source is untouched.  Then the
+    convenience form moves a trained float8 model and its optimizer to TP,
+    which trains on with the losses of a TP run resumed through DCP."""
+    from .dist_cases import MLP, fsdp2_float8_model, fsdp2_model
+
+    mesh = init_device_mesh("cpu", (ws,))
+
+    def tp(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = MLP(width=16, hidden=32, layers=2)
+        for block in model.layers:
+            _tp(block, mesh)
+        return model
+
+    builders = {
+        "float8": lambda seed: fsdp2_float8_model(mesh, seed),
+        "fsdp2": lambda seed: fsdp2_model(mesh, seed, width=16, hidden=32),
+        "tp": tp,
+    }
+
+    def fresh(kind: str, seed: int = 11):
+        model = builders[kind](seed)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def steps(model, optim, n: int, seed: int) -> list[float]:
+        losses = []
+        for step in range(n):
+            g = torch.Generator().manual_seed(seed * 100 + step)
+            loss = model(torch.randn(16, 16, generator=g))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def state(model, optim) -> dict[str, Any]:
+        msd, osd = dcp_optim.get_state_dict(model, optim)
+        return {"model": msd, "optim": osd}
+
+    done = []
+    for src_kind, dst_kind in (("float8", "tp"), ("float8", "float8"), ("fsdp2", "float8")):
+        model, optim = fresh(src_kind, seed=0)
+        steps(model, optim, 2, seed=3)
+        src = state(model, optim)
+        ckpt = os.path.join(path, f"{src_kind}-{dst_kind}")
+        dcp.save(src, checkpoint_id=ckpt)
+        before = _values_tree(src)
+        expected, tmpl = state(*fresh(dst_kind)), state(*fresh(dst_kind))
+        _poison(expected)
+        _poison(tmpl)
+        dcp.load(expected, checkpoint_id=ckpt)
+        got = dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+        try:
+            assert_same_tree(_values_tree(expected), _values_tree(got))
+        except AssertionError as exc:
+            raise AssertionError(f"rank {rank}: {src_kind} -> {dst_kind}: {exc}") from None
+        assert_same_tree(before, _values_tree(src))
+        # the weights' shards are torchao's where float8 trains (AdamW's
+        # moments are plain tensors)
+        for kind, tree in ((src_kind, src), (dst_kind, got)):
+            classes = _shard_classes(tree)
+            wrapped = {"model"} if kind == "float8" else set()
+            assert {part for part, cls in classes if cls == "WeightWithDynamicFloat8CastTensor"} == wrapped, (
+                kind, classes)
+        done.append(f"{src_kind}->{dst_kind}")
+
+    model, optim = fresh("float8", seed=0)
+    steps(model, optim, 2, seed=3)
+    dcp.save(state(model, optim), checkpoint_id=os.path.join(path, "resume"))
+    m1, o1 = fresh("tp")
+    resumed = state(m1, o1)
+    dcp.load(resumed, checkpoint_id=os.path.join(path, "resume"))
+    dcp_optim.set_state_dict(m1, o1, model_state_dict=resumed["model"], optim_state_dict=resumed["optim"])
+    ref = steps(m1, o1, 2, seed=5)
+    m2, o2 = fresh("tp")
+    dcp_optim.reshard_model_and_optimizer(model, optim, m2, o2, bucket_bytes=1024)
+    got_losses = steps(m2, o2, 2, seed=5)
+    assert got_losses == ref, (rank, got_losses, ref)
+    dist.barrier()
+    return {"pairs": done, "losses": got_losses}

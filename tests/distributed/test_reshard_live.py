@@ -54,6 +54,17 @@ def test_errors_same_on_every_rank(ws):
     assert f"ranks 0 and {ws - 1} hold different source tensors (torch.float32 [3] vs torch.float32 [4])" in results[0][9]
 
 
+@pytest.mark.parametrize("ws", [2, 4])
+def test_float8_training_weights(tmp_path, ws):
+    """torchao's float8 training under FSDP2 (wrapper-subclass shards) to
+    TP and to itself, and plain FSDP2 into it: bit-identical to DCP, and
+    the convenience form trains on with a DCP resume's losses."""
+    pytest.importorskip("torchao")
+    results = run_ranks(ws, cases.float8_case, str(tmp_path), timeout=300)
+    assert all(r["pairs"] == ["float8->tp", "float8->float8", "fsdp2->float8"] for r in results)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
 def test_subworld(tmp_path, flatten):
     results = run_ranks(4, cases.subworld_case, str(tmp_path), flatten, timeout=300)
