@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .consistency import all_gather_flat, check_agreement, flagged
 from .core import C
+from .tensor_bytes import opaque
 
 __all__ = ["bucket_bytes", "bucket_setting", "set_bucket_bytes", "gather_full_tensors"]
 
@@ -179,6 +180,14 @@ def gather_full_tensors(
     results = list(leaves)
     fixed = bucket_bytes or _explicit_bytes
     offload = _CPU if cpu_offload else None
+    # DTensors over a wrapper subclass that no byte view reaches go
+    # torch's own way (``_gather_opaque``), after the others
+    wrapped = [i for i in C.indices_of(leaves, DTensor) if opaque(leaves[i]._local_tensor)]
+    if wrapped:
+        opaque_leaves = leaves
+        leaves = list(leaves)
+        for i in wrapped:
+            leaves[i] = None
     try:
         plans = _plan(leaves, fixed)
     except errors.StateDictValueError:
@@ -194,7 +203,7 @@ def gather_full_tensors(
     # Identity, not only geometry: the names of the gathered leaves, in
     # gather order, join every mesh's check (ranks that registered the
     # same shapes in another order would swap values without it).
-    names = names_fn() if names_fn is not None and plans else None
+    names = names_fn() if names_fn is not None and (plans or wrapped) else None
     for mesh, plan, signature, leaf_indices, budget in plans:
         order = _names_of(names, leaf_indices)
         flags = check_agreement(
@@ -213,9 +222,74 @@ def gather_full_tensors(
     for mesh, plan, root in work:
         _gather_mesh(mesh, plan, root, keep, results, offload, failure, leaves)
     failure.raise_if_any()
+    if wrapped:
+        _gather_opaque(opaque_leaves, wrapped, results, keep, offload, options_key, names)
     for i in C.indices_of(results, ShardedTensor):
         results[i] = _gather_sharded_tensor(results[i])
     return results
+
+
+def _gather_opaque(
+    leaves: list[Any], at: list[int], results: list[Any], keep: bool, offload: torch.device | None,
+    options_key: Any, names: list[str] | None,
+) -> None:
+    """The leaves ``at``: DTensors whose local tensor is a wrapper subclass
+    that keeps its values in no byte view (``tensor_bytes.opaque``: two
+    inner tensors, as torch's ``TwoTensor``; quantized data and scales,
+    as torchao's ``NF4Tensor``).  Packing their bytes would gather some
+    other tensor, so they are gathered as upstream gathers every DTensor:
+    a redistribute to ``Replicate`` on its mesh, one collective per
+    tensor through the subclass's own operations -- the same result, or
+    the same error where the subclass has no such operations.  The ranks
+    first agree on them per mesh (geometry, class and name), as on the
+    others."""
+    meshes: list[tuple[Any, list[int]]] = []
+    for i in at:
+        mesh = leaves[i].device_mesh
+        if mesh.get_coordinate() is None:
+            continue  # not on this tensor's mesh: nothing to take part in
+        for seen, members in meshes:
+            if seen is mesh or seen == mesh:
+                members.append(i)
+                break
+        else:
+            meshes.append((mesh, [i]))
+    for mesh, members in meshes:
+        signature = [
+            (tuple(leaves[i].shape), str(tuple(leaves[i].placements)), type(leaves[i]._local_tensor).__qualname__)
+            for i in members
+        ]
+        order = _names_of(names, members)
+
+        def details(signature=signature, members=members, order=order) -> list[tuple[str, str]]:
+            out = [("options", f"options {options_key}")]
+            for (shape, placements, cls), i, name in zip(signature, members, order or [None] * len(members)):
+                out.append((name or f"tensor #{i}", f"shape {shape}, placements {placements}, local {cls}"))
+            return out
+
+        check_agreement(mesh, "wrapper-subclass tensors to gather", (("opaque", options_key), signature, order),
+                        details)
+    for _, members in meshes:
+        for i in members:
+            full = _upstream_full_tensor(leaves[i])
+            if keep:
+                results[i] = full if offload is None else full.to(offload)
+
+
+def _upstream_full_tensor(value: Any) -> Any:
+    """Upstream's gather of one DTensor (``_gather_state_dict``'s): on its
+    mesh's device, redistributed to ``Replicate`` on every mesh dimension,
+    its local tensor (waited for)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    mesh = value.device_mesh
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    value = value.redistribute(device_mesh=mesh, placements=[Replicate() for _ in value.placements])
+    local = value.to_local()
+    if isinstance(local, AsyncCollectiveTensor):
+        local = local.wait()
+    return local
 
 
 def _cannot_take_part(mesh: Any, plan: Any, keep: bool) -> BaseException | None:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
@@ -52,7 +52,7 @@ from .scatter_load import (
     run_scatter,
     scatter_jobs,
 )
-from .tensor_bytes import flat_bytes, own_bytes
+from .tensor_bytes import flat_bytes, opaque, own_bytes
 
 _CLASSES = (Shard, _StridedShard, Replicate)
 _CPU = torch.device("cpu")
@@ -251,6 +251,10 @@ def run_full_load(
     ``planned``: ``plan_stream``'s result for these jobs, made before
     (used where it planned the same scattered jobs, in place or not).
     Returns the loaded value of each job (None where not needed)."""
+    if route is None:
+        wrapped = opaque_values(jobs)
+        if wrapped:
+            return _slice_opaque(jobs, wrapped, offload, in_place)
     if not in_place:
         undo = None
     if route is None and undo is not None:
@@ -282,6 +286,61 @@ def run_full_load(
         out[i] = value
     for i, value in zip(scattered, C.finish_full_load(splan, DTensor.from_local, offload)):
         out[i] = value
+    return out
+
+
+def opaque_values(jobs: list[tuple[Any, Any, Any]]) -> list[int]:
+    """The jobs whose full value is a wrapper subclass no byte view reaches
+    (``tensor_bytes.opaque``: torch's ``TwoTensor``, torchao's
+    ``NF4Tensor``): the native planner would cut some other tensor's
+    bytes."""
+    return [i for i, (value, _, _) in enumerate(jobs) if isinstance(value, torch.Tensor) and opaque(value)]
+
+
+def refuse_opaque_stream(jobs: list[tuple[Any, Any, Any]], names: Callable[[], list[str]], what: str = "") -> None:
+    """On a broadcast load's source, before data moves: a stream sends
+    bytes, and an opaque full value (``opaque_values``) has none that
+    are its values.  Upstream's broadcast raises for it too (the
+    subclass has no ``broadcast``); a load small enough to travel inline
+    (pickled, then cut on every rank) takes it."""
+    wrapped = opaque_values(jobs)
+    if wrapped:
+        i = wrapped[0]
+        cls = type(jobs[i][0])
+        raise errors.StateDictValueError(
+            f"broadcast_from_rank0=True: {what}{names()[i]} is a {cls.__module__}.{cls.__qualname__}, a tensor "
+            "subclass that keeps its values in no single byte buffer: a broadcast cannot send it (upstream's "
+            "cannot either); load it with every rank holding the full state dict, or from a sharded state dict"
+        )
+
+
+def _slice_opaque(jobs: list[tuple[Any, Any, Any]], wrapped: list[int], offload: torch.device | None,
+                  in_place: bool) -> list[Any]:
+    """``run_full_load`` without a stream where the jobs ``wrapped`` hold
+    opaque full values: those are cut as upstream's
+    ``_distribute_state_dict`` cuts every tensor -- ``distribute_tensor``
+    through the subclass's own operations, each rank from its own copy of
+    the full dict (``src_data_rank=None``: no communication, as every
+    other tensor of a full load here), a 0-dim value on the CPU, a plain
+    template's value as it is on its device -- new tensors, installed at
+    commit by the subclass's own ``copy_``; the others as usual.  Never in
+    place (``_StreamedLoad._settle_in_place``)."""
+    assert not in_place, "a load with opaque full values is not written in place"
+    taken = set(wrapped)
+    rest = [i for i in range(len(jobs)) if i not in taken]
+    out: list[Any] = [None] * len(jobs)
+    if rest:
+        for i, value in zip(rest, run_full_load([jobs[i] for i in rest], route=None, offload=offload)):
+            out[i] = value
+    for i in wrapped:
+        value, template, device = jobs[i]
+        full = value.detach()
+        if full.dim() == 0:
+            out[i] = full.cpu()
+        elif isinstance(template, DTensor):
+            out[i] = distribute_tensor(full.to(device), template.device_mesh, template.placements, src_data_rank=None)
+        else:
+            out[i] = full.to(device)
     return out
 
 
@@ -559,7 +618,7 @@ class _StreamedLoad:
             self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
         elif self.in_place:
             if self.plain_locals is None:
-                self.plain_locals = not _subclass_locals(self.jobs)
+                self.plain_locals = not _subclass_locals(self.jobs) and not opaque_values(self.jobs)
             # a tensor subclass (torchao's float8 weights under FSDP2, say)
             # is written by its own copy_ in load_state_dict, as upstream's
             # load does: new tensors here, nothing written before commit
@@ -657,6 +716,8 @@ class ModelFullLoad(_StreamedLoad):
             meta, self.full if route.is_source else self.inline, self.local, self.device
         )
         check_global_shapes(keys, jobs)
+        if route.is_source and self.inline is None:
+            refuse_opaque_stream(jobs, lambda: keys)
         out = dict(self.local)
         for key, value in non_tensor:
             if key in out:
@@ -836,6 +897,8 @@ class OptimLocalize(_StreamedLoad):
             owner = {id(entry): fqn for fqn, entry in new_state.items() if isinstance(entry, dict)}
             names = [f"{owner.get(id(slot[0]), '?')}.{slot[1]}" for slot in slots]
             check_global_shapes(names, jobs, "optimizer state ")
+            if route is not None and route.is_source and self.inline is None:
+                refuse_opaque_stream(jobs, lambda: names, "optimizer state ")
         # Only when every job's template is a held state tensor: an in-place
         # load writes into its templates, and a parameter is never one here.
         self.in_place = bool(jobs) and n_held == len(jobs)

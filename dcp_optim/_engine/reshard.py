@@ -56,7 +56,7 @@ from .collectives import recv_op, send_op
 from .consistency import all_gather_flat, await_arrival, reduce_min
 from .core import C
 from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
-from .tensor_bytes import bytes_view, flat_bytes, own_bytes
+from .tensor_bytes import bytes_view, flat_bytes, is_wrapper, opaque, own_bytes, values_tensor
 
 __all__ = ["reshard", "DEFAULT_BUCKET_BYTES", "plan_cache_info", "clear_plan_cache", "agreement_info"]
 
@@ -1464,30 +1464,6 @@ def _buffer_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _wraps(t: torch.Tensor) -> bool:
-    """Whether ``t``'s class overrides ``__torch_dispatch__`` (a wrapper
-    subclass: its storage, if any, is not its values)."""
-    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
-
-
-def _inner(t: torch.Tensor) -> torch.Tensor | None:
-    """The one inner tensor of a wrapper subclass that holds its values in
-    exactly one plain tensor of its own shape, dtype and device (its
-    ``__tensor_flatten__``: torchao's float8 training weights), else None."""
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is None:
-        return None
-    names, _ = flatten()
-    if len(names) != 1:
-        return None
-    inner = getattr(t, names[0], None)
-    if not isinstance(inner, torch.Tensor) or _wraps(inner):
-        return None
-    if inner.shape != t.shape or inner.dtype != t.dtype or inner.device != t.device:
-        return None
-    return inner
-
-
 def _unmovable_wrapper(leaves: dict | None, side: str) -> str | None:
     """A tensor whose local values are a wrapper subclass that does not
     hold them in one inner tensor of its own shape and dtype (``_inner``;
@@ -1496,7 +1472,7 @@ def _unmovable_wrapper(leaves: dict | None, side: str) -> str | None:
     for path, value in (leaves or {}).items():
         if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
             local = _local(value)
-            if _wraps(local) and _inner(local) is None:
+            if opaque(local):
                 cls = type(local)
                 return (
                     f"the {side}'s '{_name(path)}' holds a {cls.__module__}.{cls.__qualname__}, a tensor "
@@ -1520,7 +1496,7 @@ def _stand_ins(leaves: dict | None, paths: list[tuple], read: bool) -> dict[tupl
         if not isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
             continue
         live = _local(value)
-        if not _wraps(live):
+        if not is_wrapper(live):
             continue
         plain = torch.empty(live.shape, dtype=live.dtype, device=live.device)
         if read:
@@ -1535,8 +1511,8 @@ def _storages(leaves: dict) -> dict[int, tuple]:
     for path, value in leaves.items():
         if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
             t: torch.Tensor | None = _local(value)
-            if t is not None and _wraps(t):
-                t = _inner(t)  # its values' storage (the others were refused)
+            if t is not None and is_wrapper(t):
+                t = values_tensor(t)  # its values' storage (the others were refused)
             if t is not None and t.numel():
                 out[t.untyped_storage().data_ptr()] = path
     return out

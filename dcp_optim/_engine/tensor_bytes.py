@@ -17,6 +17,14 @@ contiguous tensor:
 
 What is read (sent, packed) may be a copy; what is written into (a
 receiver's shard) must be the tensor's own memory.
+
+A wrapper subclass (its class overrides ``__torch_dispatch__``) has
+bytes of its own only through its inner tensors.  Where it keeps its
+values in exactly one plain inner tensor of its own shape, dtype and
+device (``values_tensor``: torchao's float8 training weights), that
+tensor's bytes are its values; any other one (two inner tensors, as
+torch's ``TwoTensor``; quantized data and scales, as torchao's
+``NF4Tensor``) is moved by torch's own operations or not at all.
 """
 
 from __future__ import annotations
@@ -59,3 +67,34 @@ def own_bytes(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds its values in logical order: contiguous,
     neither a conjugate nor a negative view (``bytes_view`` takes it)."""
     return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def is_wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t``'s class overrides ``__torch_dispatch__`` (a wrapper
+    subclass: its storage, if any, is not its values)."""
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def values_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The one inner tensor of a wrapper subclass that keeps its values in
+    exactly one plain tensor of its own shape, dtype and device (its
+    ``__tensor_flatten__``), else None."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = flatten()
+    if len(names) != 1:
+        return None
+    inner = getattr(t, names[0], None)
+    if not isinstance(inner, torch.Tensor) or is_wrapper(inner):
+        return None
+    if inner.shape != t.shape or inner.dtype != t.dtype or inner.device != t.device:
+        return None
+    return inner
+
+
+def opaque(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a wrapper subclass whose values no byte view
+    reaches (``values_tensor`` finds none): torch's own operations move
+    it."""
+    return is_wrapper(t) and values_tensor(t) is None
