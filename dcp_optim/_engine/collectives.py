@@ -271,7 +271,19 @@ def _gather_opaque(
                         details)
     for _, members in meshes:
         for i in members:
-            full = _upstream_full_tensor(leaves[i])
+            try:
+                full = _upstream_full_tensor(leaves[i])
+            except Exception as exc:
+                # the subclass has no such operation (torchao's NF4Tensor and
+                # low-bit optimizer states): every rank fails here alike, with
+                # upstream's exception, named
+                name = names[i] if names is not None and i < len(names) else f"tensor #{i}"
+                cls = type(leaves[i]._local_tensor)
+                if exc.args and isinstance(exc.args[0], str):
+                    exc.args = (f"full state dict: {name} is a DTensor over {cls.__module__}.{cls.__qualname__}, "
+                                f"which torch cannot gather (a sharded state dict saves it): {exc.args[0]}",
+                                *exc.args[1:])
+                raise
             if keep:
                 results[i] = full if offload is None else full.to(offload)
 

@@ -156,3 +156,39 @@ def _copy(tree: Any) -> Any:
     if isinstance(tree, TwoTensor):
         return TwoTensor(_copy(tree.a), _copy(tree.b))
     return tree
+
+
+def nf4_case(rank: int, ws: int) -> list[str]:
+    """torchao's NF4Tensor (QLoRA base weights) under FSDP2: a full get
+    raises upstream's ``NotImplementedError`` on every rank -- the
+    subclass has no all-gather -- naming the parameter; its sharded get
+    and DCP round trip work (the way to save it)."""
+    from torch.distributed.fsdp import fully_shard
+    from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+
+    class QLoRA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(to_nf4(torch.randn(256, 256)), requires_grad=False)
+            self.lora = nn.Linear(256, 256, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return linear_nf4(x, self.weight) + self.lora(x)
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    model = nn.Sequential(QLoRA())
+    fully_shard(model, mesh=mesh)
+    out = []
+    for name, impl in (("upstream", upstream), ("dcp_optim", dcp_optim)):
+        try:
+            impl.get_model_state_dict(model, options=impl.StateDictOptions(full_state_dict=True))
+        except NotImplementedError as exc:
+            out.append(f"{name}: NotImplementedError")
+            if name == "dcp_optim":
+                assert str(exc).startswith("full state dict: 0.weight is a DTensor over "
+                                           "torchao.dtypes.nf4tensor.NF4Tensor, which torch cannot gather"), exc
+    sharded = dcp_optim.get_model_state_dict(model)
+    assert type(sharded["0.weight"].to_local()).__name__ == "NF4Tensor"
+    dist.barrier()
+    return out

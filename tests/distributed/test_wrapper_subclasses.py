@@ -20,3 +20,12 @@ def test_opaque_wrapper_subclasses(ws):
                 for get in ("get_model_state_dict", "get_optimizer_state_dict")]
     expected += ["full loads", "stream refused"]
     assert all(r == expected for r in results), results
+
+
+def test_nf4_full_get_names_the_parameter():
+    """torchao's NF4Tensor (QLoRA's base weights) under FSDP2: a full get
+    fails as upstream's does (the subclass has no all-gather), on every
+    rank, naming the parameter."""
+    pytest.importorskip("torchao")
+    results = run_ranks(2, cases.nf4_case, timeout=300)
+    assert all(r == ["upstream: NotImplementedError", "dcp_optim: NotImplementedError"] for r in results), results
