@@ -301,8 +301,8 @@ def refuse_opaque_stream(jobs: list[tuple[Any, Any, Any]], names: Callable[[], l
     """On a broadcast load's source, before data moves: a stream sends
     bytes, and an opaque full value (``opaque_values``) has none that
     are its values.  Upstream's broadcast raises for it too (the
-    subclass has no ``broadcast``); a load small enough to travel inline
-    (pickled, then cut on every rank) takes it."""
+    subclass has no ``broadcast``).  Nor does the payload carry it
+    inline (``payload._inlinable``: plain dense tensors only)."""
     wrapped = opaque_values(jobs)
     if wrapped:
         i = wrapped[0]
