@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
-from .consistency import all_gather_flat, check_agreement, flagged
+from .consistency import all_gather_flat, check_agreement, flagged, mesh_ranks
 from .core import C
 from .tensor_bytes import opaque
 
@@ -356,7 +356,7 @@ def _schedule(mesh: Any, root: int | None):
         else:
             at = list(coord)
             at[d] = target[d]
-            dst = int(mesh.mesh[tuple(at)])
+            dst = mesh_ranks(mesh)[sum(c * s for c, s in zip(at, strides))]
             receives = coord[d] == target[d]
             stages.append((group, dst, (first, count), out if receives else None))
             if not receives:
