@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import OwnFailure, recv_op, send_op
+from .consistency import mesh_ranks
 from .tensor_bytes import bytes_view, flat_bytes, own_bytes
 
 # A tensor of at least this many bytes travels in scatters of its own;
@@ -112,7 +113,7 @@ def scatter_jobs(jobs: list[tuple[Any, Any, Any]], route: Any) -> list[int]:
         mesh = template.device_mesh
         ok = meshes.get(id(mesh))
         if ok is None:
-            ok = meshes[id(mesh)] = mesh.ndim == 1 and mesh.mesh.tolist() == ranks
+            ok = meshes[id(mesh)] = mesh.ndim == 1 and list(mesh_ranks(mesh)) == ranks
         if ok:
             out.append(i)
     return out
