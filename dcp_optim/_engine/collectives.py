@@ -308,20 +308,36 @@ def _cannot_take_part(mesh: Any, plan: Any, keep: bool) -> BaseException | None:
     """The error of allocating, before the gather check, the largest
     buffer this rank takes part in the mesh's gathers through after a
     failure of its own (``_gather_mesh``: every segment of a bucket, on a
-    rank that keeps the full tensors; its own segment, on one that only
-    sends), or None.  A rank that could not get it even then would raise
-    in the middle of the gathers, leaving the others waiting in them
-    until the group's timeout; found here, the check makes every rank
-    raise it at once, before any gather.  The buffer is freed at once (a
-    device's caching allocator keeps it for the gathers)."""
+    rank that keeps the full tensors; on one that keeps nothing, the
+    widest block it holds on the way to the one that does: its own
+    segment on a 1-D mesh, more where it gathers a row of a larger mesh
+    before sending it on), or None.  A rank that could not get it even
+    then would raise in the middle of the gathers, leaving the others
+    waiting in them until the group's timeout; found here, the check
+    makes every rank raise it at once, before any gather.  The buffer is
+    freed at once (a device's caching allocator keeps it for the
+    gathers)."""
     if not plan.buckets:
         return None
-    nbytes = plan.max_segment * (mesh.size() if keep else 1)
+    nbytes = plan.max_segment * (mesh.size() if keep else _sending_span(mesh))
     try:
         torch.empty(nbytes, dtype=torch.uint8, device=_mesh_device(mesh))
     except Exception as exc:  # noqa: BLE001 - agreed on by the gather check
         return exc
     return None
+
+
+def _sending_span(mesh: Any) -> int:
+    """The segments a rank that keeps nothing holds at its widest in a
+    mesh's gathers.  Only the rank-0-only mode (``cpu_offload``) keeps
+    nothing on some ranks, and there global rank 0 alone keeps: the
+    gathers go to it (``_schedule``); where it is not on the mesh, no
+    data moves and the rank's own segment is the bound."""
+    ranks = mesh_ranks(mesh)
+    if 0 not in ranks:
+        return 1
+    _, (_, count), _ = _schedule(mesh, ranks.index(0))
+    return count
 
 
 def _schedule(mesh: Any, root: int | None):
