@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from .. import errors
 from ..options import StateDictOptions, _as_options
+from .consistency import reduce_sum
 from .core import C
 from .tensor_bytes import flat_bytes
 
@@ -404,8 +405,7 @@ def _reduce(entries: list[_Entry], extra: int) -> tuple[int, bool]:
         device = torch.device(sharded[0].mesh.device_type) if sharded else _world_device()
         d0, d1 = _digest([(e.key, e.shape, e.dtype) for e in sharded])
         values = [v for e in sharded for v in (e.lo, e.hi)] + [d0, d1, extra]
-        buf = torch.tensor(values, dtype=torch.int64, device=device)
-        dist.all_reduce(buf)
+        buf = reduce_sum(torch.tensor(values, dtype=torch.int64, device=device), None, world)
         out = buf.tolist()
         if out[-3] != world * d0 or out[-2] != world * d1:
             raise _disagree()
@@ -424,7 +424,7 @@ def _reduce(entries: list[_Entry], extra: int) -> tuple[int, bool]:
         buf = torch.tensor(values, dtype=torch.int64, device=torch.device(mesh.device_type))
         for dim in range(mesh.ndim):
             if mesh.size(dim) > 1:
-                dist.all_reduce(buf, group=mesh.get_group(dim))
+                buf = reduce_sum(buf, mesh.get_group(dim), mesh.size(dim))
         out = buf.tolist()
         if out[-2] != mesh.size() * d0 or out[-1] != mesh.size() * d1:
             raise _disagree()

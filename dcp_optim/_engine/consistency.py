@@ -466,11 +466,25 @@ GATHERED_MIN_RANKS = 8
 def reduce_min(payload: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     """The elementwise minimum of ``payload`` over the ``size`` ranks of
     ``group`` (None: the default group)."""
+    return _reduced(payload, group, size, dist.ReduceOp.MIN)
+
+
+def reduce_sum(payload: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """The elementwise sum of an integer ``payload`` over the ``size``
+    ranks of ``group`` (None: the default group)."""
+    return _reduced(payload, group, size, dist.ReduceOp.SUM)
+
+
+def _reduced(payload: torch.Tensor, group: Any, size: int, op: Any) -> torch.Tensor:
+    """``payload`` reduced with ``op`` (MIN or SUM) over the group: up to
+    ``GATHERED_MIN_RANKS`` ranks, every rank's gathered and reduced on
+    each rank; above, one all-reduce (in place)."""
     if size <= GATHERED_MIN_RANKS:
         gathered = torch.empty(size * payload.numel(), dtype=payload.dtype, device=payload.device)
         all_gather_flat(gathered, payload, group)
-        return gathered.view(size, -1).amin(dim=0)
-    dist.all_reduce(payload, op=dist.ReduceOp.MIN, group=group)
+        rows = gathered.view(size, -1)
+        return rows.amin(dim=0) if op == dist.ReduceOp.MIN else rows.sum(dim=0)
+    dist.all_reduce(payload, op=op, group=group)
     return payload
 
 
