@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import errors
-from .collectives import recv_op, send_op
+from .collectives import OwnFailure, recv_op, send_op
 from .consistency import all_gather_flat, await_arrival, reduce_min
 from .core import C
 from .distribute import UNDO_ENV, _UndoLog, host_bytes, undo_enabled
@@ -1018,6 +1018,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     try:
         if failure is not None:
             raise failure
+        _try_casts([spec for spec in specs if dst_leaves is not None and spec.path in dst_leaves], dst_local)
         for role, need in _buffer_needs(steps, batches).items():
             if need:
                 _scratch(buffers, role, need, device)
@@ -1034,10 +1035,11 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
         failure = exc
     _agree_ready(failure, rank, group)
+    own = OwnFailure()
     try:
-        _collectives(steps, group, device, buffers)
-        _transfer(batches, group, device, buffers)
-        _reduce_min([0], group)
+        _collectives(steps, group, device, buffers, own)
+        _transfer(batches, group, device, buffers, own)
+        _agree_done(own.error, rank, group)
     except BaseException as exc:
         if undo is not None:
             undo.restore()
@@ -1073,9 +1075,25 @@ def _buffer_needs(steps: list[tuple], batches: list[tuple]) -> dict[str, int]:
 
 def _agree_ready(failure: Exception | None, rank: int, group: Any) -> None:
     """One all_reduce: whether every rank allocated what its transfer
-    needs.  Where one could not, every rank raises, naming each such rank
-    and its error (gathered only on this error path); the failing rank's
-    own error is the cause of its."""
+    needs (and could make its casts, ``_try_casts``).  Where one could
+    not, every rank raises, naming each such rank and its error; nothing
+    was changed."""
+    _agree_verdict(failure, rank, group, "could not prepare its transfer (its buffers, the undo log's copy, "
+                   "a cast it makes), nothing was changed")
+
+
+def _agree_done(failure: Exception | None, rank: int, group: Any) -> None:
+    """The transfer's last all_reduce: whether every rank received
+    everything, its own copies included (``OwnFailure``).  Where one
+    failed, every rank raises, naming it; the caller puts the template
+    back (the undo log)."""
+    _agree_verdict(failure, rank, group, "failed in its transfer")
+
+
+def _agree_verdict(failure: Exception | None, rank: int, group: Any, what: str) -> None:
+    """One all_reduce of every rank's verdict; where some rank failed,
+    each such rank's error, gathered (on this path only), raised on every
+    rank, the failing rank's own error the cause of its."""
     (ready,) = _reduce_min([0 if failure is not None else 1], group)
     if ready:
         return
@@ -1083,10 +1101,22 @@ def _agree_ready(failure: Exception | None, rank: int, group: Any) -> None:
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     problems = [f"rank {r}: {msg}" for r, msg in sorted(g for g in gathered if g is not None)]
-    raise errors.StateDictRuntimeError(
-        "reshard_state_dict: a rank could not allocate what its transfer needs (its buffers, the undo "
-        "log's copy), nothing was changed: " + "; ".join(problems)
-    ) from failure
+    raise errors.StateDictRuntimeError(f"reshard_state_dict: a rank {what}: " + "; ".join(problems)) from failure
+
+
+def _try_casts(specs: list[_Spec], dst_local: Any) -> None:
+    """Each cast the transfer makes (the source's dtype into another
+    template dtype), once, on one element, before the agreement ahead of
+    the transfer: one that the caller's warning filters turn into an
+    error (complex into real values under ``-W error``) fails there, with
+    every rank, instead of in the middle of the transfer."""
+    pairs = set()
+    for spec in specs:
+        dst = dst_local(spec.path)
+        if isinstance(dst, torch.Tensor) and str(dst.dtype) != spec.dtype:
+            pairs.add((spec.dtype, dst.dtype))
+    for src, dst in sorted(pairs, key=str):
+        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=getattr(torch, src.split(".")[-1])))
 
 
 def _transfer_batches(sends: dict, recvs: dict, ranks: tuple, rank: int, limit: int,
@@ -1130,9 +1160,11 @@ def _transfer_batches(sends: dict, recvs: dict, ranks: tuple, rank: int, limit: 
     return batches
 
 
-def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: dict) -> None:
+def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: dict,
+              failure: OwnFailure) -> None:
     """Run ``_transfer_batches``' batches, through the send and receive
-    buffers of ``buffers`` (``_scratch``'s, allocated before)."""
+    buffers of ``buffers`` (``_scratch``'s, allocated before); a copy of
+    this rank's own that fails is skipped, as in ``_collectives``."""
     for to, frm, send, recv in batches:
         ops = []
         staged: list = []  # the received entries to copy out of the receive buffer
@@ -1143,8 +1175,7 @@ def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: d
             for tag, lo, hi, msg, view in msgs:
                 if view is None:
                     assert send_buf is not None  # buffered: some message is not its own tensor
-                    for off, (tensor, start, lens, dtype, n) in msg:
-                        _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
+                    failure.attempt(_pack_message, send_buf, msg)
                     view = send_buf[lo:hi]
                 ops.append(send_op(view, to, group, tag))
         if recv is not None:
@@ -1157,8 +1188,19 @@ def _transfer(batches: list[tuple], group: Any, device: torch.device, buffers: d
                 ops.append(recv_op(view, frm, group, tag))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        for off, (tensor, start, lens, dtype, n) in staged:
-            tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))  # type: ignore[arg-type]
+        failure.attempt(_unpack_message, recv_buf, staged)
+
+
+def _pack_message(send_buf: torch.Tensor, msg: list) -> None:
+    """A message's boxes into the send buffer, each at its offset."""
+    for off, (tensor, start, lens, dtype, n) in msg:
+        _window(send_buf, off, n, dtype, lens).copy_(tensor[_box(start, lens)])
+
+
+def _unpack_message(recv_buf: Any, staged: list) -> None:
+    """The boxes received into the receive buffer, into the template."""
+    for off, (tensor, start, lens, dtype, n) in staged:
+        tensor[_box(start, lens)].copy_(_window(recv_buf, off, n, dtype, lens))
 
 
 def _dense_kind(spec: _Spec, order: tuple, itemsize: int, limit: int) -> tuple | None:
@@ -1280,7 +1322,8 @@ def _dense_steps(groups: list, world: int, limit: int, device: torch.device) -> 
     return steps
 
 
-def _collectives(steps: list[tuple], group: Any, device: torch.device, buffers: dict) -> None:
+def _collectives(steps: list[tuple], group: Any, device: torch.device, buffers: dict,
+                 failure: OwnFailure) -> None:
     """Run ``_dense_steps``' steps, through the send and receive buffers
     of ``buffers`` (``_scratch``'s, allocated before).  The wire carries
     the source's bytes in rank-major blocks: block q of an all_to_all's
@@ -1297,13 +1340,18 @@ def _collectives(steps: list[tuple], group: Any, device: torch.device, buffers: 
     issued.  A collective costs a few milliseconds of scheduling on a busy
     host whatever its size (13 all_to_alls of 2 MB took twice one of
     26 MB); issued back to back, the process group's threads run them
-    without waiting for this thread between them."""
+    without waiting for this thread between them.
+
+    A copy of this rank's own that fails (``failure``: a cast the caller's
+    warning filters turn into an error, say) is skipped, the collectives
+    go on -- the other ranks wait in them -- and the transfer's last
+    agreement raises it on every rank."""
     world = dist.get_world_size(group)
     for kind, planned, send_bytes, recv_bytes in steps:
         if kind == "wave":
-            _wave(planned, send_bytes, recv_bytes, world, group, device, buffers)
+            _wave(planned, send_bytes, recv_bytes, world, group, device, buffers, failure)
         else:
-            _packed_collective(planned, world, group, device, buffers)
+            _packed_collective(planned, world, group, device, buffers, failure)
 
 
 def _aligned(n: int) -> int:
@@ -1311,7 +1359,7 @@ def _aligned(n: int) -> int:
 
 
 def _wave(wave: list, send_bytes: int, recv_bytes: int, world: int, group: Any, device: torch.device,
-          buffers: dict) -> None:
+          buffers: dict, failure: OwnFailure) -> None:
     """Run a wave of single-tensor collectives (see ``_collectives``),
     staging at most a bucket each way (``send_bytes``, ``recv_bytes``) in
     the send and the receive buffer.  If anything fails, every collective
@@ -1329,7 +1377,7 @@ def _wave(wave: list, send_bytes: int, recv_bytes: int, world: int, group: Any, 
                 n = src_t.numel() * src_t.element_size()
                 shape = _split_shape(src_t.shape, j, world) if j >= 0 else src_t.shape
                 send = send_buf[send_at:send_at + n].view(src_t.dtype).view(shape)  # type: ignore[index]
-                send.copy_(src_t.detach().unflatten(j, (world, -1)).movedim(j, 0) if j >= 0 else src_t.detach())
+                failure.attempt(_pack_blocks, send, src_t, j, world)
             if recv_at < 0:
                 recv = dst_t.detach().view(world, -1)
             else:
@@ -1350,7 +1398,20 @@ def _wave(wave: list, send_bytes: int, recv_bytes: int, world: int, group: Any, 
                 pass
         raise
     for dst_t, recv, i in unpack:
-        dst_t.detach().unflatten(i, (world, -1)).copy_(recv.movedim(0, i))
+        failure.attempt(_unpack_blocks, dst_t, recv, i, world)
+
+
+def _pack_blocks(send: torch.Tensor, src_t: torch.Tensor, j: int, world: int) -> None:
+    """The source shard into a dense collective's input: split along
+    ``j`` into the blocks of every rank, one after the other (``j`` -1:
+    whole)."""
+    send.copy_(src_t.detach().unflatten(j, (world, -1)).movedim(j, 0) if j >= 0 else src_t.detach())
+
+
+def _unpack_blocks(dst_t: torch.Tensor, recv: torch.Tensor, i: int, world: int) -> None:
+    """Every rank's block received, into the template's shard split along
+    ``i`` (a cast where the dtypes differ)."""
+    dst_t.detach().unflatten(i, (world, -1)).copy_(recv.movedim(0, i))
 
 
 def _sends_itself(src_t: torch.Tensor, j: int, device: torch.device) -> bool:
@@ -1397,7 +1458,8 @@ def _packed_layout(jobs: list, world: int) -> tuple[str, list[tuple], int]:
     return kind, parts, row
 
 
-def _packed_collective(layout: tuple, world: int, group: Any, device: torch.device, buffers: dict) -> None:
+def _packed_collective(layout: tuple, world: int, group: Any, device: torch.device, buffers: dict,
+                       failure: OwnFailure) -> None:
     """Several dense tensors of one kind in one collective, laid out by
     ``_packed_layout`` (planned with the steps), through the send and
     receive buffers."""
@@ -1408,16 +1470,28 @@ def _packed_collective(layout: tuple, world: int, group: Any, device: torch.devi
         send = _scratch(buffers, "send", row, device)[:row].view(1, row)
     recv = _scratch(buffers, "recv", world * row, device)[:world * row].view(world, row)
     for (_, _, j, src_t, _, _), off, n in parts:
-        if kind == "a2a":
-            send[:, off:off + n].view(src_t.dtype).view(_split_shape(src_t.shape, j, world)).copy_(
-                src_t.detach().unflatten(j, (world, -1)).movedim(j, 0))
-        else:
-            send[:, off:off + n].view(src_t.dtype).view(1, *src_t.shape).copy_(src_t.detach())
+        failure.attempt(_pack_columns, send[:, off:off + n], src_t, j, world, kind)
     _exchange(kind, recv.reshape(-1), send.reshape(-1), group)
     for (_, i, _, src_t, dst_t, _), off, n in parts:
-        # rank q's part, as the source shard it comes from is split along i
-        dst_t.detach().unflatten(i, (world, -1)).copy_(
-            recv[:, off:off + n].view(src_t.dtype).view(_split_shape(dst_t.shape, i, world)).movedim(0, i))
+        failure.attempt(_unpack_columns, recv[:, off:off + n], src_t.dtype, dst_t, i, world)
+
+
+def _pack_columns(columns: torch.Tensor, src_t: torch.Tensor, j: int, world: int, kind: str) -> None:
+    """A tensor's columns of a packed collective's rows: per rank, its
+    block of the source shard split along ``j`` (all_to_all), or the
+    whole shard (all-gather)."""
+    if kind == "a2a":
+        columns.view(src_t.dtype).view(_split_shape(src_t.shape, j, world)).copy_(
+            src_t.detach().unflatten(j, (world, -1)).movedim(j, 0))
+    else:
+        columns.view(src_t.dtype).view(1, *src_t.shape).copy_(src_t.detach())
+
+
+def _unpack_columns(columns: torch.Tensor, dtype: torch.dtype, dst_t: torch.Tensor, i: int, world: int) -> None:
+    """Rank q's part of the template's shard from row q of the columns,
+    as the source shard it comes from is split along ``i``."""
+    dst_t.detach().unflatten(i, (world, -1)).copy_(
+        columns.view(dtype).view(_split_shape(dst_t.shape, i, world)).movedim(0, i))
 
 
 def _whole(entries: list, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | None:

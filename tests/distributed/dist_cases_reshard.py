@@ -561,6 +561,78 @@ def cannot_allocate_case(rank: int, ws: int) -> list[dict[str, Any]]:
     return out
 
 
+def fails_mid_transfer_case(rank: int, ws: int) -> list[dict[str, Any]]:
+    """Reshards in which one rank's own code fails in the middle of the
+    transfer, every time from then on (a bug, or a cast the caller's
+    warning filters make an error): packing or unpacking a point-to-point
+    message (50 x 35: uneven, point to point, 256-byte buckets), or a
+    dense collective's blocks (48 x 36: even; alone, and packed).
+    The failing rank keeps taking part in every remaining exchange, so
+    every rank raises the same error naming it within seconds (the
+    group's timeout is 10 s), its template put back; a cast that fails
+    under ``-W error`` on one rank is found before the transfer.  Then a
+    reshard in the same group succeeds."""
+    import datetime
+    import time
+    import warnings
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=10))
+    mesh = init_device_mesh("cpu", (ws,))
+    bad = ws - 1
+    out = []
+    # step: (shape, whether the source is column shards, tensors, bucket).
+    # Point to point, column blocks of row shards are packed on the way
+    # out and row blocks of column shards unpacked on the way in; in a
+    # dense collective (even shapes within a bucket; one tensor alone, or
+    # several packed together) a row shard is cut into column blocks on
+    # the way out, column blocks are put together on the way in.
+    plans = {
+        "_pack_message": ((50, 35), False, 3, 256),
+        "_unpack_message": ((50, 35), True, 3, 256),
+        "_pack_blocks": ((48, 36), False, 1, 1 << 20),
+        "_unpack_blocks": ((48, 36), True, 1, 1 << 20),
+        "_pack_columns": ((48, 36), True, 3, 1 << 20),
+        "_unpack_columns": ((48, 36), False, 3, 1 << 20),
+        "cast": ((48, 36), False, 3, 256),
+    }
+    for step, (shape, columns, count, bucket) in plans.items():
+        src_pl, dst_pl = (Shard(1), Shard(0)) if columns else (Shard(0), Shard(1))
+        original = getattr(engine, step, None)
+        src_dtype = torch.complex64 if step == "cast" else torch.float32
+        src = {f"t{i}": distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(src_dtype),
+                                          mesh, [src_pl]) for i in range(count)}
+        tmpl = {k: distribute_tensor(torch.full(shape, -1.0), mesh, [dst_pl]) for k in src}
+        before = _local_tree(tmpl)
+
+        def failing(*args, step=step, original=original, **kwargs):
+            raise RuntimeError(f"{step} failed on rank {rank} (injected)")
+
+        if rank == bad and original is not None:
+            setattr(engine, step, failing)
+        t0 = time.monotonic()
+        try:
+            with warnings.catch_warnings():
+                if step == "cast" and rank == bad:
+                    warnings.simplefilter("error")
+                elif step == "cast":
+                    warnings.simplefilter("ignore")
+                dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=bucket)
+            result = "ok"
+        except Exception as exc:  # noqa: BLE001 - the verdict is returned
+            result = f"{type(exc).__name__}: {exc}"
+        finally:
+            if original is not None:
+                setattr(engine, step, original)
+        after = _local_tree(tmpl)
+        out.append({"step": step, "result": result, "seconds": round(time.monotonic() - t0, 1),
+                    "unchanged": all(torch.equal(before[k][3], after[k][3]) for k in before)})
+    src = {"t": distribute_tensor(torch.randn(50, 35), mesh, [Shard(0)])}
+    tmpl = {"t": distribute_tensor(torch.zeros(50, 35), mesh, [Shard(1)])}
+    dcp_optim.reshard_state_dict(src, tmpl, bucket_bytes=256)
+    out.append({"then": torch.equal(tmpl["t"].full_tensor(), src["t"].full_tensor())})
+    return out
+
+
 def large_and_small_case(rank: int, ws: int) -> list[str]:
     """Boxes of at least 64 KiB travel as buckets of their own (sent from /
     received into the shards where contiguous), the small ones packed

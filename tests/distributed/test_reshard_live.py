@@ -137,9 +137,31 @@ def test_a_rank_that_cannot_allocate_its_transfer():
         assert then == {"then": True}, (rank, then)
         for load in failed:
             assert load["result"].startswith("StateDictRuntimeError"), (rank, load)
-            assert "could not allocate what its transfer needs" in load["result"], (rank, load)
+            assert "could not prepare its transfer" in load["result"], (rank, load)
             assert (f"rank {load['bad']}: OutOfMemoryError: no memory for the {load['role']} buffer"
                     in load["result"]), (rank, load)
+            assert load["seconds"] < 8 and load["unchanged"], (rank, load)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_rank_failing_on_its_own_mid_transfer(ws):
+    """One rank's own code failing in the transfer (point to point, and
+    dense collectives), or a cast it cannot make: every rank
+    raises the same error naming that rank within seconds, nothing
+    changed, the group fit for the next reshard."""
+    bad = ws - 1
+    for rank, loads in enumerate(run_ranks(ws, cases.fails_mid_transfer_case, timeout=120)):
+        *failed, then = loads
+        assert then == {"then": True}, (rank, then)
+        assert len(failed) == 7, failed
+        for load in failed:
+            assert load["result"].startswith("StateDictRuntimeError"), (rank, load)
+            if load["step"] == "cast":
+                assert "could not prepare its transfer" in load["result"], (rank, load)
+                assert f"rank {bad}: UserWarning: Casting complex values to real" in load["result"], (rank, load)
+            else:
+                assert "a rank failed in its transfer" in load["result"], (rank, load)
+                assert f"rank {bad}: RuntimeError: {load['step']} failed on rank {bad}" in load["result"], (rank, load)
             assert load["seconds"] < 8 and load["unchanged"], (rank, load)
 
 
