@@ -1105,18 +1105,20 @@ def _agree_verdict(failure: Exception | None, rank: int, group: Any, what: str) 
 
 
 def _try_casts(specs: list[_Spec], dst_local: Any) -> None:
-    """Each cast the transfer makes (the source's dtype into another
-    template dtype), once, on one element, before the agreement ahead of
-    the transfer: one that the caller's warning filters turn into an
-    error (complex into real values under ``-W error``) fails there, with
-    every rank, instead of in the middle of the transfer."""
+    """Each cast the transfer makes that torch warns about -- complex
+    source values into a real template, whose imaginary parts ``copy_``
+    drops -- once, on one element, before the agreement ahead of the
+    transfer: where the caller's warning filters make that warning an
+    error (``-W error``), it fails there, with every rank, instead of in
+    the middle of the transfer."""
     pairs = set()
     for spec in specs:
+        src = getattr(torch, spec.dtype.split(".")[-1])
         dst = dst_local(spec.path)
-        if isinstance(dst, torch.Tensor) and str(dst.dtype) != spec.dtype:
-            pairs.add((spec.dtype, dst.dtype))
+        if src.is_complex and isinstance(dst, torch.Tensor) and not dst.dtype.is_complex:
+            pairs.add((src, dst.dtype))
     for src, dst in sorted(pairs, key=str):
-        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=getattr(torch, src.split(".")[-1])))
+        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
 
 
 def _transfer_batches(sends: dict, recvs: dict, ranks: tuple, rank: int, limit: int,
