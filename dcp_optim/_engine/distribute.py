@@ -418,12 +418,12 @@ def _live_locals(jobs: list[tuple[Any, Any, Any]]) -> list[torch.Tensor]:
 _PLAIN_LOCALS = (torch.Tensor, nn.Parameter)
 
 
-def _subclass_locals(jobs: list[tuple[Any, Any, Any]]) -> bool:
-    """Whether a live template's local tensor is a tensor subclass (not a
-    plain tensor or parameter): its storage is not the values (a wrapper
-    subclass has none), so the stream cannot write it in place nor keep
-    it in the undo log by its storage."""
-    return any(type(local) not in _PLAIN_LOCALS for local in _live_locals(jobs))
+def _subclass_locals(locals_: list[torch.Tensor]) -> bool:
+    """Whether a live template's local tensor (``_live_locals``) is a
+    tensor subclass (not a plain tensor or parameter): its storage is not
+    the values (a wrapper subclass has none), so the stream cannot write
+    it in place nor keep it in the undo log by its storage."""
+    return any(type(local) not in _PLAIN_LOCALS for local in locals_)
 
 
 class _UndoLog:
@@ -432,8 +432,8 @@ class _UndoLog:
     the stream's cost is at most this rank's shards in host memory (no
     device memory), and a failed stream restores them."""
 
-    def __init__(self, jobs: list[tuple[Any, Any, Any]]):
-        self.locals = _live_locals(jobs)
+    def __init__(self, jobs: list[tuple[Any, Any, Any]], locals_: list[torch.Tensor] | None = None):
+        self.locals = _live_locals(jobs) if locals_ is None else locals_
         self.live: set[int] = {local.untyped_storage().data_ptr() for local in self.locals}
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -597,8 +597,10 @@ class _StreamedLoad:
     # inline loads (``payload``): the source's tree, as every rank received it
     inline: Any = None
     undo: _UndoLog | None = None
-    # whether every live template's local tensor is plain (None: not
-    # looked at yet; reserve and move both settle in_place)
+    # the live templates' local tensors (``_live_locals``), and whether
+    # every one is plain: looked at once per load (None: not yet; reserve
+    # and move both settle in_place, move keeps them in the undo log)
+    live_locals: list[torch.Tensor] | None = None
     plain_locals: bool | None = None
 
     def stream_paths(self) -> int:
@@ -618,11 +620,20 @@ class _StreamedLoad:
             self.in_place = False  # inline: sliced locally into new tensors, nothing written before commit
         elif self.in_place:
             if self.plain_locals is None:
-                self.plain_locals = not _subclass_locals(self.jobs) and not opaque_values(self.jobs)
+                self.plain_locals = not _subclass_locals(self._locals()) and not opaque_values(self.jobs)
             # a tensor subclass (torchao's float8 weights under FSDP2, say)
             # is written by its own copy_ in load_state_dict, as upstream's
             # load does: new tensors here, nothing written before commit
             self.in_place = self.plain_locals
+
+    def _locals(self) -> list[torch.Tensor]:
+        if self.live_locals is None:
+            self.live_locals = _live_locals(self.jobs)
+        return self.live_locals
+
+    def _start_undo(self) -> None:
+        """The undo log of a move that writes in place (none otherwise)."""
+        self.undo = _UndoLog(self.jobs, self._locals()) if self.in_place and undo_enabled() else None
 
     def reserve(self) -> None:
         """Before the agreement ahead of a broadcast load's stream: plan
@@ -748,7 +759,7 @@ class ModelFullLoad(_StreamedLoad):
     def move(self) -> dict[str, Any]:
         route = self.route
         self._settle_in_place()
-        self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
+        self._start_undo()
         if route is None:
             if self.jobs:
                 values = run_full_load(self.jobs, route=None, in_place=self.in_place, undo=self.undo)
@@ -914,7 +925,7 @@ class OptimLocalize(_StreamedLoad):
     def move(self) -> tuple:
         inline = self.inline is not None
         self._settle_in_place()
-        self.undo = _UndoLog(self.jobs) if self.in_place and undo_enabled() else None
+        self._start_undo()
         if self.jobs:
             values = run_full_load(
                 self.jobs, route=None if inline else self.route, in_place=self.in_place, undo=self.undo,

@@ -970,7 +970,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     dense: list[tuple] = []  # (kind, i, j, source local, template local, its block's bytes)
     order = _group_order(group)
     for spec in specs:
-        dtype = getattr(torch, spec.dtype.split(".")[-1])
+        dtype = _torch_dtype(spec.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         kind = _dense_kind(spec, order, itemsize, limit)
         # a stand-in is no live tensor: the undo log need not keep it
@@ -1104,6 +1104,11 @@ def _agree_verdict(failure: Exception | None, rank: int, group: Any, what: str) 
     raise errors.StateDictRuntimeError(f"reshard_state_dict: a rank {what}: " + "; ".join(problems)) from failure
 
 
+def _torch_dtype(name: str) -> torch.dtype:
+    """The dtype a description spells (``str(dtype)``: "torch.float32")."""
+    return getattr(torch, name.split(".")[-1])
+
+
 def _try_casts(specs: list[_Spec], dst_local: Any) -> None:
     """Each cast the transfer makes that torch warns about -- complex
     source values into a real template, whose imaginary parts ``copy_``
@@ -1113,7 +1118,7 @@ def _try_casts(specs: list[_Spec], dst_local: Any) -> None:
     the middle of the transfer."""
     pairs = set()
     for spec in specs:
-        src = getattr(torch, spec.dtype.split(".")[-1])
+        src = _torch_dtype(spec.dtype)
         dst = dst_local(spec.path)
         if src.is_complex and isinstance(dst, torch.Tensor) and not dst.dtype.is_complex:
             pairs.add((src, dst.dtype))
