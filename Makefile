@@ -36,6 +36,9 @@ $(STAMP): pyproject.toml Makefile
 	#     module corpus (tests/unit/test_module_corpus.py);
 	#   pytorch-optimizer ... heavyball: the optimizer corpus
 	#     (tests/unit/test_optim_corpus.py);
+	#   peft: adapters over a frozen base (tests/unit/test_peft.py,
+	#     tests/distributed/test_peft.py; 0.18.1 is the newest peft that
+	#     imports beside torchao 0.15.0);
 	#   mypy: make lint-mypy checks against torch's own hints;
 	#   build: the sdist and wheel of make test-wheel;
 	#   setuptools>=77: make build's in-place build reads pyproject.toml's
@@ -48,7 +51,7 @@ $(STAMP): pyproject.toml Makefile
 	    pytorch-optimizer==4.1.0 lion-pytorch==0.2.5 schedulefree==1.4.1 prodigyopt==1.1.2 \
 	    bitsandbytes==0.50.2 torch-optimizer==0.3.0 galore-torch==1.0 apollo-torch==1.0.3 adam-mini==1.1.1 \
 	    came-pytorch==0.1.3 torch-optimi==0.2.1 dadaptation==3.2 adan-pytorch==0.1.0 \
-	    heavyball==3.2.1 \
+	    heavyball==3.2.1 peft==0.18.1 \
 	    mypy==2.4.1 \
 	    build
 	# Bytecode, once, for what the test processes import, so that no process

@@ -138,6 +138,22 @@ class RankLocalStateError(StateDictRuntimeError):
         return (type(self), (str(self.args[0]) if self.args else "", self.key, self.ranks))
 
 
+class InconsistentOptimizerStateError(StateDictRuntimeError, AssertionError):
+    """FSDP1 with ``use_orig_params``: the ranks that hold a piece of an
+    original parameter disagree on one of its non-tensor states (its
+    ``step``), so no single value could be saved.  An ``AssertionError``
+    too, as FSDP's own gather raises.  ``key`` names the entry, ``ranks``
+    the ranks whose values differ."""
+
+    def __init__(self, message: str, key: str, ranks: list[int]):
+        super().__init__(message)
+        self.key = key
+        self.ranks = ranks
+
+    def __reduce__(self):  # picklable (errors travel between ranks)
+        return (type(self), (str(self.args[0]) if self.args else "", self.key, self.ranks))
+
+
 # --- upstream texts (docs/architecture.md, "Errors and warnings") ----------
 
 E4_NO_OPTIMIZERS = "Optimizers are not passed in but optim_only is set to True."

@@ -359,12 +359,15 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
     """What this rank knows about a handle's state: "names" maps each state
     name to ("t", dtype) for tensors with a dimension or ("s", value) for
     0-dim tensors and other values; "present" lists the original
-    parameters (indices) with state here and "scalars" their 0-dim tensors
+    parameters (indices) with state here, "scalars" their 0-dim tensors
     (on CPU, as FSDP exchanges them) and other values (use_orig_params:
-    each original parameter keeps its own, e.g. its step count)."""
+    each original parameter keeps its own, e.g. its step count), and
+    "numels" the elements of each of their tensor states (a piece this
+    rank holds none of has empty ones: ``_merge_scalars``)."""
     names: dict[str, Any] = {}
     present: list[int] = []
     scalars: dict[int, dict[str, Any]] = {}
+    numels: dict[int, dict[str, int]] = {}
     if local is not None:
         if "flat" in local:
             entries = [local["flat"]]
@@ -379,13 +382,18 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
                         for name, value in entry.items()
                         if not (isinstance(value, torch.Tensor) and value.dim() > 0)
                     }
+                    numels[i] = {
+                        name: value.numel()
+                        for name, value in entry.items()
+                        if isinstance(value, torch.Tensor) and value.dim() > 0
+                    }
         for entry in entries:
             for name, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     names.setdefault(name, ("t", value.dtype))
                 else:
                     names.setdefault(name, ("s", _to_wire(value)))
-    return {"names": names, "present": present, "scalars": scalars}
+    return {"names": names, "present": present, "scalars": scalars, "numels": numels}
 
 
 def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, Any]]:
@@ -401,29 +409,32 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
             group_meshes[id(h.group)] = mesh_for_group(h.group, h.flat.device.type)
     gathered_meta: dict[str, dict[str, Any]] = {}
     present: dict[str, set[int]] = {}
-    param_scalars: dict[str, dict[int, dict[str, Any]]] = {}
-    for mesh in group_meshes.values():
-        all_metas, _ = mesh_all_gather_object(mesh, metas)
-        for rank_meta in all_metas:
+    # per handle and original parameter, each rank's (rank, scalars, numels)
+    held: dict[str, dict[int, list[tuple[int, dict[str, Any], dict[str, int]]]]] = {}
+    group_of = {h.fqns[0]: id(h.group) for h in handles if h.sharded}
+    for group_id, mesh in group_meshes.items():
+        all_metas, ranks = mesh_all_gather_object(mesh, metas)
+        for rank, rank_meta in zip(ranks, all_metas):
             for key, meta in rank_meta.items():
                 merged = gathered_meta.setdefault(key, {})
                 for name, m in meta["names"].items():
                     merged.setdefault(name, m)
                 present.setdefault(key, set()).update(meta["present"])
-                # the last rank holding a piece wins, as in FSDP
+                if group_of.get(key) != group_id:  # the ranks of another group's handle: not its holders
+                    continue
                 for i, values in meta["scalars"].items():
-                    param_scalars.setdefault(key, {}).setdefault(i, {}).update(
-                        (name, _from_wire(v)) for name, v in values.items()
-                    )
+                    held.setdefault(key, {}).setdefault(i, []).append((rank, values, meta["numels"][i]))
     for h in handles:
         if not h.sharded:
-            gathered_meta.setdefault(h.fqns[0], metas[h.fqns[0]]["names"])
-            present.setdefault(h.fqns[0], set(metas[h.fqns[0]]["present"]))
-            param_scalars.setdefault(
-                h.fqns[0],
-                {i: {n: _from_wire(v) for n, v in values.items()}
-                 for i, values in metas[h.fqns[0]]["scalars"].items()},
-            )
+            meta = metas[h.fqns[0]]
+            gathered_meta.setdefault(h.fqns[0], meta["names"])
+            present.setdefault(h.fqns[0], set(meta["present"]))
+            held.setdefault(h.fqns[0], {i: [(dist.get_rank(), values, meta["numels"][i])]
+                                        for i, values in meta["scalars"].items()})
+    param_scalars = {
+        h.fqns[0]: {i: _merge_scalars(h.fqns[i], per_rank) for i, per_rank in held.get(h.fqns[0], {}).items()}
+        for h in handles if h.orig
+    }
 
     leaves: list[Any] = []
     slots: list[tuple[_Handle, str]] = []
@@ -500,6 +511,46 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
             # flat parameters: FSDP's sorted order
             out[fqn] = {n: entry[n] for n in names if n in entry} if h.orig else _sort_names(entry)
     return out
+
+
+def _merge_scalars(fqn: str, per_rank: list[tuple[int, dict[str, Any], dict[str, int]]]) -> dict[str, Any]:
+    """An original parameter's non-tensor states (use_orig_params) from
+    the ranks that hold state for it, by FSDP's rule: a rank whose tensor
+    states of it are empty (it holds no piece of the parameter: state an
+    initialising step gave it, which later steps skip) is left out, and
+    the others must agree; they all do in training, each stepping its
+    piece.  Taking any rank's value would save a ``step`` that rank never
+    advanced (upstream's dummy step gives the empty ranks one)."""
+    tensor_names = {name for _, _, numels in per_rank for name in numels}
+    out: dict[str, Any] = {}
+    source: dict[str, int] = {}
+    for rank, values, numels in per_rank:
+        if any(numels.get(name, 0) == 0 for name in tensor_names):
+            continue
+        for name, value in values.items():
+            if name in out and not _same_wire(out[name], value):
+                raise errors.InconsistentOptimizerStateError(
+                    f"optimizer state {name!r} of {fqn!r}: rank {rank} has {_show_wire(value)}, rank "
+                    f"{source[name]} {_show_wire(out[name])}; the ranks holding pieces of a parameter step "
+                    "it together, so one of them was changed alone (FSDP's own gather refuses this too)",
+                    f"{fqn}.{name}", [source[name], rank],
+                )
+            out[name] = value
+            source.setdefault(name, rank)
+    return {name: _from_wire(value) for name, value in out.items()}
+
+
+def _same_wire(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, _WireScalar) or isinstance(b, _WireScalar):
+        return (isinstance(a, _WireScalar) and isinstance(b, _WireScalar) and a.dtype == b.dtype
+                and a.value == b.value)
+    return bool(a == b)
+
+
+def _show_wire(value: Any) -> str:
+    return f"{value.value!r} ({value.dtype})" if isinstance(value, _WireScalar) else repr(value)
 
 
 def _scalar(local, name, fallback):
