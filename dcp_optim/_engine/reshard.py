@@ -964,16 +964,22 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
 
     # this rank's boxes: locals, and per peer the ordered send / recv items
     locals_: list[tuple] = []
+    alone: list[tuple] = []  # the boxes of the shards nothing else writes
     sends: dict[int, list] = {}
     recvs: dict[int, list] = {}
     written: dict[int, torch.Tensor] = {}  # the template's tensors this rank writes
     dense: list[tuple] = []  # (kind, i, j, source local, template local, its block's bytes)
     order = _group_order(group)
+    for live, _plain in dst_plain.values():
+        # a stand-in is no live tensor: the undo log keeps the values of
+        # the wrapper it is copied into (its one inner tensor, ``_stand_ins``)
+        inner = values_tensor(live)
+        if inner is not None:
+            written[id(inner)] = inner
     for spec in specs:
         dtype = _torch_dtype(spec.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         kind = _dense_kind(spec, order, itemsize, limit)
-        # a stand-in is no live tensor: the undo log need not keep it
         undone = spec.path not in dst_plain
         if kind is not None:
             dst_t = dst_local(spec.path)
@@ -988,8 +994,12 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
                 written[id(dst_t)] = dst_t
         if local or send:
             src_t = src_local(spec.path)
+        # boxes into a shard that also receives (the undo log keeps it) or
+        # into a stand-in are copied before the last all_reduce; a shard
+        # this rank fills alone, after it (see below)
+        mine = locals_ if (recv or not undone) else alone
         for sstart, dstart, lens in local:
-            locals_.append((src_t, sstart, dst_t, dstart, lens))
+            mine.append((src_t, sstart, dst_t, dstart, lens))
         for peer, sstart, dstart, lens in recv:
             for _s, d, ln in _split(sstart, dstart, lens, itemsize, limit):
                 recvs.setdefault(peer, []).append((dst_t, d, ln, dtype, _nbytes(ln, itemsize)))
@@ -1002,7 +1012,14 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     # is overwritten (a host copy of each template tensor that receives
     # anything, as a load's in-place stream keeps it) until every rank has
     # received everything: the last all_reduce.  The boxes a rank holds
-    # itself are copied after it, so they need no copy kept.
+    # itself of those tensors, and the stand-ins written into torchao's
+    # wrappers (the log keeps their inner tensors; the subclass's copy_
+    # is its own code), are copied before it too, so that a copy that
+    # fails is agreed on and put back like the others.  A shard this rank
+    # fills alone, from its own source, is copied after it, needing no
+    # copy kept: a plain copy_ between tensors already allocated, whose
+    # cast (if any) was tried before the transfer (``_try_casts``), has
+    # nothing left to fail on but the device itself.
     #
     # What the transfer allocates -- the undo log's copy, the send and
     # receive buffers (each at most a bucket, the largest any step uses,
@@ -1039,6 +1056,7 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
     try:
         _collectives(steps, group, device, buffers, own)
         _transfer(batches, group, device, buffers, own)
+        own.attempt(_copy_own_boxes, locals_, dst_plain)
         _agree_done(own.error, rank, group)
     except BaseException as exc:
         if undo is not None:
@@ -1049,15 +1067,21 @@ def reshard(source: Any, template: Any, *, group: Any = None, bucket_bytes: int 
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (exc.args[0] + note, *exc.args[1:])
         raise
+    _copy_own_boxes(alone, {})
+    if template is None:
+        return None
+    return _rebuild(template, (), objects)
+
+
+def _copy_own_boxes(locals_: list[tuple], dst_plain: dict) -> None:
+    """The boxes this rank holds of its own template, then each stand-in
+    into the wrapper it stands for (the subclass's own ``copy_``, as a
+    load's): once everything is received, before the last all_reduce."""
     for src_t, sstart, dst_t, dstart, lens in locals_:
         dst_t[_box(dstart, lens)].copy_(src_t[_box(sstart, lens)])
     with torch.no_grad():
         for live, plain in dst_plain.values():
-            live.copy_(plain)  # the subclass's own copy_, as a load's
-
-    if template is None:
-        return None
-    return _rebuild(template, (), objects)
+            live.copy_(plain)
 
 
 def _buffer_needs(steps: list[tuple], batches: list[tuple]) -> dict[str, int]:

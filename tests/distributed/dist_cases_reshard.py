@@ -565,8 +565,9 @@ def fails_mid_transfer_case(rank: int, ws: int) -> list[dict[str, Any]]:
     """Reshards in which one rank's own code fails in the middle of the
     transfer, every time from then on (a bug, or a cast the caller's
     warning filters make an error): packing or unpacking a point-to-point
-    message (50 x 35: uneven, point to point, 256-byte buckets), or a
-    dense collective's blocks (48 x 36: even; alone, and packed).
+    message (50 x 35: uneven, point to point, 256-byte buckets), a dense
+    collective's blocks (48 x 36: even; alone, and packed), or copying
+    the boxes it holds itself once all is received.
     The failing rank keeps taking part in every remaining exchange, so
     every rank raises the same error naming it within seconds (the
     group's timeout is 10 s), its template put back; a cast that fails
@@ -594,6 +595,8 @@ def fails_mid_transfer_case(rank: int, ws: int) -> list[dict[str, Any]]:
         "_pack_columns": ((48, 36), True, 3, 1 << 20),
         "_unpack_columns": ((48, 36), False, 3, 1 << 20),
         "cast": ((48, 36), False, 3, 256),
+        # the boxes a rank holds itself: the first lands, then the failure
+        "_copy_own_boxes": ((50, 35), False, 3, 256),
     }
     for step, (shape, columns, count, bucket) in plans.items():
         src_pl, dst_pl = (Shard(1), Shard(0)) if columns else (Shard(0), Shard(1))
@@ -605,6 +608,9 @@ def fails_mid_transfer_case(rank: int, ws: int) -> list[dict[str, Any]]:
         before = _local_tree(tmpl)
 
         def failing(*args, step=step, original=original, **kwargs):
+            if step == "_copy_own_boxes":
+                boxes, _stand_ins = args
+                original(boxes[:1], {})
             raise RuntimeError(f"{step} failed on rank {rank} (injected)")
 
         if rank == bad and original is not None:

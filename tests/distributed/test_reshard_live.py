@@ -145,15 +145,16 @@ def test_a_rank_that_cannot_allocate_its_transfer():
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_a_rank_failing_on_its_own_mid_transfer(ws):
-    """One rank's own code failing in the transfer (point to point, and
-    dense collectives), or a cast it cannot make: every rank
+    """One rank's own code failing in the transfer (point to point, dense
+    collectives, the boxes it holds itself), or a cast it cannot make:
+    every rank
     raises the same error naming that rank within seconds, nothing
     changed, the group fit for the next reshard."""
     bad = ws - 1
     for rank, loads in enumerate(run_ranks(ws, cases.fails_mid_transfer_case, timeout=120)):
         *failed, then = loads
         assert then == {"then": True}, (rank, then)
-        assert len(failed) == 7, failed
+        assert len(failed) == 8, failed
         for load in failed:
             assert load["result"].startswith("StateDictRuntimeError"), (rank, load)
             if load["step"] == "cast":
