@@ -17,6 +17,12 @@ from . import errors, schema
 from .options import StateDictOptions
 from .schema import register_optimizer_schema
 from .state_dict import (  # the _patch_* helpers: importable as torch's are
+    FQNS_T,
+    DictValueType,
+    ListDictValueType,
+    OptimizerStateType,
+    PrimitiveType,
+    ValueType,
     _patch_model_state_dict,  # noqa: F401
     _patch_optimizer_state_dict,  # noqa: F401
     get_model_state_dict,
@@ -33,6 +39,14 @@ __version__ = "0.1.0"
 BACKEND = _C.BACKEND
 
 __all__ = [
+    # upstream's __all__, type aliases included: a one-line import switch
+    # of any of its names works
+    "FQNS_T",
+    "PrimitiveType",
+    "ValueType",
+    "DictValueType",
+    "ListDictValueType",
+    "OptimizerStateType",
     "StateDictOptions",
     "get_model_state_dict",
     "get_optimizer_state_dict",

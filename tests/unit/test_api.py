@@ -56,6 +56,10 @@ def test_options_fields_order_defaults():
 
 def test_module_all_matches_upstream():
     assert ours.__all__ == upstream.__all__
+    # the package itself: every name of upstream's, so that switching the
+    # module of any import (a type alias too) is the whole change
+    for name in upstream.__all__:
+        assert name in dcp_optim.__all__ and getattr(dcp_optim, name) is getattr(ours, name), name
     for name in ("_PG", "_STATE", "_PARAMS", "_FLAT_PARAM"):
         assert getattr(ours, name) == getattr(upstream, name)
     for name in ("_get_fqns", "_init_optim_state", "_StateDictInfo", "_verify_options",
