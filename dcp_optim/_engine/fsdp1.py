@@ -609,6 +609,7 @@ def _finish_values(h: _Handle, views: list[Any], info: Any) -> list[Any]:
         views,
         (state.rank, state.world_size, state._device_handle.device_count(), state.process_group, state._fsdp_extension),
     )
+    values = C.map_call(complete_chunks, values, ())
     if info.cpu_offload:
         values = C.map_call(_cpu, values, ())
     return values
@@ -616,6 +617,73 @@ def _finish_values(h: _Handle, views: list[Any], info: Any) -> list[Any]:
 
 def _cpu(value: Any) -> Any:
     return value.cpu()
+
+
+# --- chunks no rank is left without ------------------------------------------------
+#
+# FSDP1's sharded state dict chunks each original parameter (and its
+# optimizer state) along dim 0 with ``torch.chunk``, which makes fewer
+# chunks than ranks wherever ceil(n / W) * (W - 1) >= n (n = 1 row at any
+# world, 5 rows at 4 ranks, 100 at 64): the ShardedTensor lists no shard
+# for the last ranks and has none there.  DCP's load planner drops a
+# ShardedTensor without local shards from the template
+# (``_flatten_sharded_tensors``), takes the keys it then misses for a
+# pre-2.4 checkpoint and re-flattens the whole dict the old way, which
+# fails once an optimizer is loaded with it ("Missing key in checkpoint
+# state_dict: optim.param_groups.") -- on upstream's dicts as on ours
+# (pytorch/pytorch#163480, not merged).  So the getters list a zero-size
+# shard at offset n for every rank without one, and give such a rank an
+# empty local shard: DCP keeps the entry, writes and reads nothing for it,
+# and the global metadata is the same on every rank.
+
+
+def complete_chunks(value: Any) -> Any:
+    """``value`` itself, or, for an FSDP1 chunked ShardedTensor that
+    leaves ranks of its group without a shard, the same tensor with a
+    zero-size shard for each of them (see above)."""
+    from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+    from torch.distributed.fsdp._shard_utils import _get_remote_device_str
+
+    if not isinstance(value, ShardedTensor):
+        return value
+    md = value.metadata()
+    pg = value._process_group
+    world = dist.get_world_size(pg)
+    size = list(md.size)
+    if not size or not md.shards_metadata or len(md.shards_metadata) >= world:
+        return value
+    held = {m.placement.rank() for m in md.shards_metadata}
+    device_type = md.shards_metadata[0].placement.device().type
+    per_node = 1 if device_type == "cpu" else torch.get_device_module(device_type).device_count()
+    offsets = [size[0]] + [0] * (len(size) - 1)
+    sizes = [0] + size[1:]
+    shards = list(md.shards_metadata)
+    mine = None
+    me = dist.get_rank()
+    for r in range(world):
+        global_rank = dist.get_global_rank(pg, r)
+        if global_rank in held:
+            continue
+        shard = ShardMetadata(list(offsets), list(sizes), _get_remote_device_str(global_rank, device_type, per_node))
+        shards.append(shard)
+        if global_rank == me:
+            mine = shard
+    local = value.local_shards()
+    if mine is not None and not local:
+        props = md.tensor_properties
+        empty = torch.empty(sizes, dtype=props.dtype, layout=props.layout, device=mine.placement.device())
+        local = [LocalShard(empty, mine)]
+    metadata = ShardedTensorMetadata(shards, md.size, md.tensor_properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=pg)
+
+
+def complete_chunks_of(entries: dict[str, Any]) -> None:
+    """``complete_chunks`` on every value of ``entries`` (in place: a dict
+    the getter built)."""
+    for key, value in entries.items():
+        entries[key] = complete_chunks(value)
 
 
 def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
@@ -633,6 +701,10 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
                 osd["state"][key.replace("_orig_mod.", "")] = osd["state"].pop(key)
         for group in osd["param_groups"]:
             group["params"] = [k.replace("_orig_mod.", "") for k in group["params"]]
+        if not info.full_state_dict:
+            for entry in osd["state"].values():
+                if isinstance(entry, dict):
+                    complete_chunks_of(entry)
         state.update(osd["state"])
         groups.extend(osd["param_groups"])
     return {"state": state, "param_groups": groups}
@@ -655,7 +727,7 @@ def _to_dtensor(value: Any, h: _Handle) -> Any:
     chunk = -(-size[0] // h.ws)
     shards = value.local_shards()
     expected = [r * chunk for r in range(h.ws) if r * chunk < size[0]]
-    offsets = [m.shard_offsets[0] for m in value.metadata().shards_metadata]
+    offsets = [m.shard_offsets[0] for m in value.metadata().shards_metadata if m.shard_sizes[0]]
     if offsets != expected or any(o != 0 for m in value.metadata().shards_metadata for o in m.shard_offsets[1:]):
         return value
     if shards:

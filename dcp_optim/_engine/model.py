@@ -46,6 +46,10 @@ def get_model(model: nn.Module, info: Any) -> dict[str, Any]:
 
         with resharded_on_failure(info), info.fsdp_context():
             state_dict = state_dict_fn(model, "state_dict")()
+        if not info.full_state_dict:
+            from .fsdp1 import complete_chunks_of
+
+            complete_chunks_of(state_dict)
     else:
         # torch's model.state_dict() built in C where that call would run
         # none of the model's own code (no hooks, no overridden save

@@ -64,3 +64,16 @@ def test_gather_memory_is_result_plus_buckets():
         # its cut-out copies would need twice the result
         bound = r["result_bytes"] + 2 * r["bucket_bytes"] + 8 * 2**20
         assert r["peak_delta"] <= bound, r
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_chunks_torch_chunk_leaves_out(tmp_path, ws):
+    """D40: parameters with fewer chunks than ranks (one row; 5 rows at 4
+    ranks).  Upstream's sharded dicts cannot be loaded by DCP with their
+    nested optimizer dict; dcp_optim's list a zero-size shard for each rank without
+    one and resume exactly, from its own checkpoints and upstream's."""
+    results = run_ranks(ws, cases.narrow_chunks_case, str(tmp_path), timeout=300)
+    ours = ["ours, ours: resumed", "ours, theirs: resumed"]
+    nested = ["upstream's template, ours: missing key", "upstream's template, theirs: missing key"] + ours
+    flat = ["upstream's template, ours: loaded", "upstream's template, theirs: loaded"] + ours
+    assert all(r == (nested + flat) * 2 for r in results), results
