@@ -654,13 +654,16 @@ def complete_chunks(value: Any) -> Any:
     size = list(md.size)
     if not size or not md.shards_metadata or len(md.shards_metadata) >= world:
         return value
-    held = {m.placement.rank() for m in md.shards_metadata}
-    device_type = md.shards_metadata[0].placement.device().type
+    placements = [m.placement for m in md.shards_metadata]
+    if any(p is None for p in placements):  # not FSDP's chunks (each names its rank)
+        return value
+    held = {p.rank() for p in placements if p is not None}
+    device_type = cast(Any, placements[0]).device().type
     per_node = 1 if device_type == "cpu" else torch.get_device_module(device_type).device_count()
     offsets = [size[0]] + [0] * (len(size) - 1)
     sizes = [0] + size[1:]
     shards = list(md.shards_metadata)
-    mine = None
+    mine: Any = None
     me = dist.get_rank()
     for r in range(world):
         global_rank = dist.get_global_rank(pg, r)
