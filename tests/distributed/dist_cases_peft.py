@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 import dcp_optim
 
 from ..support.oracle import assert_same_tree
+from .dist_cases_fsdp1 import _real_shards
 
 TARGETS = ["q_proj", "v_proj"]
 
@@ -186,8 +187,9 @@ def _fsdp1_kind(rank: int, folder: str, kind: str) -> list[str]:
     stale = sorted({float(s["step"]) for s in optim.state.values()})
     train(model, optim, range(2, 4), rank)
     steps = sorted({float(s["step"]) for s in optim.state.values()})
-    # rank 0 stepped on; rank 1's empty pieces kept the state the initialising step gave them
-    assert (stale, steps) == (([2.0], [4.0]) if rank == 0 else ([1.0], [1.0])), (stale, steps)
+    if kind in ("lora", "dora"):  # IA3's (n, 1) vectors have elements on both ranks
+        # rank 0 stepped on; rank 1's empty pieces kept the state the initialising step gave them
+        assert (stale, steps) == (([2.0], [4.0]) if rank == 0 else ([1.0], [1.0])), (stale, steps)
 
     # full_state_dict with cpu_offload crashes upstream's FSDP1 on CPU (it
     # frees the storage its views point to): compared without it
@@ -195,7 +197,8 @@ def _fsdp1_kind(rank: int, folder: str, kind: str) -> list[str]:
                {"full_state_dict": True}):
         ours = dcp_optim.get_state_dict(model, optim, options=_options(dcp_optim, **kw))
         theirs = upstream.get_state_dict(model, optim, options=_options(upstream, **kw))
-        assert_same_tree(ours, theirs)
+        # IA3's (1, n) vectors have one chunk: D40's zero-size shards aside
+        assert_same_tree(_real_shards(ours), _real_shards(theirs))
         steps = {k: float(v) for k, v in ours[1].items() if k.endswith(".step")} if "state" not in ours[1] else {
             k: float(entry["step"]) for k, entry in ours[1]["state"].items()}
         assert steps and set(steps.values()) == {4.0}, (kw, steps)
@@ -220,7 +223,7 @@ def _fsdp1_kind(rank: int, folder: str, kind: str) -> list[str]:
         # what the resumed run saves next: the step it trained to
         ours = dcp_optim.get_optimizer_state_dict(resumed, ropt)
         assert {float(entry["step"]) for entry in ours["state"].values()} == {6.0}
-        assert_same_tree(ours, upstream.get_optimizer_state_dict(resumed, ropt))
+        assert_same_tree(_real_shards(ours), _real_shards(upstream.get_optimizer_state_dict(resumed, ropt)))
         done.append(f"resume {sorted(kw)}")
     return done
 

@@ -29,7 +29,7 @@ def test_fsdp1_adapters_after_an_initialising_step(tmp_path):
     elements: after upstream's initialising step gave rank 1's empty
     pieces ``step`` 1 and training went on, dcp_optim's gets used to
     save that 1 (the last rank's) instead of the trained step."""
-    kinds = ["lora", "dora"]
+    kinds = ["lora", "dora", "ia3"]  # IA3's (1, n) vectors: D40
     results = run_ranks(2, cases.peft_fsdp1_case, str(tmp_path), kinds, timeout=600)
     steps = ["gets", "resume []", "resume ['ignore_frozen_params', 'strict']"]
     assert all(r == [f"{k}: {s}" for k in kinds for s in steps] for r in results), results
