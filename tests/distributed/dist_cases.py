@@ -1023,3 +1023,46 @@ def gather_exactness_cases(rank: int, ws: int) -> list[str]:
                 assert torch.equal(mine, ref) and torch.equal(mine, expected), name
             checked.append(f"offload={offload} bucket={bucket}")
     return [f"{len(names)} layouts", *checked]
+
+
+class _AppState:
+    """torchtitan's checkpoint wrapper: a ``Stateful`` whose state_dict and
+    load_state_dict are dcp_optim's getters and setters."""
+
+    def __init__(self, model: Any, optim: Any) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        msd, osd = dcp_optim.get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        dcp_optim.set_state_dict(self.model, self.optim, model_state_dict=state["model"],
+                                 optim_state_dict=state["optim"])
+
+
+def async_save_case(rank: int, ws: int, path: str) -> str:
+    """``dcp.async_save`` of the wrapper over its own gloo group (as
+    torchtitan saves) while training goes on: the checkpoint holds the
+    state of the moment it was called, and a resume from it takes the
+    same next step as the run that never stopped."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert isinstance(_AppState(None, None), Stateful)  # a runtime-checked protocol
+    mesh = init_device_mesh("cpu", (ws,))
+    model = fsdp2_model(mesh, 0)
+    optim = make_optimizer(model, "adam", 2)
+    train(model, optim, steps=2, seed=1)
+    group = dist.new_group(backend="gloo")
+    future = dcp.async_save({"app": _AppState(model, optim)}, checkpoint_id=path, process_group=group)
+    train(model, optim, steps=1, seed=2)  # while the checkpoint is written
+    future.result()
+    resumed = fsdp2_model(mesh, 5)
+    ropt = make_optimizer(resumed, "adam", 2)
+    dcp.load({"app": _AppState(resumed, ropt)}, checkpoint_id=path)
+    train(resumed, ropt, steps=1, seed=2)
+    full = Opts(full_state_dict=True)
+    assert_same_tree(dcp_optim.get_state_dict(model, optim, options=full),
+                     dcp_optim.get_state_dict(resumed, ropt, options=full))
+    dist.destroy_process_group(group)
+    return "resumed"
