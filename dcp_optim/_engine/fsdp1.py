@@ -298,12 +298,19 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
             continue
         out_state: dict[str, Any] = {}
         if any(h.orig for h in handles):
-            # use_orig_params: FSDP merges the keys of all ranks, sorted
-            for fqn, st in sorted(entries.items()):
-                out_state[fqn] = st
-            for fqn, entry in plain:
+            # use_orig_params: FSDP's order.  It merges the state keys of
+            # every rank, sorted, and walks them: a parameter it does not
+            # manage (an ignored module's) is copied as it comes, the others
+            # wait for their flat parameter's gather, whose originals then
+            # come together, in that order -- so the unmanaged first, then
+            # each flat parameter's, flat parameters in the order of their
+            # first key
+            for fqn, entry in sorted(plain, key=lambda item: item[0]):
                 out_state[fqn] = _copy_plain(entry, info)
-            out_state = dict(sorted(out_state.items()))
+            units = [sorted(fqn for fqn in h.fqns if fqn in entries) for h in handles]
+            for keys in sorted((keys for keys in units if keys), key=lambda keys: keys[0]):
+                for fqn in keys:
+                    out_state[fqn] = entries[fqn]
         else:
             for kind, item in order:
                 if kind == "handle":

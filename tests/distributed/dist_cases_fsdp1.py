@@ -480,3 +480,45 @@ def narrow_chunks_case(rank: int, ws: int, path: str) -> list[str]:
                     assert _narrow_train(resumed, ropt, range(2, 4)) == expected, (orig, flat, saved)
                     out.append(f"ours, {saved}: resumed")
     return out
+
+
+class _Interleaved(nn.Module):
+    """Root parameters whose names sort around a wrapped block's ("a" <
+    "blocks" < "z"), and a module FSDP ignores ("skip")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.blocks = nn.Sequential(Block(6, 7), Block(6, 7))
+        self.skip = nn.Linear(6, 6)
+        self.z = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.a(x))
+        return self.z(x + self.skip(x))
+
+
+def key_order_case(rank: int, ws: int) -> list[str]:
+    """use_orig_params: the optimizer state's keys in FSDP's order (its
+    merged keys sorted, the parameters it does not manage first, then each
+    flat parameter's originals together, flat parameters in the order of
+    their first key), which is not one sorted list when a flat parameter's
+    names sort around another's: every getter format equals upstream's."""
+    out = []
+    for ignored in (False, True):
+        torch.manual_seed(0)
+        net = _Interleaved()
+        model = FSDP(net, device_id=CPU, use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     ignored_modules=[net.skip] if ignored else None)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+        model(x).pow(2).mean().backward()
+        optim.step()
+        for kw in ({}, {"flatten_optimizer_state_dict": True}, {"full_state_dict": True}):
+            ours = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(**kw))
+            theirs = upstream.get_optimizer_state_dict(model, optim, options=upstream.StateDictOptions(**kw))
+            assert_same_tree(_real_shards(ours), _real_shards(theirs))
+        keys = list(dcp_optim.get_optimizer_state_dict(model, optim)["state"])
+        assert keys != sorted(keys), keys  # the case this covers
+        out.append(f"ignored={ignored}: {keys[0]} ... {keys[-1]}")
+    return out

@@ -77,3 +77,9 @@ def test_chunks_torch_chunk_leaves_out(tmp_path, ws):
     nested = ["upstream's template, ours: missing key", "upstream's template, theirs: missing key"] + ours
     flat = ["upstream's template, ours: loaded", "upstream's template, theirs: loaded"] + ours
     assert all(r == (nested + flat) * 2 for r in results), results
+
+
+def test_use_orig_params_key_order():
+    results = run_ranks(2, cases.key_order_case, timeout=300)
+    assert all(r == ["ignored=False: a.bias ... blocks.1.up.weight", "ignored=True: skip.bias ... blocks.1.up.weight"]
+               for r in results), results
