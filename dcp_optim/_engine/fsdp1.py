@@ -243,29 +243,7 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     for optim in optimizers:
         osd = state_dict_fn(optim, "state_dict")()
         params = [p for g in optim.param_groups for p in g["params"]]
-        pristine = pristine_states(info.index, optim)
-        if pristine:
-            # D2 in docs/differences.md for flat parameters too: never-stepped state from the
-            # schema, shaped like what the optimizer holds (the flat shard
-            # or the original parameter's piece)
-            pids = {id(p): i for i, p in enumerate(params)}
-            by_fqn = {}
-            for p in params:
-                slot = info.index.slot_of(p)
-                if slot is not None:
-                    by_fqn[info.index.tensor_fqns[slot][0]] = p
-            # an original parameter with no piece on this rank is empty
-            # here and never has state (FSDP does not step it)
-            empty = {id(p) for h in handles if h.orig for p in h.params if p.numel() == 0}
-            for h in handles:
-                if h.orig:
-                    by_fqn.update(zip(h.fqns, h.params))
-                else:
-                    by_fqn[h.fqns[0]] = h.flat
-            for fqn, entry in pristine.items():
-                p = by_fqn.get(fqn)
-                if p is not None and id(p) in pids and id(p) not in empty:
-                    osd["state"][pids[id(p)]] = entry
+        _add_pristine(osd, params, optim, info, handles)
         # local state per handle, keyed by original-parameter index (orig)
         # or the flat parameter itself
         per_handle: dict[int, dict[str, Any]] = {}
@@ -324,6 +302,35 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     if not to_save:
         return {}
     return {"state": state, "param_groups": groups}
+
+
+def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any, handles: list[_Handle]) -> None:
+    """D2 for flat parameters too: the never-stepped state of each
+    trainable parameter the optimizer holds none for, from the schema (or
+    a shadow step), shaped like what the optimizer holds (the flat shard
+    or the original parameter's piece), into ``osd["state"]`` (the
+    optimizer's ``state_dict()``, a dict of its own) by position."""
+    pristine = pristine_states(info.index, optim)
+    if not pristine:
+        return
+    pids = {id(p): i for i, p in enumerate(params)}
+    by_fqn = {}
+    for p in params:
+        slot = info.index.slot_of(p)
+        if slot is not None:
+            by_fqn[info.index.tensor_fqns[slot][0]] = p
+    # an original parameter with no piece on this rank is empty
+    # here and never has state (FSDP does not step it)
+    empty = {id(p) for h in handles if h.orig for p in h.params if p.numel() == 0}
+    for h in handles:
+        if h.orig:
+            by_fqn.update(zip(h.fqns, h.params))
+        else:
+            by_fqn[h.fqns[0]] = h.flat
+    for fqn, entry in pristine.items():
+        p = by_fqn.get(fqn)
+        if p is not None and id(p) in pids and id(p) not in empty:
+            osd["state"][pids[id(p)]] = entry
 
 
 def _copy_plain(entry: dict[str, Any], info: Any) -> dict[str, Any]:
@@ -700,8 +707,13 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     """FSDP's own APIs (HSDP, non-contiguous originals)."""
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
+    handles = _handles(info)
     for optim in optimizers:
         osd = state_dict_fn(optim, "state_dict")()
+        # a never-stepped optimizer's template holds the state a first step
+        # makes here too (D2): without it, dcp.load would fill nothing and
+        # the resume would start from fresh moments
+        _add_pristine(osd, [p for g in optim.param_groups for p in g["params"]], optim, info, handles)
         with info.fsdp_context():
             osd = FSDP.optim_state_dict(model, optim, osd, group=fsdp_process_group(model, info))
         if not osd:

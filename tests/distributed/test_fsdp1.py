@@ -83,3 +83,11 @@ def test_use_orig_params_key_order():
     results = run_ranks(2, cases.key_order_case, timeout=300)
     assert all(r == ["ignored=False: a.bias ... blocks.1.up.weight", "ignored=True: skip.bias ... blocks.1.up.weight"]
                for r in results), results
+
+
+def test_hybrid_shard_resumes(tmp_path):
+    results = run_ranks(4, cases.hsdp_case, str(tmp_path), timeout=300)
+    wide = [f"_Wide, orig={o}: {who} resumed" for o in (False, True) for who in ("upstream", "ours")]
+    narrow = [x for o in (False, True)
+              for x in (f"_Narrow, orig={o}: upstream's template fails", f"_Narrow, orig={o}: ours resumed")]
+    assert all(r == wide + narrow for r in results), results
