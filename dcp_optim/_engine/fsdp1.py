@@ -968,14 +968,16 @@ def native_supported(info: Any) -> bool:
     return _native_supported(info)
 
 
-def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) -> Callable[[], None]:
+def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
+                  states: dict[str, Any] | None = None) -> Callable[[], None]:
     """FSDP's own optimizer load (hybrid sharding, non-contiguous flat
     parameters): the conversion (``FSDP.optim_state_dict_to_load``, which
     makes collectives across the FSDP group) runs here, in the load's move,
     before the ranks' last agreement; returns the install, which only runs
     each optimizer's ``load_state_dict`` on the converted dicts (no
-    collectives at commit)."""
-    converted = _convert_via_fsdp(model, optimizers, osd, info)
+    collectives at commit).  ``states``: a flattened ``osd``'s states by
+    FQN, as the native load parses them."""
+    converted = _convert_via_fsdp(model, optimizers, osd, info, states)
 
     def install() -> None:
         for optim, split in zip(optimizers, converted):
@@ -984,7 +986,8 @@ def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) 
     return install
 
 
-def _convert_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any) -> list[dict[str, Any]]:
+def _convert_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
+                      states: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint import state_dict as upstream
 
     ctx = context()
@@ -999,6 +1002,13 @@ def _convert_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: A
             else:
                 split = cast(dict[str, Any], upstream._unflatten_optim_state_dict(
                     optim, osd, _compat_info(model, info)))
+                # upstream's unflattening takes the state names the live
+                # optimizer holds: a never-stepped one (upstream's load
+                # steps it first, dcp_optim never does: D1) holds none, and
+                # FSDP's conversion then finds every state empty and raises
+                for fqn, entry in split["state"].items():
+                    if not entry and states and states.get(fqn):
+                        split["state"][fqn] = states[fqn]
         for original_fqn, _ in model.named_parameters():
             fqns = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, True)
             with_compiler = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, False)

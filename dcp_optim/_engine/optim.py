@@ -1609,7 +1609,11 @@ class OptimLoad:
                 # FSDP's own load: its conversion makes collectives, so it
                 # runs at move (before the last agreement), not at commit
                 self.direct = Prepared(_nothing)
-                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, osd, info)
+                # a flattened dict's states as the native path parses them:
+                # upstream's unflattening, which FSDP's load takes, looks up
+                # the names the live optimizer holds -- none, never stepped
+                states = _view(info.index, osd, tuple(optimizers))[0] if osd and "state" not in osd else None
+                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, osd, info, states)
                 return None
         if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
             self.direct = Prepared(

@@ -90,4 +90,5 @@ def test_hybrid_shard_resumes(tmp_path):
     wide = [f"_Wide, orig={o}: {who} resumed" for o in (False, True) for who in ("upstream", "ours")]
     narrow = [x for o in (False, True)
               for x in (f"_Narrow, orig={o}: upstream's template fails", f"_Narrow, orig={o}: ours resumed")]
-    assert all(r == wide + narrow for r in results), results
+    mesh = [f"mesh, flat={f}: ours resumed" for f in (False, True)]
+    assert all(r == mesh + wide + narrow for r in results), results
