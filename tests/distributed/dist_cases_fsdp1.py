@@ -414,16 +414,16 @@ def _narrow_train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) 
     return losses
 
 
-def _real_shards(tree: Any) -> Any:
+def real_shards(tree: Any) -> Any:
     """``tree`` with each ShardedTensor as (size, its non-empty shards'
     metadata, its non-empty local shards): what two dicts that differ
     only in zero-size shards share."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     if isinstance(tree, dict):
-        return {k: _real_shards(v) for k, v in tree.items()}
+        return {k: real_shards(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_real_shards(v) for v in tree)
+        return type(tree)(real_shards(v) for v in tree)
     if isinstance(tree, ShardedTensor):
         md = tree.metadata()
         return (tuple(md.size), [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in md.shards_metadata
@@ -453,7 +453,7 @@ def narrow_chunks_case(rank: int, ws: int, path: str) -> list[str]:
             kw = {"flatten_optimizer_state_dict": flat}
             ours = dcp_optim.get_state_dict(model, optim, options=Opts(**kw))
             theirs = upstream.get_state_dict(model, optim, options=upstream.StateDictOptions(**kw))
-            assert_same_tree(_real_shards(ours), _real_shards(theirs))
+            assert_same_tree(real_shards(ours), real_shards(theirs))
             sharded = [v for v in ours[0].values() if isinstance(v, ShardedTensor)]
             assert sharded and all(len(v.metadata().shards_metadata) == ws and len(v.local_shards()) == 1
                                    for v in sharded)
@@ -517,7 +517,7 @@ def key_order_case(rank: int, ws: int) -> list[str]:
         for kw in ({}, {"flatten_optimizer_state_dict": True}, {"full_state_dict": True}):
             ours = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(**kw))
             theirs = upstream.get_optimizer_state_dict(model, optim, options=upstream.StateDictOptions(**kw))
-            assert_same_tree(_real_shards(ours), _real_shards(theirs))
+            assert_same_tree(real_shards(ours), real_shards(theirs))
         keys = list(dcp_optim.get_optimizer_state_dict(model, optim)["state"])
         assert keys != sorted(keys), keys  # the case this covers
         out.append(f"ignored={ignored}: {keys[0]} ... {keys[-1]}")
@@ -591,7 +591,7 @@ def hsdp_case(rank: int, ws: int, path: str) -> list[str]:
             for kw in ({}, {"flatten_optimizer_state_dict": True}, {"full_state_dict": True}):
                 ours = dcp_optim.get_state_dict(model, optim, options=Opts(**kw))
                 theirs = upstream.get_state_dict(model, optim, options=upstream.StateDictOptions(**kw))
-                assert_same_tree(_real_shards(ours), _real_shards(theirs))
+                assert_same_tree(real_shards(ours), real_shards(theirs))
             msd, osd = dcp_optim.get_state_dict(model, optim)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
             expected = _narrow_train(model, optim, range(2, 4))

@@ -25,48 +25,8 @@ from torch.distributed.fsdp import fully_shard
 import dcp_optim
 
 from ..support.oracle import assert_same_tree
-from .dist_cases_fsdp1 import _real_shards
-
-TARGETS = ["q_proj", "v_proj"]
-
-
-def _config(kind: str) -> Any:
-    import peft
-
-    if kind == "lora":
-        return peft.LoraConfig(r=4, target_modules=TARGETS, task_type="CAUSAL_LM")
-    if kind == "dora":
-        return peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True, task_type="CAUSAL_LM")
-    if kind == "lora+save":
-        return peft.LoraConfig(r=4, target_modules=TARGETS, modules_to_save=["lm_head"], task_type="CAUSAL_LM")
-    if kind == "ia3":
-        return peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
-                              task_type="CAUSAL_LM")
-    raise ValueError(kind)
-
-
-def build(kind: str, adapter_seed: int, base_seed: int = 0) -> Any:
-    """A PEFT model over a tiny Llama: the base weights from
-    ``base_seed`` (the "pretrained" ones every run shares), the adapters
-    from ``adapter_seed``, not yet sharded."""
-    import peft
-    import transformers
-
-    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                   max_position_embeddings=32, tie_word_embeddings=False)
-    torch.manual_seed(base_seed)
-    base = transformers.LlamaForCausalLM(cfg)
-    torch.manual_seed(adapter_seed)
-    model = peft.get_peft_model(base, _config(kind))
-    if kind == "lora":
-        # LoRA's B starts at zero: the gradient of A would be too, and a
-        # resume that lost A's state would not show
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.1)
-    return model
+from ..support.peft_models import build, optimizer, train
+from .dist_cases_fsdp1 import real_shards
 
 
 def shard(model: Any) -> Any:
@@ -76,25 +36,18 @@ def shard(model: Any) -> Any:
     return model
 
 
-def optimizer(model: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-
-
-def train(model: Any, optim: torch.optim.Optimizer, steps: range, rank: int) -> list[float]:
-    losses = []
-    for i in steps:
-        g = torch.Generator().manual_seed(1000 * i + rank)
-        ids = torch.randint(0, 64, (2, 8), generator=g)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _options(impl: Any, **kw: Any) -> Any:
     return impl.StateDictOptions(**kw)
+
+
+def _resume(model: Any, optim: torch.optim.Optimizer, path: str, options: Any) -> None:
+    """The DCP resume: dcp_optim's template of ``model`` and ``optim``,
+    ``dcp.load`` from ``path``, dcp_optim's set."""
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=options)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    dcp_optim.set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                             options=options)
 
 
 def peft_case(rank: int, ws: int, path: str, kinds: list[str]) -> list[str]:
@@ -129,12 +82,7 @@ def _fsdp2_kind(rank: int, path: str, kind: str) -> list[str]:
     for path, kw in ((whole, {}), (adapters, {"ignore_frozen_params": True, "strict": False})):
         resumed = shard(build(kind, 7))  # other adapters, the same base
         ropt = optimizer(resumed)
-        options = _options(dcp_optim, **kw)
-        msd, osd = dcp_optim.get_state_dict(resumed, ropt, options=options)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
-        dcp_optim.set_state_dict(resumed, ropt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                                 options=options)
+        _resume(resumed, ropt, path, _options(dcp_optim, **kw))
         got = train(resumed, ropt, range(2, 5), rank)
         assert got == expected, (path, got, expected)
         done.append(f"resume {path.rsplit('/', 1)[1]}")
@@ -198,7 +146,7 @@ def _fsdp1_kind(rank: int, folder: str, kind: str) -> list[str]:
         ours = dcp_optim.get_state_dict(model, optim, options=_options(dcp_optim, **kw))
         theirs = upstream.get_state_dict(model, optim, options=_options(upstream, **kw))
         # IA3's (1, n) vectors have one chunk: D40's zero-size shards aside
-        assert_same_tree(_real_shards(ours), _real_shards(theirs))
+        assert_same_tree(real_shards(ours), real_shards(theirs))
         steps = {k: float(v) for k, v in ours[1].items() if k.endswith(".step")} if "state" not in ours[1] else {
             k: float(entry["step"]) for k, entry in ours[1]["state"].items()}
         assert steps and set(steps.values()) == {4.0}, (kw, steps)
@@ -213,17 +161,13 @@ def _fsdp1_kind(rank: int, folder: str, kind: str) -> list[str]:
         upstream.set_state_dict(model, optim, model_state_dict=snapshot[0], optim_state_dict=snapshot[1])
         resumed = wrap(build(kind, 7))
         ropt = optimizer(resumed)
-        msd, osd = dcp_optim.get_state_dict(resumed, ropt, options=options)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
-        dcp_optim.set_state_dict(resumed, ropt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                                 options=options)
+        _resume(resumed, ropt, path, options)
         got = train(resumed, ropt, range(4, 6), rank)
         assert got == expected, (kw, got, expected)
         # what the resumed run saves next: the step it trained to
         ours = dcp_optim.get_optimizer_state_dict(resumed, ropt)
         assert {float(entry["step"]) for entry in ours["state"].values()} == {6.0}
-        assert_same_tree(_real_shards(ours), _real_shards(upstream.get_optimizer_state_dict(resumed, ropt)))
+        assert_same_tree(real_shards(ours), real_shards(upstream.get_optimizer_state_dict(resumed, ropt)))
         done.append(f"resume {sorted(kw)}")
     return done
 

@@ -18,7 +18,7 @@ pytest.importorskip("peft", reason="peft is a test dependency (Makefile)")
 
 
 def test_fsdp2_adapters(tmp_path):
-    kinds = ["lora", "dora", "lora+save", "ia3"]
+    kinds = ["lora", "dora", "lora+modules_to_save", "ia3"]
     results = run_ranks(2, cases.peft_case, str(tmp_path), kinds, timeout=600)
     steps = ["gets", "resume whole", "resume adapters", "broadcast"]
     assert all(r == [f"{k}: {s}" for k in kinds for s in steps] for r in results), results
