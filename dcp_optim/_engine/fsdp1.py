@@ -40,7 +40,9 @@ from .collectives import gather_full_tensors
 from .consistency import mesh_for_group
 from .core import C, context
 from .own_calls import state_dict_fn
-from .pristine import pristine_states
+from .pristine import pristine as pristine_template
+from .ranklocal import CHECK_ENV, check_enabled
+from .wide import add_wide, copy_containers, pop_wide, split_own_wide
 
 __all__ = [
     "Fsdp1Localize",
@@ -240,10 +242,10 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for optim in optimizers:
-        osd = state_dict_fn(optim, "state_dict")()
+    for o, optim in enumerate(optimizers):
+        osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
         params = [p for g in optim.param_groups for p in g["params"]]
-        _add_pristine(osd, params, optim, info, handles)
+        wide = {**_add_pristine(osd, params, optim, info, handles), **wide}
         # local state per handle, keyed by original-parameter index (orig)
         # or the flat parameter itself
         per_handle: dict[int, dict[str, Any]] = {}
@@ -298,21 +300,24 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
                 else:
                     out_state[item] = _copy_plain(dict(plain)[item], info)
         state.update(out_state)
+        add_wide(state, o, wide)  # D29: the optimizer's own entries, as every rank holds them
         groups.extend(_groups_by_fqn(osd, params, handles, info))
     if not to_save:
         return {}
     return {"state": state, "param_groups": groups}
 
 
-def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any, handles: list[_Handle]) -> None:
+def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any,
+                  handles: list[_Handle]) -> dict[str, Any]:
     """D2 for flat parameters too: the never-stepped state of each
     trainable parameter the optimizer holds none for, from the schema (or
     a shadow step), shaped like what the optimizer holds (the flat shard
     or the original parameter's piece), into ``osd["state"]`` (the
-    optimizer's ``state_dict()``, a dict of its own) by position."""
-    pristine = pristine_states(info.index, optim)
+    optimizer's ``state_dict()``, a dict of its own) by position.  Returns
+    the optimizer-wide entries a first step would create (D29)."""
+    pristine, wide = pop_wide(pristine_template(info.index, optim)[0])
     if not pristine:
-        return
+        return wide
     pids = {id(p): i for i, p in enumerate(params)}
     by_fqn = {}
     for p in params:
@@ -331,6 +336,7 @@ def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any,
         p = by_fqn.get(fqn)
         if p is not None and id(p) in pids and id(p) not in empty:
             osd["state"][pids[id(p)]] = entry
+    return wide
 
 
 def _copy_plain(entry: dict[str, Any], info: Any) -> dict[str, Any]:
@@ -538,15 +544,20 @@ def _merge_scalars(fqn: str, per_rank: list[tuple[int, dict[str, Any], dict[str,
     tensor_names = {name for _, _, numels in per_rank for name in numels}
     out: dict[str, Any] = {}
     source: dict[str, int] = {}
+    check = check_enabled()
     for rank, values, numels in per_rank:
         if any(numels.get(name, 0) == 0 for name in tensor_names):
             continue
         for name, value in values.items():
-            if name in out and not _same_wire(out[name], value):
+            if check and name in out and not _same_wire(out[name], value):
                 raise errors.InconsistentOptimizerStateError(
                     f"optimizer state {name!r} of {fqn!r}: rank {rank} has {_show_wire(value)}, rank "
-                    f"{source[name]} {_show_wire(out[name])}; the ranks holding pieces of a parameter step "
-                    "it together, so one of them was changed alone (FSDP's own gather refuses this too)",
+                    f"{source[name]} {_show_wire(out[name])}.  A value the optimizer computes from each "
+                    "rank's piece of the parameter (transformers' Adafactor keeps the piece's RMS) or one "
+                    "changed on one rank alone: a checkpoint holds one value for all ranks (FSDP's own "
+                    "gather refuses this too).  Where the optimizer recomputes it at every step "
+                    f"(Adafactor's RMS), {CHECK_ENV}=0 saves the last rank's; use_orig_params=False keeps "
+                    "the optimizer's state per flat shard",
                     f"{fqn}.{name}", [source[name], rank],
                 )
             out[name] = value
@@ -708,12 +719,15 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     handles = _handles(info)
-    for optim in optimizers:
-        osd = state_dict_fn(optim, "state_dict")()
+    for o, optim in enumerate(optimizers):
+        # FSDP's function takes every key of "state" for a parameter's:
+        # the optimizer-wide entries (D29) go round it
+        osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
         # a never-stepped optimizer's template holds the state a first step
         # makes here too (D2): without it, dcp.load would fill nothing and
         # the resume would start from fresh moments
-        _add_pristine(osd, [p for g in optim.param_groups for p in g["params"]], optim, info, handles)
+        params = [p for g in optim.param_groups for p in g["params"]]
+        wide = {**_add_pristine(osd, params, optim, info, handles), **wide}
         with info.fsdp_context():
             osd = FSDP.optim_state_dict(model, optim, osd, group=fsdp_process_group(model, info))
         if not osd:
@@ -728,6 +742,7 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
                 if isinstance(entry, dict):
                     complete_chunks_of(entry)
         state.update(osd["state"])
+        add_wide(state, o, wide)
         groups.extend(osd["param_groups"])
     return {"state": state, "param_groups": groups}
 
@@ -969,15 +984,20 @@ def native_supported(info: Any) -> bool:
 
 
 def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
-                  states: dict[str, Any] | None = None) -> Callable[[], None]:
+                  states: dict[str, Any] | None = None,
+                  wide: dict[int, dict[str, Any]] | None = None) -> Callable[[], None]:
     """FSDP's own optimizer load (hybrid sharding, non-contiguous flat
     parameters): the conversion (``FSDP.optim_state_dict_to_load``, which
     makes collectives across the FSDP group) runs here, in the load's move,
     before the ranks' last agreement; returns the install, which only runs
     each optimizer's ``load_state_dict`` on the converted dicts (no
     collectives at commit).  ``states``: a flattened ``osd``'s states by
-    FQN, as the native load parses them."""
+    FQN, as the native load parses them; ``wide``: the optimizer-wide
+    entries (D29) per optimizer position, taken out of ``osd``."""
     converted = _convert_via_fsdp(model, optimizers, osd, info, states)
+    for o, split in enumerate(converted):
+        if wide and o in wide:  # torch's load_state_dict keeps the keys that are no parameter's
+            split["state"] = {**split["state"], **copy_containers(wide[o])}
 
     def install() -> None:
         for optim, split in zip(optimizers, converted):

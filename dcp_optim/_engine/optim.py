@@ -38,12 +38,12 @@ from .pipeline import Prepared, Report
 from .pristine import pristine, pristine_states, template_error
 from .ranklocal import check_rank_local
 from .shadow import (
-    OPTIMIZER_WIDE,
     fallback_pristine,
     fallback_wrapper_entries,
     upstream_wrapper_entries,
 )
 from .tree import insert_path, maybe_full_or_cpu_state_dict
+from .wide import add_wide, copy_containers, pop_wide, split_own_wide, wide_index, wide_key
 
 __all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]
 
@@ -307,13 +307,13 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     for o, optim in enumerate(optimizers):
         if _native_get(optim):
             extra, group_keys = pristine(index, optim)
-            extra, first_wide = _pop_wide(extra)
+            extra, first_wide = pop_wide(extra)
             if extra and schema_for(optim) is None:
                 _remember_template(optim, extra)
             first = len(groups)
             wide: list[dict[str, Any]] = []
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
-            _add_wide(state, o, {**first_wide, **wide[0]})
+            add_wide(state, o, {**first_wide, **wide[0]})
             _add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
@@ -327,7 +327,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             osd = state_dict_fn(optim, "state_dict")()
         if not osd:
             continue
-        osd, own_wide = _split_own_wide(osd)
+        osd, own_wide = split_own_wide(osd)
         target, wrapper_keys = optim, None
         wrapped = _wrapper_layout(optim, osd)
         if wrapped is not None:
@@ -338,7 +338,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         extra, group_keys = pristine(index, target)
         if extra and partition is not None:
             extra = zero.in_partition(index, extra, partition)
-        extra, first_wide = _pop_wide(extra)
+        extra, first_wide = pop_wide(extra)
         if extra and schema_for(target) is None:
             _remember_template(optim if zero_owner else target, extra)
         if (extra or group_keys) and wrapped is None and not zero_owner:
@@ -346,13 +346,13 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         if wrapper_keys:
             group_keys = [{**w, **(g or {})} for w, g in zip(wrapper_keys, group_keys or [{}] * len(wrapper_keys))]
         _check_own_state_dict(optim, osd)
-        osd, inner_wide = _split_own_wide(osd)
+        osd, inner_wide = split_own_wide(osd)
         C.optim_remap(index, target, osd)
         _collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
             state.update(extra)
-        _add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
+        add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
         _add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
@@ -401,7 +401,7 @@ def _in_own_layout(
             except Exception:  # noqa: BLE001 - a read-only property: the keys stand
                 lay_groups = False
         osd = state_dict_fn(proxy, "state_dict")()
-        osd, _ = _split_own_wide(osd)
+        osd, _ = split_own_wide(osd)
         own_groups = osd["param_groups"]
         C.optim_remap(index, proxy, osd)
         state = osd["state"]
@@ -421,91 +421,6 @@ def _in_own_layout(
 
 
 _LAYOUT = ("state", "param_groups")
-
-# --- optimizer-wide state (D29 in docs/differences.md) ------------------------
-#
-# Entries of ``optimizer.state`` keyed by a str, not by a parameter
-# (MADGRAD's "k", SPAM's counters, EmoNavi's "ema"): torch's own
-# ``Optimizer.state_dict()`` keeps them under their key; upstream's getter
-# raises KeyError.  Here they sit in "state" under the key
-# ".optimizer_<o>" (o: the optimizer's position in the call), a dict of
-# the optimizer's entries; flattened, "state..optimizer_<o>.<name>".  An
-# FQN never starts with "." (module, parameter and buffer names are
-# non-empty), so the key cannot name a parameter.
-
-_WIDE_PREFIX = ".optimizer_"
-
-
-def _wide_key(o: int) -> str:
-    return f"{_WIDE_PREFIX}{o}"
-
-
-def _wide_index(key: Any) -> int | None:
-    """o for a key ".optimizer_<o>", else None."""
-    if not isinstance(key, str) or not key.startswith(_WIDE_PREFIX):
-        return None
-    digits = key[len(_WIDE_PREFIX):]
-    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
-
-
-def _copy_containers(value: Any) -> Any:
-    """``value`` with its dicts, lists and tuples copied (tensors and
-    other leaves kept): the returned or installed optimizer-wide entries
-    never share a container with the live ones or the caller's."""
-    if isinstance(value, dict):
-        return {k: _copy_containers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy_containers(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_copy_containers(v) for v in value)
-    return value
-
-
-def _pop_wide(extra: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(pristine state without the optimizer-wide entries a first step
-    creates, those entries): pristine() hands them over under
-    schema.OPTIMIZER_WIDE (the template of a never-stepped MADGRAD holds
-    its "k")."""
-    if not extra or OPTIMIZER_WIDE not in extra:
-        return extra, {}
-    rest = {k: v for k, v in extra.items() if k != OPTIMIZER_WIDE}
-    return rest or None, dict(extra[OPTIMIZER_WIDE])
-
-
-def _add_wide(state: dict[str, Any], o: int, wide: dict[str, Any]) -> None:
-    if not wide:
-        return
-    for name, value in wide.items():
-        if _holds_non_str_keys(value):
-            raise errors.StateDictKeyError(
-                f"optimizer {o}'s optimizer-wide state {name!r} holds entries keyed by "
-                "parameters or their positions (pytorch-optimizer's TRAC), which cannot be "
-                "keyed by FQN (nor spelled in the flattened format); nothing is returned. "
-                "Save this optimizer with its own state_dict()"
-            )
-    state[_wide_key(o)] = _copy_containers(wide)
-
-
-def _holds_non_str_keys(value: Any) -> bool:
-    if isinstance(value, dict):
-        return any(not isinstance(k, str) or _holds_non_str_keys(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_non_str_keys(v) for v in value)
-    return False
-
-
-def _split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
-    """(osd without the str-keyed entries of its "state", those entries):
-    an optimizer's own ``state_dict()`` keyed by parameter IDs keeps its
-    optimizer-wide entries beside them."""
-    if not _has_layout(osd) or not isinstance(osd["state"], dict):
-        return osd, {}
-    wide = {k: v for k, v in osd["state"].items() if isinstance(k, str)}
-    if not wide:
-        return osd, {}
-    rest = {k: v for k, v in osd["state"].items() if not isinstance(k, str)}
-    return {**osd, "state": rest}, wide
-
 
 def _has_layout(osd: Any) -> bool:
     return isinstance(osd, dict) and all(k in osd for k in _LAYOUT)
@@ -643,8 +558,8 @@ def _without_extras(osd: dict[str, Any], extras: dict[str, Any]) -> dict[str, An
     caller's is never changed)."""
     out = {k: v for k, v in osd.items() if k not in extras}
     state = out.get("state")
-    if isinstance(state, dict) and any(_wide_index(k) is not None for k in extras):
-        out["state"] = {k: v for k, v in state.items() if not (k in extras and _wide_index(k) is not None)}
+    if isinstance(state, dict) and any(wide_index(k) is not None for k in extras):
+        out["state"] = {k: v for k, v in state.items() if not (k in extras and wide_index(k) is not None)}
     return out
 
 
@@ -660,7 +575,7 @@ def _take_wide(
     rest: dict[str, Any] = {}
     unexpected: list[str] = []
     for key, value in extras.items():
-        o = _wide_index(key)
+        o = wide_index(key)
         if o is not None:  # nested: the optimizer's whole dict
             if o >= len(optimizers) or not isinstance(value, dict):
                 unexpected.append(key)
@@ -1326,7 +1241,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     prepared: list[tuple[bool | str, Any]] = []
     for o, (owner, optim, split, w) in enumerate(zip(owners, optimizers, splits, wrapped)):
         if o in wide:  # torch's load_state_dict keeps the keys that are no parameter's
-            split = {**split, "state": {**split["state"], **_copy_containers(wide[o])}}
+            split = {**split, "state": {**split["state"], **copy_containers(wide[o])}}
         _drop_sgd_placeholders(optim, split)
         expected = _param_shaped(optim, split["param_groups"])
         _cast_integer_state(optim, split, expected)
@@ -1343,7 +1258,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
             aliased = not torch._C._is_torch_function_mode_enabled()
             payload = C.prepare_install(ctx, optim, split, expected, aliased, first_dtypes[o])
             if o in wide:
-                payload[0].update(_copy_containers(wide[o]))
+                payload[0].update(copy_containers(wide[o]))
             prepared.append((True, payload))
         elif w is not None:
             # the wrapper's own layout: its entries beside the inner dict
@@ -1381,11 +1296,11 @@ def _check_wide(
         if lacking:
             raise errors.MissingOptimizerStateError(
                 f"the optimizer state dict lacks the optimizer-wide state {lacking} that "
-                f"optimizer {o} ({type(optim).__qualname__}) holds ('{_wide_key(o)}' in "
-                f"'state'; flattened, 'state.{_wide_key(o)}.<name>'): loading it would restart "
+                f"optimizer {o} ({type(optim).__qualname__}) holds ('{wide_key(o)}' in "
+                f"'state'; flattened, 'state.{wide_key(o)}.<name>'): loading it would restart "
                 "that state from scratch. Nothing was loaded. To load anyway, use "
                 "StateDictOptions(strict=False).",
-                [_wide_key(o)],
+                [wide_key(o)],
             )
 
 
@@ -1609,11 +1524,17 @@ class OptimLoad:
                 # FSDP's own load: its conversion makes collectives, so it
                 # runs at move (before the last agreement), not at commit
                 self.direct = Prepared(_nothing)
+                # the optimizer-wide entries (D29) go round FSDP's
+                # conversion, which takes every key for a parameter's
+                flat = bool(info.flatten_optimizer_state_dict)
+                extras = _loaded_extras(osd, flat, own=False)
+                wide, _, _ = _take_wide(extras, tuple(optimizers))
+                core = _without_extras(osd, extras) if extras else osd
                 # a flattened dict's states as the native path parses them:
                 # upstream's unflattening, which FSDP's load takes, looks up
                 # the names the live optimizer holds -- none, never stepped
-                states = _view(info.index, osd, tuple(optimizers))[0] if osd and "state" not in osd else None
-                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, osd, info, states)
+                states = _view(info.index, core, tuple(optimizers))[0] if core and "state" not in core else None
+                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, core, info, states, wide)
                 return None
         if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
             self.direct = Prepared(

@@ -48,7 +48,9 @@ CHECK_ENV = "DCP_OPTIM_RANK_LOCAL_CHECK"
 _WHAT = "the optimizer state's non-tensor values (sharded get)"
 
 
-def _enabled() -> bool:
+def check_enabled() -> bool:
+    """Whether the ranks check that optimizer values DCP stores once agree
+    (``CHECK_ENV``; on unless set to 0)."""
     return os.environ.get(CHECK_ENV, "").strip() not in ("0", "false", "no", "off")
 
 
@@ -98,7 +100,7 @@ def check_rank_local(osd: dict[str, Any], info: Any) -> None:
     nested, FQN-keyed optimizer dict of a sharded get)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    if not _enabled() or not isinstance(osd, dict):
+    if not check_enabled() or not isinstance(osd, dict):
         return
     index = info.index
     meshes: list[Any] = []

@@ -611,3 +611,83 @@ def hsdp_case(rank: int, ws: int, path: str) -> list[str]:
                 assert _narrow_train(resumed, ropt, range(2, 4)) == expected, (impl.__name__, cls, orig)
                 out.append(f"{cls.__name__}, orig={orig}: {'ours' if impl is dcp_optim else 'upstream'} resumed")
     return out
+
+
+def _resume_flow(make: Any, path: str, options: Any) -> bool:
+    """Train two steps, save through DCP, resume a fresh model and
+    never-stepped optimizer from it (template, ``dcp.load``, set): whether
+    two more steps give the losses of the run that never stopped."""
+    model, optim = make(0)
+    _narrow_train(model, optim, range(2))
+    msd, osd = dcp_optim.get_state_dict(model, optim, options=options)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    expected = _narrow_train(model, optim, range(2, 4))
+    resumed, ropt = make(5)
+    msd, osd = dcp_optim.get_state_dict(resumed, ropt, options=options)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    dcp_optim.set_state_dict(resumed, ropt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                             options=options)
+    return _narrow_train(resumed, ropt, range(2, 4)) == expected
+
+
+def optimizer_values_case(rank: int, ws: int, path: str) -> list[str]:
+    """FSDP1, optimizers whose state is not only parameters' tensors:
+
+    * pytorch-optimizer's MADGRAD keeps an optimizer-wide counter ``k``
+      (D29): FSDP1's getters dropped it (and FSDP's own function, which
+      HSDP takes, raised ``KeyError``), so the resume restarted it, silently;
+    * transformers' Adafactor keeps each parameter's RMS, which with
+      ``use_orig_params`` each rank computes from its piece: the ranks
+      disagree, so a get raises InconsistentOptimizerStateError (an
+      AssertionError, as FSDP's own gather); the value is recomputed at
+      every step, and with the rank-local check off it saves the last
+      rank's and resumes exactly.
+    At 2 ranks FSDP1 on the native path; at 4 ranks HYBRID_SHARD (2 x 2),
+    FSDP's own functions."""
+    import os
+
+    import pytorch_optimizer
+    from torch.distributed.fsdp import ShardingStrategy
+    from transformers.optimization import Adafactor
+
+    from dcp_optim import errors
+    from dcp_optim._engine.ranklocal import CHECK_ENV
+
+    hybrid = {}
+    if ws == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hybrid = {"sharding_strategy": ShardingStrategy.HYBRID_SHARD, "device_mesh": mesh}
+    madgrad = pytorch_optimizer.load_optimizer("madgrad")
+
+    def maker(optimizer: Any, orig: bool) -> Any:
+        def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(seed)
+            model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig, **hybrid)
+            return model, optimizer(model.parameters())
+        return make
+
+    out = []
+    for orig in (False, True):
+        for flat in (False, True):
+            options = Opts(flatten_optimizer_state_dict=flat)
+            make = maker(lambda p: madgrad(p, lr=0.05), orig)
+            resumed = _resume_flow(make, f"{path}/madgrad-{int(orig)}-{int(flat)}", options)
+            out.append(f"MADGRAD orig={orig} flat={flat}: {'resumed' if resumed else 'DIVERGED'}")
+    if ws == 2:
+        make = maker(lambda p: Adafactor(p, lr=0.01, relative_step=False, scale_parameter=False), True)
+        model, optim = make(0)
+        _narrow_train(model, optim, range(2))
+        try:
+            dcp_optim.get_optimizer_state_dict(model, optim)
+            out.append("Adafactor: no error")
+        except errors.InconsistentOptimizerStateError as exc:
+            assert isinstance(exc, AssertionError) and exc.key == "body.weight.RMS", exc
+            out.append(f"Adafactor: {type(exc).__name__} {exc.key}")
+        os.environ[CHECK_ENV] = "0"
+        try:
+            resumed = _resume_flow(make, f"{path}/adafactor", Opts())
+        finally:
+            del os.environ[CHECK_ENV]
+        out.append(f"Adafactor, {CHECK_ENV}=0: {'resumed' if resumed else 'DIVERGED'}")
+    return out

@@ -92,3 +92,15 @@ def test_hybrid_shard_resumes(tmp_path):
               for x in (f"_Narrow, orig={o}: upstream's template fails", f"_Narrow, orig={o}: ours resumed")]
     mesh = [f"mesh, flat={f}: ours resumed" for f in (False, True)]
     assert all(r == mesh + wide + narrow for r in results), results
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_optimizer_wide_and_rank_local_values(tmp_path, ws):
+    pytest.importorskip("pytorch_optimizer")
+    pytest.importorskip("transformers")
+    results = run_ranks(ws, cases.optimizer_values_case, str(tmp_path), timeout=300)
+    expected = [f"MADGRAD orig={o} flat={f}: resumed" for o in (False, True) for f in (False, True)]
+    if ws == 2:
+        expected += ["Adafactor: InconsistentOptimizerStateError body.weight.RMS",
+                     "Adafactor, DCP_OPTIM_RANK_LOCAL_CHECK=0: resumed"]
+    assert all(r == expected for r in results), results

@@ -1,0 +1,96 @@
+"""Optimizer-wide state (D29 in docs/differences.md): entries of
+``optimizer.state`` keyed by a str, not by a parameter (MADGRAD's "k",
+SPAM's counters, EmoNavi's "ema"), as the optimizer getters return them
+and the loads put them back -- for plain, sharded and FSDP1 models alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import errors
+from .shadow import OPTIMIZER_WIDE
+
+# Entries of ``optimizer.state`` keyed by a str, not by a parameter
+# (MADGRAD's "k", SPAM's counters, EmoNavi's "ema"): torch's own
+# ``Optimizer.state_dict()`` keeps them under their key; upstream's getter
+# raises KeyError.  Here they sit in "state" under the key
+# ".optimizer_<o>" (o: the optimizer's position in the call), a dict of
+# the optimizer's entries; flattened, "state..optimizer_<o>.<name>".  An
+# FQN never starts with "." (module, parameter and buffer names are
+# non-empty), so the key cannot name a parameter.
+
+WIDE_PREFIX = ".optimizer_"
+
+
+def wide_key(o: int) -> str:
+    return f"{WIDE_PREFIX}{o}"
+
+
+def wide_index(key: Any) -> int | None:
+    """o for a key ".optimizer_<o>", else None."""
+    if not isinstance(key, str) or not key.startswith(WIDE_PREFIX):
+        return None
+    digits = key[len(WIDE_PREFIX):]
+    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
+
+
+def copy_containers(value: Any) -> Any:
+    """``value`` with its dicts, lists and tuples copied (tensors and
+    other leaves kept): the returned or installed optimizer-wide entries
+    never share a container with the live ones or the caller's."""
+    if isinstance(value, dict):
+        return {k: copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copy_containers(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(copy_containers(v) for v in value)
+    return value
+
+
+def pop_wide(extra: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(pristine state without the optimizer-wide entries a first step
+    creates, those entries): pristine() hands them over under
+    schema.OPTIMIZER_WIDE (the template of a never-stepped MADGRAD holds
+    its "k")."""
+    if not extra or OPTIMIZER_WIDE not in extra:
+        return extra, {}
+    rest = {k: v for k, v in extra.items() if k != OPTIMIZER_WIDE}
+    return rest or None, dict(extra[OPTIMIZER_WIDE])
+
+
+def add_wide(state: dict[str, Any], o: int, wide: dict[str, Any]) -> None:
+    if not wide:
+        return
+    for name, value in wide.items():
+        if _holds_non_str_keys(value):
+            raise errors.StateDictKeyError(
+                f"optimizer {o}'s optimizer-wide state {name!r} holds entries keyed by "
+                "parameters or their positions (pytorch-optimizer's TRAC), which cannot be "
+                "keyed by FQN (nor spelled in the flattened format); nothing is returned. "
+                "Save this optimizer with its own state_dict()"
+            )
+    state[wide_key(o)] = copy_containers(wide)
+
+
+def _holds_non_str_keys(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(not isinstance(k, str) or _holds_non_str_keys(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_non_str_keys(v) for v in value)
+    return False
+
+
+def split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
+    """(osd without the str-keyed entries of its "state", those entries):
+    an optimizer's own ``state_dict()`` keyed by parameter IDs keeps its
+    optimizer-wide entries beside them."""
+    if not (isinstance(osd, dict) and "state" in osd and "param_groups" in osd) or not isinstance(osd["state"], dict):
+        return osd, {}
+    wide = {k: v for k, v in osd["state"].items() if isinstance(k, str)}
+    if not wide:
+        return osd, {}
+    rest = {k: v for k, v in osd["state"].items() if not isinstance(k, str)}
+    return {**osd, "state": rest}, wide
+
+
