@@ -40,6 +40,7 @@ from .collectives import gather_full_tensors
 from .consistency import mesh_for_group
 from .core import C, context
 from .own_calls import state_dict_fn
+from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
 from .ranklocal import CHECK_ENV, check_enabled
 from .wide import add_wide, copy_containers, pop_wide, split_own_wide
@@ -129,23 +130,29 @@ def _getter_options(info: Any) -> tuple[tuple[str, Any], ...]:
                  for name in ("full_state_dict", "cpu_offload", "broadcast_from_rank0"))
 
 
-def check_before_fsdp(model: nn.Module, info: Any, what: str, options: Any) -> None:
+def check_before_fsdp(model: nn.Module, info: Any, what: str, options: Any,
+                      error: Exception | None = None) -> None:
     """Before FSDP1 paths communicate outside a load's agreement (FSDP's
     own full model state dict, the optimizer getters' first exchange):
     the bounded arrival of every rank of the FSDP1 group and one agreement
     on ``options`` and on the names of the model's tensors (identity), so
     that a rank that is missing, in another call, or holding another
     model raises the same error on every rank instead of hanging in the
-    collectives."""
+    collectives.  ``error``: this rank failed preparing its part; every
+    rank raises the first failing rank's exception."""
     from .consistency import check_agreement
 
     if not dist.is_initialized() or dist.get_world_size() < 2:
+        if error is not None:
+            raise error
         return
     is_fsdp1, known, mesh = agreement_mesh(model, info)
     if not (is_fsdp1 and known):
+        if error is not None:
+            raise error
         return
     names = [(f"model tensor #{i}", "|".join(fqns)) for i, fqns in enumerate(info.index.tensor_fqns)]
-    check_agreement(mesh, what, (options, names), lambda: [("options", repr(options)), *names])
+    check_agreement(mesh, what, (options, names), lambda: [("options", repr(options)), *names], error=error)
 
 
 @dataclass
@@ -228,10 +235,21 @@ def _sort_names(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
-    check_before_fsdp(model, info, "FSDP1 optimizer state dict", _getter_options(info))
-    if not _native_supported(info):
-        return _get_via_fsdp(model, optimizers, info)
+    # Each optimizer's own dict and the never-stepped state of parameters
+    # without any come first: building the latter can fail on some ranks
+    # only (a shadow step on a rank's empty pieces), and such a failure is
+    # agreed on, with every rank, before the first exchange -- not left to
+    # the peers' wait in it.
     handles = _handles(info)
+    local: list[tuple[dict[str, Any], dict[str, Any], list[Any]]] = []
+    error: Exception | None = None
+    try:
+        local = [_local_optim_state(optim, info, handles) for optim in optimizers]
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
+        error = exc
+    check_before_fsdp(model, info, "FSDP1 optimizer state dict", _getter_options(info), error=error)
+    if not _native_supported(info):
+        return _get_via_fsdp(model, optimizers, info, local)
     by_flat = {id(h.flat): h for h in handles}
     by_orig = {id(p): (h, i) for h in handles for i, p in enumerate(h.params)}
     full = info.full_state_dict
@@ -242,10 +260,7 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for o, optim in enumerate(optimizers):
-        osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
-        params = [p for g in optim.param_groups for p in g["params"]]
-        wide = {**_add_pristine(osd, params, optim, info, handles), **wide}
+    for o, (osd, wide, params) in enumerate(local):
         # local state per handle, keyed by original-parameter index (orig)
         # or the flat parameter itself
         per_handle: dict[int, dict[str, Any]] = {}
@@ -307,17 +322,57 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _local_optim_state(optim: Any, info: Any, handles: list[_Handle]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """(the optimizer's own dict, with the never-stepped state of the
+    parameters it holds none for; its optimizer-wide entries (D29),
+    taken out of it; its parameters in order)."""
+    osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
+    params = [p for g in optim.param_groups for p in g["params"]]
+    first_wide, group_keys = _add_pristine(osd, params, optim, info, handles)
+    # the group keys a first step adds (pytorch-optimizer's "step"), into
+    # the dict's own copies of the groups: a template without them would
+    # make dcp.load leave the checkpoint's behind
+    add_group_keys(osd["param_groups"], group_keys)
+    _check_flat_shapes(osd, params, handles)
+    return osd, {**first_wide, **wide}, params
+
+
+def _check_flat_shapes(osd: dict[str, Any], params: list[Any], handles: list[_Handle]) -> None:
+    """A flat parameter's state tensors (with a dimension) are cut into
+    its original parameters' pieces element for element, as FSDP cuts
+    them: one of another size (pytorch-optimizer's QHAdam keeps a
+    1-element ``beta1_weight`` per parameter) would come back as other
+    memory.  Refused, naming it, before anything is exchanged."""
+    for h in handles:
+        if h.orig:
+            continue
+        try:
+            pid = next(i for i, p in enumerate(params) if p is h.flat)
+        except StopIteration:
+            continue
+        for name, value in (osd["state"].get(pid) or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != h.flat.numel():
+                raise errors.StateDictValueError(
+                    f"optimizer state {name!r} of the flat parameter of {h.fqns} (FSDP1, "
+                    f"use_orig_params=False) has {value.numel()} elements where the parameter has "
+                    f"{h.flat.numel()}: it cannot be cut into the original parameters' states. "
+                    "use_orig_params=True gives the optimizer the original parameters"
+                )
+
+
 def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any,
-                  handles: list[_Handle]) -> dict[str, Any]:
+                  handles: list[_Handle]) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
     """D2 for flat parameters too: the never-stepped state of each
     trainable parameter the optimizer holds none for, from the schema (or
     a shadow step), shaped like what the optimizer holds (the flat shard
     or the original parameter's piece), into ``osd["state"]`` (the
     optimizer's ``state_dict()``, a dict of its own) by position.  Returns
-    the optimizer-wide entries a first step would create (D29)."""
-    pristine, wide = pop_wide(pristine_template(info.index, optim)[0])
+    the optimizer-wide entries (D29) and the group keys a first step would
+    create."""
+    states, group_keys = pristine_template(info.index, optim)
+    pristine, wide = pop_wide(states)
     if not pristine:
-        return wide
+        return wide, group_keys
     pids = {id(p): i for i, p in enumerate(params)}
     by_fqn = {}
     for p in params:
@@ -336,7 +391,7 @@ def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any,
         p = by_fqn.get(fqn)
         if p is not None and id(p) in pids and id(p) not in empty:
             osd["state"][pids[id(p)]] = entry
-    return wide
+    return wide, group_keys
 
 
 def _copy_plain(entry: dict[str, Any], info: Any) -> dict[str, Any]:
@@ -388,9 +443,12 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
     present: list[int] = []
     scalars: dict[int, dict[str, Any]] = {}
     numels: dict[int, dict[str, int]] = {}
+    flat: dict[str, Any] | None = None
     if local is not None:
         if "flat" in local:
             entries = [local["flat"]]
+            flat = {name: _to_wire(value) for name, value in local["flat"].items()
+                    if not (isinstance(value, torch.Tensor) and value.dim() > 0)}
         else:
             entries = []
             for i, entry in sorted(local["pieces"].items()):
@@ -413,7 +471,10 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
                     names.setdefault(name, ("t", value.dtype))
                 else:
                     names.setdefault(name, ("s", _to_wire(value)))
-    return {"names": names, "present": present, "scalars": scalars, "numels": numels}
+    out = {"names": names, "present": present, "scalars": scalars, "numels": numels}
+    if flat is not None:
+        out["flat"] = flat
+    return out
 
 
 def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, Any]]:
@@ -431,6 +492,7 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
     present: dict[str, set[int]] = {}
     # per handle and original parameter, each rank's (rank, scalars, numels)
     held: dict[str, dict[int, list[tuple[int, dict[str, Any], dict[str, int]]]]] = {}
+    flat_values: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     group_of = {h.fqns[0]: id(h.group) for h in handles if h.sharded}
     for group_id, mesh in group_meshes.items():
         all_metas, ranks = mesh_all_gather_object(mesh, metas)
@@ -442,6 +504,8 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
                 present.setdefault(key, set()).update(meta["present"])
                 if group_of.get(key) != group_id:  # the ranks of another group's handle: not its holders
                     continue
+                if "flat" in meta:  # a flat parameter's 0-dim and other values, this rank's
+                    flat_values.setdefault(key, []).append((rank, meta["flat"]))
                 for i, values in meta["scalars"].items():
                     held.setdefault(key, {}).setdefault(i, []).append((rank, values, meta["numels"][i]))
     for h in handles:
@@ -455,6 +519,10 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
         h.fqns[0]: {i: _merge_scalars(h.fqns[i], per_rank) for i, per_rank in held.get(h.fqns[0], {}).items()}
         for h in handles if h.orig
     }
+    for h in handles:
+        if not h.orig and h.fqns[0] in flat_values:
+            # every rank returns its own, as FSDP does: they must agree
+            _merge_scalars(h.fqns[0], [(rank, values, {}) for rank, values in flat_values[h.fqns[0]]])
 
     leaves: list[Any] = []
     slots: list[tuple[_Handle, str]] = []
@@ -714,20 +782,16 @@ def complete_chunks_of(entries: dict[str, Any]) -> None:
         entries[key] = complete_chunks(value)
 
 
-def _get_via_fsdp(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
-    """FSDP's own APIs (HSDP, non-contiguous originals)."""
+def _get_via_fsdp(model: nn.Module, optimizers, info: Any, local: list[tuple]) -> dict[str, Any]:
+    """FSDP's own APIs (HSDP, non-contiguous originals), on each
+    optimizer's ``_local_optim_state``: a never-stepped optimizer's
+    template holds the state a first step makes here too (D2; without it
+    dcp.load would fill nothing and the resume would start from fresh
+    moments), and the optimizer-wide entries (D29) go round FSDP's
+    function, which takes every key of "state" for a parameter's."""
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    handles = _handles(info)
-    for o, optim in enumerate(optimizers):
-        # FSDP's function takes every key of "state" for a parameter's:
-        # the optimizer-wide entries (D29) go round it
-        osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
-        # a never-stepped optimizer's template holds the state a first step
-        # makes here too (D2): without it, dcp.load would fill nothing and
-        # the resume would start from fresh moments
-        params = [p for g in optim.param_groups for p in g["params"]]
-        wide = {**_add_pristine(osd, params, optim, info, handles), **wide}
+    for o, (optim, (osd, wide, _params)) in enumerate(zip(optimizers, local)):
         with info.fsdp_context():
             osd = FSDP.optim_state_dict(model, optim, osd, group=fsdp_process_group(model, info))
         if not osd:

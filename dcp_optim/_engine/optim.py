@@ -35,7 +35,7 @@ from . import zero
 from .core import C, context
 from .own_calls import is_patched, state_dict_fn
 from .pipeline import Prepared, Report
-from .pristine import pristine, pristine_states, template_error
+from .pristine import add_group_keys, pristine, pristine_states, template_error
 from .ranklocal import check_rank_local
 from .shadow import (
     fallback_pristine,
@@ -93,16 +93,6 @@ def _check_optimizer(optim: Any, position: int) -> None:
                 "`optimizers` iterable)"
             )
     zero.check_not_wrapped(optim, position)
-
-
-def _add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> None:
-    """Adds the first-step group keys to the (returned, never the live)
-    groups of one optimizer."""
-    if not extra or len(extra) != len(groups):
-        return
-    for group, keys in zip(groups, extra):
-        for k, v in keys.items():
-            group.setdefault(k, v)
 
 
 def _check_held_optimizers(optim: _Optimizer, i: int) -> None:
@@ -169,9 +159,15 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
         _check_optimizer(optim, i)
         _check_held_optimizers(optim, i)
     if info.fsdp_modules:
-        from .fsdp1 import get_fsdp1_optim
+        from .fsdp1 import agreement_mesh, get_fsdp1_optim
 
         osd = get_fsdp1_optim(model, optimizers, info)
+        if not info.full_state_dict and not all(_torch_optimizer(optim) for optim in optimizers):
+            # D30 for flat parameters too: a value an optimizer computes
+            # from the rank's shards (D-Adaptation's and Prodigy's "d")
+            is_fsdp1, known, mesh = agreement_mesh(model, info)
+            if is_fsdp1 and known:
+                check_rank_local(osd, info, fsdp1=(mesh,))
     else:
         osd = _get_plain(optimizers, info)
         if not info.full_state_dict and not all(_torch_optimizer(optim) for optim in optimizers):
@@ -314,7 +310,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             wide: list[dict[str, Any]] = []
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
             add_wide(state, o, {**first_wide, **wide[0]})
-            _add_group_keys(groups[first:], group_keys)
+            add_group_keys(groups[first:], group_keys)
             counts.append(len(optim.param_groups))
             continue
         zero_owner = zero.is_zero(optim)
@@ -353,7 +349,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         if extra:
             state.update(extra)
         add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
-        _add_group_keys(osd["param_groups"], group_keys)
+        add_group_keys(osd["param_groups"], group_keys)
         groups.extend(osd["param_groups"])
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts

@@ -29,7 +29,7 @@ from ..schema import PARAM, PARAM_DEVICE, lbfgs_pristine, proxied, schema_for
 from .core import C
 from .shadow import OPTIMIZER_WIDE, fallback_pristine, upstream_pristine
 
-__all__ = ["pristine", "pristine_states", "template_error"]
+__all__ = ["add_group_keys", "pristine", "pristine_states", "template_error"]
 
 _Optimizer = torch.optim.Optimizer
 
@@ -49,6 +49,16 @@ def pristine_states(index: Any, optim: _Optimizer) -> dict[str, dict[str, Any]] 
     if states and OPTIMIZER_WIDE in states:
         states = {k: v for k, v in states.items() if k != OPTIMIZER_WIDE} or None
     return states
+
+
+def add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> None:
+    """Adds the first-step group keys (``pristine``'s second value) to the
+    (returned, never the live) groups of one optimizer."""
+    if not extra or len(extra) != len(groups):
+        return
+    for group, keys in zip(groups, extra):
+        for k, v in keys.items():
+            group.setdefault(k, v)
 
 
 def template_error(

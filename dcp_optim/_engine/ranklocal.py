@@ -94,18 +94,22 @@ def _where(path: str, osd: dict[str, Any]) -> str:
     return f"'{path}' (the param group of {shown})"
 
 
-def check_rank_local(osd: dict[str, Any], info: Any) -> None:
+def check_rank_local(osd: dict[str, Any], info: Any, fsdp1: tuple[Any] | None = None) -> None:
     """Raise RankLocalStateError on every rank of a mesh when the ranks
     of that mesh return different non-tensor values in ``osd`` (the
-    nested, FQN-keyed optimizer dict of a sharded get)."""
+    nested, FQN-keyed optimizer dict of a sharded get).  ``fsdp1``: (the
+    mesh of an FSDP1 model's ranks, None for the default group), whose
+    flat parameters hold every parameter: one check on it."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     if not check_enabled() or not isinstance(osd, dict):
         return
     index = info.index
-    meshes: list[Any] = []
+    meshes: list[Any] = [] if fsdp1 is None else [fsdp1[0]]
     mesh_of: dict[str, int] = {}
     for tensor, fqns in zip(index.tensors, index.tensor_fqns):
+        if fsdp1 is not None:
+            break
         if not isinstance(tensor, DTensor):
             continue
         mesh = tensor.device_mesh
