@@ -105,8 +105,9 @@ def test_resume_matrix_world2_fsdp2(tmp_path):
 def test_resume_matrix_world2_fsdp1(tmp_path, layout):
     """FSDP1, use_orig_params True ("fsdp1") and False ("fsdp1-flat"): the
     optimizers step on plain tensors (the original parameters' pieces, or
-    each rank's shard of a flat parameter), so nearly every case runs.  At
-    the start of stop 51, 103 and 140 of these verdicts diverged silently:
+    each rank's shard of a flat parameter), so nearly every case runs.
+    Before the fixes these cover, 103 (use_orig_params=True) and 140
+    (False) of these verdicts diverged silently:
     the first step's group keys (pytorch-optimizer's "step") left out of
     the templates, the optimizer-wide entries (D29) dropped, rank-local
     values (D30) and flat parameters' per-rank scalars saved from one
