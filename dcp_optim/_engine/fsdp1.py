@@ -328,16 +328,17 @@ def _local_optim_state(optim: Any, info: Any, handles: list[_Handle]) -> tuple[d
     taken out of it; its parameters in order)."""
     osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
     params = [p for g in optim.param_groups for p in g["params"]]
-    first_wide, group_keys = _add_pristine(osd, params, optim, info, handles)
+    pids = {id(p): i for i, p in enumerate(params)}
+    first_wide, group_keys = _add_pristine(osd, params, pids, optim, info, handles)
     # the group keys a first step adds (pytorch-optimizer's "step"), into
     # the dict's own copies of the groups: a template without them would
     # make dcp.load leave the checkpoint's behind
     add_group_keys(osd["param_groups"], group_keys)
-    _check_flat_shapes(osd, params, handles)
+    _check_flat_shapes(osd, pids, handles)
     return osd, {**first_wide, **wide}, params
 
 
-def _check_flat_shapes(osd: dict[str, Any], params: list[Any], handles: list[_Handle]) -> None:
+def _check_flat_shapes(osd: dict[str, Any], pids: dict[int, int], handles: list[_Handle]) -> None:
     """A flat parameter's state tensors (with a dimension) are cut into
     its original parameters' pieces element for element, as FSDP cuts
     them: one of another size (pytorch-optimizer's QHAdam keeps a
@@ -346,9 +347,8 @@ def _check_flat_shapes(osd: dict[str, Any], params: list[Any], handles: list[_Ha
     for h in handles:
         if h.orig:
             continue
-        try:
-            pid = next(i for i, p in enumerate(params) if p is h.flat)
-        except StopIteration:
+        pid = pids.get(id(h.flat))
+        if pid is None:
             continue
         for name, value in (osd["state"].get(pid) or {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != h.flat.numel():
@@ -360,7 +360,7 @@ def _check_flat_shapes(osd: dict[str, Any], params: list[Any], handles: list[_Ha
                 )
 
 
-def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any,
+def _add_pristine(osd: dict[str, Any], params: list[Any], pids: dict[int, int], optim: Any, info: Any,
                   handles: list[_Handle]) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
     """D2 for flat parameters too: the never-stepped state of each
     trainable parameter the optimizer holds none for, from the schema (or
@@ -373,7 +373,6 @@ def _add_pristine(osd: dict[str, Any], params: list[Any], optim: Any, info: Any,
     pristine, wide = pop_wide(states)
     if not pristine:
         return wide, group_keys
-    pids = {id(p): i for i, p in enumerate(params)}
     by_fqn = {}
     for p in params:
         slot = info.index.slot_of(p)
@@ -443,12 +442,9 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
     present: list[int] = []
     scalars: dict[int, dict[str, Any]] = {}
     numels: dict[int, dict[str, int]] = {}
-    flat: dict[str, Any] | None = None
     if local is not None:
         if "flat" in local:
             entries = [local["flat"]]
-            flat = {name: _to_wire(value) for name, value in local["flat"].items()
-                    if not (isinstance(value, torch.Tensor) and value.dim() > 0)}
         else:
             entries = []
             for i, entry in sorted(local["pieces"].items()):
@@ -471,10 +467,7 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
                     names.setdefault(name, ("t", value.dtype))
                 else:
                     names.setdefault(name, ("s", _to_wire(value)))
-    out = {"names": names, "present": present, "scalars": scalars, "numels": numels}
-    if flat is not None:
-        out["flat"] = flat
-    return out
+    return {"names": names, "present": present, "scalars": scalars, "numels": numels}
 
 
 def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, Any]]:
@@ -504,8 +497,9 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
                 present.setdefault(key, set()).update(meta["present"])
                 if group_of.get(key) != group_id:  # the ranks of another group's handle: not its holders
                     continue
-                if "flat" in meta:  # a flat parameter's 0-dim and other values, this rank's
-                    flat_values.setdefault(key, []).append((rank, meta["flat"]))
+                if not meta["present"] and meta["names"]:  # a flat parameter's: its 0-dim and other values
+                    flat_values.setdefault(key, []).append(
+                        (rank, {name: value for name, (kind, value) in meta["names"].items() if kind == "s"}))
                 for i, values in meta["scalars"].items():
                     held.setdefault(key, {}).setdefault(i, []).append((rank, values, meta["numels"][i]))
     for h in handles:
