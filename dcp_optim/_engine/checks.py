@@ -102,7 +102,13 @@ def _fsdp_context(
     FSDP1 computing on CPU: its model state-dict offload path frees the
     unsharded CPU storage it is reading ("setStorage: ... out of bounds for
     storage of size 0", torch 2.13), so the offload -- a no-op there, the
-    values are on CPU already -- is left out; rank0_only still applies."""
+    values are on CPU already -- is left out; rank0_only still applies.
+    Its optimizer-state offload is left out there too: under
+    ``use_orig_params`` FSDP gathers every state name of a flat parameter
+    into one reused buffer and, offloading, keeps ``value.cpu()`` of its
+    views -- the buffer itself on CPU -- so every state of a parameter
+    came back as the last one gathered (``exp_avg`` equal to
+    ``exp_avg_sq``); without the offload it clones each."""
     on_cpu = bool(fsdp_modules) and all(
         getattr(m, "compute_device", None) is not None and m.compute_device.type == "cpu"
         for m in fsdp_modules
@@ -115,7 +121,7 @@ def _fsdp_context(
             offload_to_cpu=offload_model, rank0_only=options.cpu_offload
         )
         optim_state_dict_config = FullOptimStateDictConfig(
-            offload_to_cpu=options.cpu_offload,
+            offload_to_cpu=options.cpu_offload and not on_cpu,
             rank0_only=(options.cpu_offload or options.broadcast_from_rank0),
         )
         state_dict_type = StateDictType.FULL_STATE_DICT

@@ -545,7 +545,8 @@ def hsdp_case(rank: int, ws: int, path: str) -> list[str]:
     upstream's, the template names every parameter's state, and the resume
     continues bit for bit, also for parameters with fewer chunks than the
     shard group has ranks (D40; upstream's template fails ``dcp.load``).
-    With a device mesh instead, both formats resume."""
+    With a device mesh instead, both formats resume.  Full dicts with
+    ``cpu_offload`` hold every state of its own (D41)."""
     from torch.distributed.fsdp import ShardingStrategy
 
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
@@ -592,6 +593,20 @@ def hsdp_case(rank: int, ws: int, path: str) -> list[str]:
                 ours = dcp_optim.get_state_dict(model, optim, options=Opts(**kw))
                 theirs = upstream.get_state_dict(model, optim, options=upstream.StateDictOptions(**kw))
                 assert_same_tree(real_shards(ours), real_shards(theirs))
+            # D41: offloaded full dicts (a no-op offload on CPU) hold each
+            # state of its own, as without the offload; upstream's, under
+            # use_orig_params, give every state of a parameter the last
+            # one FSDP gathered (its views of one reused buffer)
+            options = {"full_state_dict": True, "cpu_offload": True}
+            offloaded = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(**options))
+            theirs = upstream.get_optimizer_state_dict(model, optim, options=upstream.StateDictOptions(**options))
+            if rank == 0:
+                full = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(full_state_dict=True))
+                assert_same_tree(offloaded, full)
+                aliased = [torch.equal(e["exp_avg"], e["exp_avg_sq"]) for e in theirs["state"].values()]
+                assert aliased == [orig] * len(full["state"]), (orig, aliased)
+            else:
+                dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(full_state_dict=True))
             msd, osd = dcp_optim.get_state_dict(model, optim)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
             expected = _narrow_train(model, optim, range(2, 4))
