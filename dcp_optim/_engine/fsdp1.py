@@ -319,7 +319,29 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
         groups.extend(_groups_by_fqn(osd, params, handles, info))
     if not to_save:
         return {}
+    _unshare_scalars(state)
     return {"state": state, "param_groups": groups}
+
+
+def _unshare_scalars(state: dict[str, Any]) -> None:
+    """Every original parameter of a flat parameter holds the flat
+    parameter's 0-dim states; FSDP's own functions (upstream's) give them
+    one tensor object.  ``dcp.load`` fills a template in place, so a
+    checkpoint whose parameters hold different values (one from another
+    layout: a parameter that missed a step, NovoGrad's norms) left the
+    last one's value in all of them -- and the load's check that they
+    agree (``_check_loaded_entries``) saw nothing to refuse.  Each entry
+    gets a tensor of its own."""
+    seen: set[int] = set()
+    for entry in state.values():
+        if not isinstance(entry, dict):
+            continue
+        for name, value in entry.items():
+            if type(value) is torch.Tensor and value.dim() == 0:
+                if id(value) in seen:
+                    entry[name] = value.clone()
+                else:
+                    seen.add(id(value))
 
 
 def _local_optim_state(optim: Any, info: Any, handles: list[_Handle]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
@@ -343,9 +365,20 @@ def _check_flat_shapes(osd: dict[str, Any], pids: dict[int, int], handles: list[
     its original parameters' pieces element for element, as FSDP cuts
     them: one of another size (pytorch-optimizer's QHAdam keeps a
     1-element ``beta1_weight`` per parameter) would come back as other
-    memory.  Refused, naming it, before anything is exchanged."""
+    memory.  Refused, naming it, before anything is exchanged.  The same
+    for an original parameter's (``use_orig_params``) state tensors,
+    pieces of the original as this rank holds it."""
     for h in handles:
         if h.orig:
+            for fqn, param in zip(h.fqns, h.params):
+                pid = pids.get(id(param))
+                for name, value in (osd["state"].get(pid) or {}).items() if pid is not None else ():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != param.numel():
+                        raise errors.StateDictValueError(
+                            f"optimizer state {name!r} of {fqn!r} (FSDP1, use_orig_params=True) has "
+                            f"{value.numel()} elements where this rank's piece of the parameter has "
+                            f"{param.numel()}: FSDP1 shards a parameter's state tensors as it shards the "
+                            "parameter, and this one is not shaped like it")
             continue
         pid = pids.get(id(h.flat))
         if pid is None:
@@ -802,6 +835,7 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any, local: list[tuple]) -
         state.update(osd["state"])
         add_wide(state, o, wide)
         groups.extend(osd["param_groups"])
+    _unshare_scalars(state)
     return {"state": state, "param_groups": groups}
 
 
@@ -880,11 +914,13 @@ class Fsdp1Localize:
 
     def validate(self, payload: Any = None) -> None:
         if self.route is None:
+            _check_loaded_entries(self.view[0], self.handles)
             return
         if payload is None:
             raise errors.StateDictValueError("broadcast_from_rank0=True: rank 0 did not provide an optimizer state dict")
         if not self.route.is_source:
             self.view = payload
+        _check_loaded_entries(self.view[0], self.handles)
 
     def reserve(self) -> None:
         from .distribute import plan_stream
@@ -919,6 +955,79 @@ class Fsdp1Localize:
 
     def take_inline(self, values: Any) -> None:
         pass
+
+
+def _check_loaded_entries(state: dict[str, Any], handles: list[_Handle]) -> None:
+    """A loaded original parameter's state tensors are shaped like it (they
+    are cut as FSDP cuts the parameter: one of another size would be read
+    past its end, after the ranks agreed).  And FSDP's rules for flattening original parameters' states into one
+    flat parameter's (``use_orig_params=False``; FSDP's
+    ``_flatten_optim_state``): the originals with state hold the same
+    state names, each name of one kind, and a value the flat parameter
+    holds once -- a 0-dim tensor or a non-tensor (a per-parameter
+    ``step``, NovoGrad's gradient norm) -- is held by every original
+    alike.  A checkpoint from another layout (one process, FSDP2, FSDP1
+    with ``use_orig_params``) can hold different ones, and taking the
+    first would drop the others silently: ``StateDictValueError``
+    (a ``ValueError``, as FSDP raises) naming both parameters and the
+    state.  Metadata only (a broadcast's receivers see tensors as
+    ``TensorMeta``: the source compares their values)."""
+    from .distribute import TensorMeta
+
+    def kind(value: Any) -> str:
+        if isinstance(value, TensorMeta):
+            return "tensor" if len(value.shape) > 0 else "0-dim tensor"
+        if isinstance(value, torch.Tensor):
+            return "tensor" if value.dim() > 0 else "0-dim tensor"
+        return "non-tensor"
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, TensorMeta) or isinstance(b, TensorMeta):
+            return True  # compared on the source
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.dtype == b.dtype and bool(torch.equal(a, b))
+        return type(a) is type(b) and bool(a == b)
+
+    for h in handles:
+        entries = [(f, state.get(f)) for f in h.fqns]
+        present = [(f, e) for f, e in entries if isinstance(e, dict) and e]
+        for (fqn, entry), shape in zip(entries, h.shapes):
+            numel = torch.Size(shape).numel()
+            for name, value in entry.items() if isinstance(entry, dict) else ():
+                if kind(value) == "tensor" and torch.Size(value.shape).numel() != numel:
+                    raise errors.StateDictValueError(
+                        f"optimizer state {name!r} of {fqn!r} has shape {tuple(value.shape)} where the "
+                        f"parameter has {tuple(shape)}: FSDP1 shards a parameter's state tensors as it shards "
+                        "the parameter, and this one is not shaped like it")
+        if h.orig or not present:
+            continue
+        first, names = present[0][0], list(present[0][1])
+        where = f"(FSDP1 flat parameter of {h.fqns}, use_orig_params=False)"
+        for fqn, entry in present[1:]:
+            if set(entry) != set(names):
+                raise errors.StateDictValueError(
+                    f"optimizer states of {first!r} {sorted(names)} and {fqn!r} {sorted(entry)} differ: "
+                    f"they flatten into one flat parameter {where}, which holds one set of states")
+        for name in names:
+            values = [(fqn, entry[name]) for fqn, entry in present]
+            kinds = {kind(v) for _, v in values}
+            if len(kinds) != 1:
+                raise errors.StateDictValueError(
+                    f"optimizer state {name!r} is a tensor for some of {h.fqns} and not for others {where}")
+            if kinds == {"tensor"}:
+                continue  # cut into the flat shard: each original its own piece (zeros where absent)
+            missing = [fqn for fqn, entry in entries if not (isinstance(entry, dict) and name in entry)]
+            if missing:
+                raise errors.StateDictValueError(
+                    f"optimizer state {name!r} of {first!r} is held once by the flat parameter {where}, "
+                    f"but {missing} have none: the flat parameter cannot hold both")
+            for fqn, value in values[1:]:
+                if not same(values[0][1], value):
+                    raise errors.StateDictValueError(
+                        f"optimizer state {name!r} of {first!r} ({values[0][1]!r}) differs from {fqn!r}'s "
+                        f"({value!r}): the flat parameter {where} holds one value for all of its parameters; "
+                        "loading would keep one and drop the other.  Load it into a model wrapped with "
+                        "use_orig_params=True, or with each of these parameters in a flat parameter of its own")
 
 
 def _gathered(view: tuple, handles: list[_Handle]) -> tuple:

@@ -706,3 +706,88 @@ def optimizer_values_case(rank: int, ws: int, path: str) -> list[str]:
             del os.environ[CHECK_ENV]
         out.append(f"Adafactor, {CHECK_ENV}=0: {'resumed' if resumed else 'DIVERGED'}")
     return out
+
+
+def flat_scalars_case(rank: int, ws: int, path: str) -> list[str]:
+    """Loading into FSDP1 without ``use_orig_params``: a flat parameter
+    holds one value of each 0-dim or non-tensor state for all of its
+    original parameters.  A checkpoint from another layout (one process,
+    FSDP2, ``use_orig_params=True``) holds one per parameter; where they
+    differ (NovoGrad's per-parameter gradient norm) dcp_optim took the
+    first and dropped the others, silently.  Now, as FSDP's own
+    flattening (upstream's load): a ``ValueError`` (ours a
+    ``StateDictValueError`` naming the parameters and the state) on every
+    rank, the optimizer unchanged; also for state names that differ
+    between the parameters, and a 0-dim state some parameters lack.
+    Equal values still load."""
+    model, optim = _narrow(0, False)  # one flat parameter: body.weight, body.bias, head.weight, head.bias
+    _narrow_train(model, optim, range(2))
+    good = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(full_state_dict=True))
+    before = _full_optim(model, optim)
+
+    def step_differs(osd):
+        osd["state"]["head.bias"]["step"] = torch.tensor(7.0)
+
+    def names_differ(osd):
+        del osd["state"]["head.bias"]["exp_avg_sq"]
+
+    def step_missing(osd):
+        del osd["state"]["head.bias"]["step"]
+
+    out = []
+    for label, change in (("step differs", step_differs), ("names differ", names_differ),
+                          ("step missing", step_missing)):
+        for impl, options in ((dcp_optim, Opts(full_state_dict=True)),
+                              (upstream, upstream.StateDictOptions(full_state_dict=True))):
+            osd = {"state": {k: dict(v) for k, v in good["state"].items()}, "param_groups": good["param_groups"]}
+            change(osd)
+            try:
+                impl.set_optimizer_state_dict(model, optim, osd, options=options)
+            except ValueError as exc:
+                name = type(exc).__name__
+                if impl is dcp_optim:
+                    assert "head.bias" in str(exc) and "body.weight" in str(exc), exc
+                out.append(f"{label}: {'ours' if impl is dcp_optim else 'upstream'} {name}")
+            else:
+                out.append(f"{label}: {'ours' if impl is dcp_optim else 'upstream'} loaded")
+            assert_same_tree(_full_optim(model, optim), before)
+    dcp_optim.set_optimizer_state_dict(model, optim, good, options=Opts(full_state_dict=True))
+    assert_same_tree(_full_optim(model, optim), before)
+    out.append("equal values: loaded")
+
+    # Through DCP, from a plain model whose head.bias missed the first
+    # step (no gradient: Adam skips it, its step lags).  FSDP's templates
+    # (upstream's) give the originals one "step" tensor: dcp.load wrote
+    # every parameter's value into it in turn, the last one stayed, and
+    # upstream's set loads that for all: the checkpoint's steps 2 and 1
+    # became one of them, silently.  dcp_optim's templates hold a tensor per
+    # parameter, and its set refuses the differing values.
+    torch.manual_seed(0)
+    plain = _Wide()  # chunks on every rank: upstream's template loads (D40)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    for i in range(2):
+        plain(torch.randn(4, 8)).pow(2).mean().backward()
+        if i == 0:
+            plain.head.bias.grad = None
+        plain_opt.step()
+        plain_opt.zero_grad()
+    saved = dcp_optim.get_optimizer_state_dict(plain, plain_opt)
+    assert [float(saved["state"][k]["step"]) for k in ("body.weight", "head.bias")] == [2.0, 1.0]
+    dcp.save({"optim": saved}, checkpoint_id=f"{path}/lagging")
+    for impl, options in ((dcp_optim, Opts()), (upstream, upstream.StateDictOptions())):
+        torch.manual_seed(5)
+        model = FSDP(_Wide(), device_id=CPU, use_orig_params=False)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        state = {"optim": impl.get_optimizer_state_dict(model, optim, options=options)}
+        dcp.load(state, checkpoint_id=f"{path}/lagging")
+        who = "ours" if impl is dcp_optim else "upstream"
+        loaded = {k: float(v["step"]) for k, v in state["optim"]["state"].items()}
+        try:
+            impl.set_optimizer_state_dict(model, optim, state["optim"], options=options)
+        except ValueError as exc:
+            assert loaded == {k: float(v["step"]) for k, v in saved["state"].items()}, loaded
+            out.append(f"lagging step through DCP: {who} {type(exc).__name__}")
+        else:
+            steps = {float(s["step"]) for s in optim.state.values()}
+            out.append(f"lagging step through DCP: {who} loaded {len(steps)} step for 4 parameters")
+    return out

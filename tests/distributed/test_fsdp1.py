@@ -104,3 +104,14 @@ def test_optimizer_wide_and_rank_local_values(tmp_path, ws):
         expected += ["Adafactor: InconsistentOptimizerStateError body.weight.RMS",
                      "Adafactor, DCP_OPTIM_RANK_LOCAL_CHECK=0: resumed"]
     assert all(r == expected for r in results), results
+
+
+def test_flat_parameter_scalars_must_agree(tmp_path):
+    results = run_ranks(2, cases.flat_scalars_case, str(tmp_path), timeout=300)
+    expected = [f"{label}: {who}" for label in ("step differs", "names differ", "step missing")
+                for who in ("ours StateDictValueError", "upstream ValueError")] + ["equal values: loaded"]
+    # upstream's template holds one "step" for the flat parameter: dcp.load
+    # leaves one parameter's in it, which upstream's set loads for all (D42)
+    expected += ["lagging step through DCP: ours StateDictValueError",
+                 "lagging step through DCP: upstream loaded 1 step for 4 parameters"]
+    assert all(r == expected for r in results), results
