@@ -12,7 +12,8 @@ ranks -- silently.  Upstream's getter returns such values as they are.
 
 The sharded getter therefore agrees, on the mesh of the optimizer's
 DTensor parameters, on one digest of every value of the returned dict that
-is not a tensor (state entries and param-group values): one fixed-size
+is not a tensor (state entries and param-group values), and of every
+small plain tensor (``SMALL_TENSOR``): one fixed-size
 all-reduce of a fixed-size record per mesh (consistency.RECORD_WORDS,
 the per-word minimum and maximum over the ranks, after the bounded
 arrival), whatever the world size.  Only where the digests
@@ -66,20 +67,56 @@ def _value_digest(value: Any) -> bytes:
     return hashlib.sha1(blob).digest()
 
 
-def _leaves(value: Any, path: str, out: list[tuple[str, Any]]) -> None:
-    """(path, value) of every leaf of ``value`` that is not a tensor
-    (dicts, lists and tuples are walked)."""
+# Plain tensors (not DTensors) of at most this many elements are digested
+# by their bytes too: DCP stores a plain tensor once for all ranks, like
+# any other value.  Under FSDP1 an optimizer steps on each rank's pieces
+# of the parameters, and the tensors it keeps beside them -- ASGD's group
+# norms, D-Adaptation's weighted sums -- are each rank's own.  Larger
+# plain tensors (a parameter's whole state, kept replicated) are not read
+# on every get.
+SMALL_TENSOR = 1024
+
+
+def _leaves(value: Any, path: str, out: list[tuple[str, Any]], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """(path, value) of every leaf of ``value`` that is not a tensor into
+    ``out``, and of every small plain tensor into ``tensors`` (dicts,
+    lists and tuples are walked)."""
     if isinstance(value, torch.Tensor):
+        if type(value) is torch.Tensor and value.numel() <= SMALL_TENSOR and value.device.type != "meta":
+            tensors.append((path, value))
         return
     if isinstance(value, dict):
         for k, v in value.items():
-            _leaves(v, f"{path}.{k}", out)
+            _leaves(v, f"{path}.{k}", out, tensors)
         return
     if type(value) in (list, tuple):
         for i, v in enumerate(value):
-            _leaves(v, f"{path}[{i}]", out)
+            _leaves(v, f"{path}[{i}]", out, tensors)
         return
     out.append((path, value))
+
+
+def _tensor_digests(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
+    """A digest per small plain tensor: its dtype, shape and bytes, read
+    with one copy to the host per device (not one per tensor)."""
+    blobs: list[bytes] = [b""] * len(tensors)
+    by_device: dict[Any, list[int]] = {}
+    for i, (_, t) in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        flat = [tensors[i][1].detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+                for i in indices]
+        blob = torch.cat(flat).cpu().numpy().tobytes()
+        pos = 0
+        for i, f in zip(indices, flat):
+            blobs[i] = blob[pos:pos + f.numel()]
+            pos += f.numel()
+    out = []
+    for (path, t), blob in zip(tensors, blobs):
+        h = hashlib.sha1(f"{t.dtype} {tuple(t.shape)} ".encode())
+        h.update(blob)
+        out.append((path, h.digest()))
+    return out
 
 
 def _where(path: str, osd: dict[str, Any]) -> str:
@@ -121,11 +158,12 @@ def check_rank_local(osd: dict[str, Any], info: Any, fsdp1: tuple[Any] | None = 
     if not meshes:
         return  # no sharded parameter: every rank steps on whole tensors
     entries: list[list[tuple[str, Any]]] = [[] for _ in meshes]
+    tensors: list[list[tuple[str, torch.Tensor]]] = [[] for _ in meshes]
     state = osd.get("state")
     if isinstance(state, dict):
         for fqn, entry in state.items():
             m = mesh_of.get(fqn, 0) if isinstance(fqn, str) else 0
-            _leaves(entry, f"state.{fqn}", entries[m])
+            _leaves(entry, f"state.{fqn}", entries[m], tensors[m])
     groups = osd.get("param_groups")
     if isinstance(groups, list):
         for i, group in enumerate(groups):
@@ -135,13 +173,14 @@ def check_rank_local(osd: dict[str, Any], info: Any, fsdp1: tuple[Any] | None = 
             m = next((mesh_of[p] for p in params if isinstance(p, str) and p in mesh_of), 0)
             for k, v in group.items():
                 if k != "params":
-                    _leaves(v, f"param_groups[{i}][{k!r}]", entries[m])
-    for mesh, mine in zip(meshes, entries):
-        _agree(mesh, mine, osd)
+                    _leaves(v, f"param_groups[{i}][{k!r}]", entries[m], tensors[m])
+    for mesh, mine, small in zip(meshes, entries, tensors):
+        _agree(mesh, mine, small, osd)
 
 
-def _agree(mesh: Any, mine: list[tuple[str, Any]], osd: dict[str, Any]) -> None:
-    digests = [(path, _value_digest(v)) for path, v in mine]
+def _agree(mesh: Any, mine: list[tuple[str, Any]], small: list[tuple[str, torch.Tensor]],
+           osd: dict[str, Any]) -> None:
+    digests = [(path, _value_digest(v)) for path, v in mine] + _tensor_digests(small)
     total = hashlib.sha1()
     for path, d in digests:
         total.update(path.encode())
@@ -168,9 +207,9 @@ def _agree(mesh: Any, mine: list[tuple[str, Any]], osd: dict[str, Any]) -> None:
             groups.setdefault("no such entry" if v is None else f"value digest {v[:12]}", []).append(rank)
         split = "; ".join(f"rank(s) {rs}: {text}" for text, rs in groups.items())
         raise errors.RankLocalStateError(
-            f"{_where(path, osd)} of the optimizer state is not a tensor and differs between the ranks of "
+            f"{_where(path, osd)} of the optimizer state is not a DTensor and differs between the ranks of "
             f"the mesh ({split}): the optimizer computed it from each rank's local shards. "
-            "dcp.save stores a non-tensor value once for all ranks, so a resume would give "
+            "dcp.save stores such a value (a plain tensor too) once for all ranks, so a resume would give "
             "every rank one rank's value and training would silently diverge; nothing was "
             "returned. Ways out: keep such values in DTensors (or reduce them across ranks "
             "inside the optimizer), or save this optimizer per rank with its own "

@@ -24,9 +24,10 @@ class LocalSum(torch.optim.SGD):
     local shards (``d``), and, like GaLore, a per-parameter object built
     from the local shard (``proj``, with ``objects=True``)."""
 
-    def __init__(self, params, objects: bool = False):
+    def __init__(self, params, objects: bool = False, tensors: str = ""):
         super().__init__(params, lr=0.01)
         self.objects = objects
+        self.tensors = tensors  # "group": a 1-element group tensor; "state": a 0-dim state tensor
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -37,6 +38,15 @@ class LocalSum(torch.optim.SGD):
             if self.objects:
                 for p, t in zip(group["params"], local):
                     self.state[p]["proj"] = _Proj(t.clone())
+            if self.tensors:
+                # plain tensors (as pytorch-optimizer's ASGD keeps its
+                # norms under FSDP1): DCP stores them once too
+                group["d"] = 1.0
+                if self.tensors == "group":
+                    group["norm"] = torch.stack([t.float().norm() for t in local]).norm().reshape(1)
+                else:
+                    for p, t in zip(group["params"], local):
+                        self.state[p]["scale"] = t.abs().amax() if t.numel() else torch.tensor(0.0)
 
 
 class _Proj:
@@ -77,6 +87,13 @@ def rank_local_fsdp2(rank: int, ws: int) -> dict[str, Any]:
         for group in optim.param_groups:
             group["d"] = 1.0  # the group value agrees: the object is what differs
         out[f"object[{fmt}]"] = _outcome(lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=opts))
+        # small plain tensors computed from the local shards
+        for where in ("group", "state"):
+            model = fsdp2_model(mesh, width=8, hidden=7)
+            optim = LocalSum(model.parameters(), tensors=where)
+            train(model, optim)
+            out[f"{where}_tensor[{fmt}]"] = _outcome(
+                lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=opts))
         # torch.optim: no error, and the dict equals upstream's
         model = fsdp2_model(mesh, width=8, hidden=7)
         optim = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -25,7 +25,7 @@ def test_group_sum_raises_on_every_rank(outcomes, fmt):
         assert got["raised"] == "RankLocalStateError", got
         assert got["key"] == "param_groups[0]['d']"
         assert sorted(r for rs in got["ranks"] for r in rs) == [0, 1]
-        assert "dcp.save stores a non-tensor value once" in got["text"]
+        assert "dcp.save stores such a value (a plain tensor too) once" in got["text"]
         assert "DCP_OPTIM_RANK_LOCAL_CHECK=0" in got["text"]
     assert outcomes[0][f"group_sum[{fmt}]"] == outcomes[1][f"group_sum[{fmt}]"]
     # upstream returns each rank's own value, silently
@@ -38,6 +38,21 @@ def test_state_object_raises(outcomes, fmt):
         got = out[f"object[{fmt}]"]
         assert got["raised"] == "RankLocalStateError", got
         assert got["key"].startswith("state.") and got["key"].endswith(".proj"), got
+
+
+@pytest.mark.parametrize("fmt", ["nested", "flat"])
+def test_small_plain_tensors_raise(outcomes, fmt):
+    """Plain tensors (not DTensors) are stored once by DCP too: a group's
+    1-element norm and a parameter's 0-dim scale computed from the local
+    shards raise, naming them."""
+    for out in outcomes:
+        got = out[f"group_tensor[{fmt}]"]
+        assert got["raised"] == "RankLocalStateError", got
+        assert got["key"] == "param_groups[0]['norm']", got
+        got = out[f"state_tensor[{fmt}]"]
+        assert got["raised"] == "RankLocalStateError", got
+        assert got["key"].startswith("state.") and got["key"].endswith(".scale"), got
+    assert outcomes[0][f"state_tensor[{fmt}]"] == outcomes[1][f"state_tensor[{fmt}]"]
 
 
 @pytest.mark.parametrize("fmt", ["nested", "flat"])
