@@ -49,6 +49,7 @@ __all__ = [
     "Fsdp1Localize",
     "agreement_mesh",
     "check_before_fsdp",
+    "check_torch_layout",
     "getter_options",
     "fsdp_process_group",
     "get_fsdp1_optim",
@@ -348,7 +349,9 @@ def _local_optim_state(optim: Any, info: Any, handles: list[_Handle]) -> tuple[d
     """(the optimizer's own dict, with the never-stepped state of the
     parameters it holds none for; its optimizer-wide entries (D29),
     taken out of it; its parameters in order)."""
-    osd, wide = split_own_wide(state_dict_fn(optim, "state_dict")())
+    raw = state_dict_fn(optim, "state_dict")()
+    check_torch_layout(optim, raw)
+    osd, wide = split_own_wide(raw)
     params = [p for g in optim.param_groups for p in g["params"]]
     pids = {id(p): i for i, p in enumerate(params)}
     first_wide, group_keys = _add_pristine(osd, params, pids, optim, info, handles)
@@ -358,6 +361,26 @@ def _local_optim_state(optim: Any, info: Any, handles: list[_Handle]) -> tuple[d
     add_group_keys(osd["param_groups"], group_keys)
     _check_flat_shapes(osd, pids, handles)
     return osd, {**first_wide, **wide}, params
+
+
+def check_torch_layout(optim: Any, osd: Any) -> None:
+    """FSDP1 cuts each parameter's optimizer state into the pieces of the
+    flat parameters, which it finds under torch's "state" (by the
+    optimizer's parameter indices).  An optimizer whose ``state_dict()``
+    has a layout of its own (pytorch-optimizer's Lookahead and
+    ScheduleFreeWrapper keep per-parameter tensors by (group, index)
+    beside a nested base optimizer's dict) hides them from that cut: its
+    get raised ``KeyError``, and a full dict's per-parameter tensors were
+    loaded whole into the wrapper, beside pieces of another shape.
+    Refused, naming it (FSDP2 keeps DTensors, whatever the layout)."""
+    if isinstance(osd, dict) and "state" in osd and "param_groups" in osd:
+        return
+    keys = list(osd)[:4] if isinstance(osd, dict) else type(osd).__name__
+    raise errors.StateDictValueError(
+        f"{type(optim).__qualname__}.state_dict() has a layout of its own ({keys}), not torch's 'state' "
+        "and 'param_groups': FSDP1 cuts each parameter's optimizer state into its flat parameter's "
+        "pieces and cannot find them there.  Such optimizer wrappers are supported under FSDP2 "
+        "(fully_shard) and on plain models, not under FSDP1")
 
 
 def _check_flat_shapes(osd: dict[str, Any], pids: dict[int, int], handles: list[_Handle]) -> None:

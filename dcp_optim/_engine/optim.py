@@ -1514,7 +1514,11 @@ class OptimLoad:
             osd = self.osd = fold_dcp_string_keys(osd)
         fsdp1 = bool(info.fsdp_modules)
         if fsdp1:
-            from .fsdp1 import load_via_fsdp, native_supported
+            from .fsdp1 import check_torch_layout, load_via_fsdp, native_supported
+
+            for optim in optimizers:
+                if not _native_load(optim):  # a wrapper's own state_dict(): torch's layout?
+                    check_torch_layout(optim, state_dict_fn(optim, "state_dict")())
 
             if not native_supported(info):
                 # FSDP's own load: its conversion makes collectives, so it

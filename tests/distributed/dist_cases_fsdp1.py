@@ -791,3 +791,41 @@ def flat_scalars_case(rank: int, ws: int, path: str) -> list[str]:
             steps = {float(s["step"]) for s in optim.state.values()}
             out.append(f"lagging step through DCP: {who} loaded {len(steps)} step for 4 parameters")
     return out
+
+
+def wrapper_layout_case(rank: int, ws: int) -> list[str]:
+    """pytorch-optimizer's Lookahead under FSDP1: its ``state_dict()``
+    keeps the slow weights by (group, index) beside the base optimizer's
+    dict, which FSDP1's cut into flat-parameter pieces cannot see.  Its
+    get raised ``KeyError: 'param_groups'``, and a full dict from a plain
+    model loaded the slow weights whole (shape (3, 5)) beside pieces of
+    (10,).  Now both refuse on every rank with ``StateDictValueError``,
+    naming the wrapper, the optimizer unchanged."""
+    po = pytest.importorskip("pytorch_optimizer")
+    torch.manual_seed(0)
+    plain = _Wide()
+    plain_opt = po.Lookahead(torch.optim.AdamW(plain.parameters(), lr=0.01), k=2)
+    plain(torch.randn(4, 8)).sum().backward()
+    plain_opt.step()
+    full = dcp_optim.get_optimizer_state_dict(plain, plain_opt, options=Opts(full_state_dict=True))
+    out = []
+    for orig in (True, False):
+        torch.manual_seed(1)
+        model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig)
+        optim = po.Lookahead(torch.optim.AdamW(model.parameters(), lr=0.01), k=2)
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        before = optim.state_dict()
+        for what, call in (
+            ("get", lambda: dcp_optim.get_optimizer_state_dict(model, optim)),
+            ("full load", lambda: dcp_optim.set_optimizer_state_dict(model, optim, full,
+                                                                     options=Opts(full_state_dict=True))),
+        ):
+            try:
+                call()
+                out.append(f"orig={orig} {what}: no error")
+            except dcp_optim.errors.StateDictValueError as exc:
+                assert "Lookahead" in str(exc) and "FSDP1" in str(exc), exc
+                out.append(f"orig={orig} {what}: StateDictValueError")
+            assert_same_tree(optim.state_dict(), before)
+    return out
