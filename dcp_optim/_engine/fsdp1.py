@@ -983,9 +983,10 @@ class Fsdp1Localize:
 def _check_loaded_entries(state: dict[str, Any], handles: list[_Handle]) -> None:
     """A loaded original parameter's state tensors are shaped like it (they
     are cut as FSDP cuts the parameter: one of another size would be read
-    past its end, after the ranks agreed).  And FSDP's rules for flattening original parameters' states into one
-    flat parameter's (``use_orig_params=False``; FSDP's
-    ``_flatten_optim_state``): the originals with state hold the same
+    past its end, after the ranks agreed).  And FSDP's rules for
+    flattening original parameters' states into one flat parameter's
+    (``use_orig_params=False``; FSDP's ``_flatten_optim_state``): the
+    originals with state hold the same
     state names, each name of one kind, and a value the flat parameter
     holds once -- a 0-dim tensor or a non-tensor (a per-parameter
     ``step``, NovoGrad's gradient norm) -- is held by every original

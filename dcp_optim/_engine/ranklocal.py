@@ -82,7 +82,8 @@ def _leaves(value: Any, path: str, out: list[tuple[str, Any]], tensors: list[tup
     ``out``, and of every small plain tensor into ``tensors`` (dicts,
     lists and tuples are walked)."""
     if isinstance(value, torch.Tensor):
-        if type(value) is torch.Tensor and value.numel() <= SMALL_TENSOR and value.device.type != "meta":
+        if (type(value) is torch.Tensor and value.numel() <= SMALL_TENSOR and value.layout is torch.strided
+                and not value.is_quantized and value.device.type != "meta"):
             tensors.append((path, value))
         return
     if isinstance(value, dict):
