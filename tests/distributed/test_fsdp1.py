@@ -118,6 +118,7 @@ def test_flat_parameter_scalars_must_agree(tmp_path):
 
 
 def test_optimizer_wrappers_with_their_own_layout_refused():
+    pytest.importorskip("pytorch_optimizer")
     results = run_ranks(2, cases.wrapper_layout_case, timeout=300)
     expected = [f"orig={o} {w}: StateDictValueError" for o in (True, False) for w in ("get", "full load")]
     assert all(r == expected for r in results), results
