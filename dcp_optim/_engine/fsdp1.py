@@ -43,7 +43,7 @@ from .own_calls import state_dict_fn
 from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
 from .ranklocal import CHECK_ENV, check_enabled
-from .wide import add_wide, copy_containers, pop_wide, split_own_wide
+from .wide import add_wide, collect_extras, copy_containers, pop_wide, split_own_wide
 
 __all__ = [
     "Fsdp1Localize",
@@ -244,11 +244,17 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     handles = _handles(info)
     local: list[tuple[dict[str, Any], dict[str, Any], list[Any]]] = []
     error: Exception | None = None
+    extras: dict[str, Any] = {}
     try:
-        local = [_local_optim_state(optim, info, handles) for optim in optimizers]
+        local = [_local_optim_state(optim, info, handles, extras) for optim in optimizers]
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
         error = exc
     check_before_fsdp(model, info, "FSDP1 optimizer state dict", _getter_options(info), error=error)
+    # the optimizers' own top-level entries (Ranger21's lookahead_step),
+    # which the caller adds to the returned dict as for plain models: the
+    # FSDP1 getters dropped them, so a resume restarted them silently
+    rank0_only = info.full_state_dict and (info.cpu_offload or info.broadcast_from_rank0)
+    info.optim_extras = extras if not rank0_only or dist.get_rank(fsdp_process_group(model, info)) == 0 else {}
     if not _native_supported(info):
         return _get_via_fsdp(model, optimizers, info, local)
     by_flat = {id(h.flat): h for h in handles}
@@ -345,12 +351,15 @@ def _unshare_scalars(state: dict[str, Any]) -> None:
                     seen.add(id(value))
 
 
-def _local_optim_state(optim: Any, info: Any, handles: list[_Handle]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+def _local_optim_state(optim: Any, info: Any, handles: list[_Handle],
+                       extras: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """(the optimizer's own dict, with the never-stepped state of the
     parameters it holds none for; its optimizer-wide entries (D29),
-    taken out of it; its parameters in order)."""
+    taken out of it; its parameters in order).  Its own top-level
+    entries go into ``extras``."""
     raw = state_dict_fn(optim, "state_dict")()
     check_torch_layout(optim, raw)
+    collect_extras(optim, raw, extras, stacklevel=7)
     osd, wide = split_own_wide(raw)
     params = [p for g in optim.param_groups for p in g["params"]]
     pids = {id(p): i for i, p in enumerate(params)}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +42,16 @@ from .shadow import (
     upstream_wrapper_entries,
 )
 from .tree import insert_path, maybe_full_or_cpu_state_dict
-from .wide import add_wide, copy_containers, pop_wide, split_own_wide, wide_index, wide_key
+from .wide import (
+    TORCH_LAYOUT,
+    add_wide,
+    collect_extras,
+    copy_containers,
+    pop_wide,
+    split_own_wide,
+    wide_index,
+    wide_key,
+)
 
 __all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]
 
@@ -344,7 +352,7 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         _check_own_state_dict(optim, osd)
         osd, inner_wide = split_own_wide(osd)
         C.optim_remap(index, target, osd)
-        _collect_extras(optim, osd, extras)
+        collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
             state.update(extra)
@@ -416,7 +424,7 @@ def _in_own_layout(
     return extra, group_keys
 
 
-_LAYOUT = ("state", "param_groups")
+_LAYOUT = TORCH_LAYOUT
 
 def _has_layout(osd: Any) -> bool:
     return isinstance(osd, dict) and all(k in osd for k in _LAYOUT)
@@ -507,32 +515,12 @@ def _check_own_state_dict(optim: _Optimizer, osd: Any) -> None:
     )
 
 
-def _collect_extras(optim: _Optimizer, osd: dict[str, Any], extras: dict[str, Any]) -> None:
-    """Top-level entries of an optimizer's own ``state_dict()`` besides
-    "state" and "param_groups" (StableSPAM's ``total_step``): kept at the
-    top level of the returned dict, and given back to the optimizer's own
-    ``load_state_dict`` on load (upstream drops them)."""
-    for key, value in osd.items():
-        if key in _LAYOUT:
-            continue
-        if key in extras:
-            warnings.warn(
-                f"optimizers share the top-level state_dict() key {key!r}: the "
-                f"combined dict keeps the first one's, not {type(optim).__qualname__}'s "
-                "(upstream keeps neither); get them one optimizer at a time to keep both",
-                UserWarning,
-                stacklevel=6,
-            )
-            continue
-        extras[key] = value
-
-
 def _loaded_extras(osd: Any, flat: bool, own: bool = True) -> dict[str, Any]:
     """The entries of a loaded dict that are not parameters' state or
     groups: the optimizer-wide entries (D29: ".optimizer_<o>" in "state",
     or flattened "state..optimizer_<o>.<name>"), and with ``own`` the
     top-level entries that belong to neither format's state or groups
-    (see _collect_extras).  They travel with the source's metadata on
+    (see wide.collect_extras).  They travel with the source's metadata on
     broadcast loads."""
     if not isinstance(osd, dict):
         return {}
@@ -1200,7 +1188,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     """Validate a loaded view against every optimizer and build what
     commit installs: (prepared, missing, unexpected).  Raises on bad input;
     installs nothing.  ``extras``: top-level entries of the loaded dict
-    for the optimizers' own ``load_state_dict`` (see _collect_extras)."""
+    for the optimizers' own ``load_state_dict`` (see wide.collect_extras)."""
     # wrappers (see _wrapper_layout): checked and split as their inner
     # optimizer, installed through their own load_state_dict
     wrapped = [_live_wrapper_layout(optim) for optim in optimizers]

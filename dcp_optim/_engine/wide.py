@@ -1,11 +1,14 @@
 """Optimizer-wide state (D29 in docs/differences.md): entries of
 ``optimizer.state`` keyed by a str, not by a parameter (MADGRAD's "k",
 SPAM's counters, EmoNavi's "ema"), as the optimizer getters return them
-and the loads put them back -- for plain, sharded and FSDP1 models alike.
+and the loads put them back -- for plain, sharded and FSDP1 models alike;
+and the top-level entries of an optimizer's own ``state_dict()`` besides
+"state" and "param_groups" (``collect_extras``).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .. import errors
@@ -94,3 +97,28 @@ def split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
     return {**osd, "state": rest}, wide
 
 
+
+
+# torch's own layout of an optimizer's state_dict()
+TORCH_LAYOUT = ("state", "param_groups")
+
+
+def collect_extras(optim: Any, osd: dict[str, Any], extras: dict[str, Any], stacklevel: int = 6) -> None:
+    """Top-level entries of an optimizer's own ``state_dict()`` besides
+    "state" and "param_groups" (StableSPAM's ``total_step``, Ranger21's
+    ``lookahead_step``): kept at the top level of the returned dict, and
+    given back to the optimizer's own ``load_state_dict`` on load
+    (upstream drops them)."""
+    for key, value in osd.items():
+        if key in TORCH_LAYOUT:
+            continue
+        if key in extras:
+            warnings.warn(
+                f"optimizers share the top-level state_dict() key {key!r}: the "
+                f"combined dict keeps the first one's, not {type(optim).__qualname__}'s "
+                "(upstream keeps neither); get them one optimizer at a time to keep both",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+            continue
+        extras[key] = value

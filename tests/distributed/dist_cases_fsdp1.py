@@ -829,3 +829,35 @@ def wrapper_layout_case(rank: int, ws: int) -> list[str]:
                 out.append(f"orig={orig} {what}: StateDictValueError")
             assert_same_tree(optim.state_dict(), before)
     return out
+
+
+def optimizer_extras_case(rank: int, ws: int, path: str) -> list[str]:
+    """Top-level entries of an optimizer's own ``state_dict()`` besides
+    "state" and "param_groups" (pytorch-optimizer's Ranger21 keeps its
+    ``lookahead_step`` there): the FSDP1 getters dropped them, so a DCP
+    resume restarted the lookahead counter at 0 -- silently, the merge
+    then came steps late.  Now they are in the dict as for plain models,
+    and the resume installs them."""
+    po = pytest.importorskip("pytorch_optimizer")
+    out = []
+    for orig in (True, False):
+        def make(seed: int):
+            torch.manual_seed(seed)
+            model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig)
+            return model, po.Ranger21(model.parameters(), num_iterations=100, lr=0.01)
+
+        model, optim = make(0)
+        _narrow_train(model, optim, range(3))
+        for flat in (False, True):
+            options = Opts(flatten_optimizer_state_dict=flat)
+            saved = dcp_optim.get_optimizer_state_dict(model, optim, options=options)
+            assert saved["lookahead_step"] == optim.lookahead_step == 3, saved.get("lookahead_step")
+            dcp.save({"optim": saved}, checkpoint_id=f"{path}/r21-{int(orig)}-{int(flat)}")
+            resumed, ropt = make(1)
+            state = {"optim": dcp_optim.get_optimizer_state_dict(resumed, ropt, options=options)}
+            dcp.load(state, checkpoint_id=f"{path}/r21-{int(orig)}-{int(flat)}")
+            dcp_optim.set_optimizer_state_dict(resumed, ropt, state["optim"], options=options)
+            out.append(f"orig={orig} flat={flat}: lookahead_step {ropt.lookahead_step}")
+        full = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(full_state_dict=True, cpu_offload=True))
+        out.append(f"orig={orig} full on this rank: {'lookahead_step' in full}")
+    return out

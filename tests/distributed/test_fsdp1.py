@@ -122,3 +122,12 @@ def test_optimizer_wrappers_with_their_own_layout_refused():
     results = run_ranks(2, cases.wrapper_layout_case, timeout=300)
     expected = [f"orig={o} {w}: StateDictValueError" for o in (True, False) for w in ("get", "full load")]
     assert all(r == expected for r in results), results
+
+
+def test_optimizers_own_top_level_entries(tmp_path):
+    pytest.importorskip("pytorch_optimizer")
+    results = run_ranks(2, cases.optimizer_extras_case, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        assert r == [x for o in (True, False) for x in
+                     [f"orig={o} flat={f}: lookahead_step 3" for f in (False, True)]
+                     + [f"orig={o} full on this rank: {rank == 0}"]], r
