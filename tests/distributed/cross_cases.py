@@ -47,6 +47,9 @@ from . import resume_cases as rc
 
 LAYOUTS_W2 = ("fsdp2", "fsdp1", "fsdp1-flat")
 LAYOUTS = ("w1",) + LAYOUTS_W2
+# the DCP formats, and "full": rank 0's file of a full dict (cpu_offload),
+# loaded with broadcast_from_rank0 at world 2
+FORMATS = tuple(rc.FORMATS) + ("full",)
 
 
 def _case(case: dict[str, Any]) -> dict[str, Any]:
@@ -147,27 +150,33 @@ def truth(model, opt, world: int, layout: str) -> dict[str, Any]:
             out[fqn] = mine
         return out
 
-    def walk(node: Any, parent: Any) -> Any:
+    def walk(node: Any, parent: Any, depth: int) -> Any:
+        # the optimizer's own parameter indices: in its dict and in a
+        # wrapper's base optimizer's one level down (Lookahead's); not in
+        # deeper copies of other optimizers' dicts (SPAM's warmup keeps a
+        # scheduler's optimizer over a parameter of its own)
         if isinstance(node, dict):
             out: dict[Any, Any] = {}
             for k, v in node.items():
                 param = None
-                if parent == "state" and isinstance(k, int) and 0 <= k < len(params):
+                if parent == "state" and depth <= 2 and isinstance(k, int) and 0 <= k < len(params):
                     param = params[k]
-                elif isinstance(k, tuple) and k in by_pair:
+                elif depth <= 1 and isinstance(k, tuple) and k in by_pair:
                     param = by_pair[k]
                 if param is not None and id(param) in rows:
                     out.update(entry(param, v))
-                elif k == "param_groups" and isinstance(v, list):
+                elif k == "param_groups" and isinstance(v, list) and depth <= 1:
                     out[k] = _groups(v, params, rows)
+                elif k == "params" and isinstance(v, list):
+                    continue  # another optimizer's parameter list: the layout's, not state
                 else:
-                    out[k] = walk(v, k)
+                    out[k] = walk(v, k, depth + 1)
             return out
         if isinstance(node, (list, tuple)) and type(node) in (list, tuple):
-            return type(node)(walk(v, None) for v in node)
+            return type(node)(walk(v, None, depth + 1) for v in node)
         return _Value(_full(node)) if fsdp1 else _full(node)
 
-    out = walk(opt.state_dict(), None)
+    out = walk(opt.state_dict(), None, 0)
     if fsdp1:
         every: list[Any] = [None] * world
         dist.all_gather_object(every, out)
@@ -342,9 +351,17 @@ def save_case(name: str, case: dict[str, Any], world: int, layout: str, root: st
         return failure
     model, opt = built
     saved_any = False
-    for fmt, options in rc.FORMATS.items():
-        def save(fmt=fmt, options=options):
-            state = dcp_optim.get_optimizer_state_dict(model, opt, options=options)
+    for fmt in FORMATS:
+        def save(fmt=fmt):
+            if fmt == "full":
+                # torchtune's and Lightning's full checkpoints: rank 0's file
+                state = dcp_optim.get_optimizer_state_dict(model, opt, options=dcp_optim.StateDictOptions(
+                    full_state_dict=True, cpu_offload=True))
+                os.makedirs(_path(root, name, layout, fmt), exist_ok=True)
+                if world == 1 or dist.get_rank() == 0:
+                    torch.save(state, os.path.join(_path(root, name, layout, fmt), "optim.pt"))
+                return
+            state = dcp_optim.get_optimizer_state_dict(model, opt, options=rc.FORMATS[fmt])
             dcp.save({"model": dcp_optim.get_model_state_dict(model), "optim": state},
                      checkpoint_id=_path(root, name, layout, fmt))
         _, failure = _attempt(world, "save", save)
@@ -371,16 +388,23 @@ def load_case(name: str, case: dict[str, Any], world: int, layout: str, source: 
     """Phase 2: (verdict, reason) of loading ``source``'s checkpoint at ``layout``."""
     path = _path(root, name, source, fmt)
     truth_file = _path(root, name, source)
-    if not os.path.exists(os.path.join(path, ".metadata")):
+    if not os.path.exists(os.path.join(path, "optim.pt" if fmt == "full" else ".metadata")):
         return "no source", "the source did not save"
     if not os.path.exists(truth_file):
         return "no oracle", "no truth for the source"
     expected = torch.load(truth_file, weights_only=False)
     mesh = rc._case_mesh(world)
-    options = rc.FORMATS[fmt]
+    options = rc.FORMATS.get(fmt)
 
     def load():
         model, opt = rc._build(case, world, seed=1, mesh=mesh)
+        if fmt == "full":
+            # rank 0 reads the file, the others receive (broadcast_from_rank0)
+            rank0 = world == 1 or dist.get_rank() == 0
+            full = torch.load(os.path.join(path, "optim.pt"), weights_only=False) if rank0 else {}
+            dcp_optim.set_optimizer_state_dict(model, opt, full, options=dcp_optim.StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=world > 1))
+            return model, opt
         state = {"model": dcp_optim.get_model_state_dict(model),
                  "optim": dcp_optim.get_optimizer_state_dict(model, opt, options=options)}
         dcp.load(state, checkpoint_id=path)
@@ -500,7 +524,7 @@ def run_phase(rank: int, world: int, phase: str, names: list[str], root: str,
                 if layout not in here:
                     continue
                 rc._LAYOUT["name"] = layout
-                for fmt in rc.FORMATS:
+                for fmt in FORMATS:
                     if world > 1 and layout != "fsdp2" and name in rc.FSDP1_NOT_RUN:
                         out.append((name, source, layout, fmt, "no source", rc.FSDP1_NOT_RUN[name]))
                         continue
