@@ -28,7 +28,8 @@ pytestmark = [
 # make test's pairs: a cycle through the four layouts (each one a source
 # and a destination once: plain -> flat parameters -> original
 # parameters' pieces -> DTensors -> plain); DCP_OPTIM_CROSS_PAIRS=all runs
-# all twelve (about 18 minutes on 2 cores)
+# all twelve (about 18 minutes on 2 cores); DCP_OPTIM_CROSS_FORMATS=all
+# adds full dicts loaded by broadcast to the two DCP formats
 CYCLE = [("w1", "fsdp1-flat"), ("fsdp1-flat", "fsdp1"), ("fsdp1", "fsdp2"), ("fsdp2", "w1")]
 ALL = [(a, b) for a in cross_cases.LAYOUTS for b in cross_cases.LAYOUTS if a != b]
 PAIRS = ALL if os.environ.get("DCP_OPTIM_CROSS_PAIRS") == "all" else CYCLE
