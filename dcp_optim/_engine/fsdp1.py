@@ -1185,7 +1185,8 @@ def native_supported(info: Any) -> bool:
 
 def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
                   states: dict[str, Any] | None = None,
-                  wide: dict[int, dict[str, Any]] | None = None) -> Callable[[], None]:
+                  wide: dict[int, dict[str, Any]] | None = None,
+                  own: dict[str, Any] | None = None) -> Callable[[], None]:
     """FSDP's own optimizer load (hybrid sharding, non-contiguous flat
     parameters): the conversion (``FSDP.optim_state_dict_to_load``, which
     makes collectives across the FSDP group) runs here, in the load's move,
@@ -1193,11 +1194,15 @@ def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
     each optimizer's ``load_state_dict`` on the converted dicts (no
     collectives at commit).  ``states``: a flattened ``osd``'s states by
     FQN, as the native load parses them; ``wide``: the optimizer-wide
-    entries (D29) per optimizer position, taken out of ``osd``."""
+    entries (D29) per optimizer position, taken out of ``osd``; ``own``:
+    the optimizers' own top-level entries, given to their own
+    ``load_state_dict`` beside the converted dict."""
     converted = _convert_via_fsdp(model, optimizers, osd, info, states)
     for o, split in enumerate(converted):
         if wide and o in wide:  # torch's load_state_dict keeps the keys that are no parameter's
             split["state"] = {**split["state"], **copy_containers(wide[o])}
+        for key, value in (own or {}).items():
+            split.setdefault(key, value)
 
     def install() -> None:
         for optim, split in zip(optimizers, converted):

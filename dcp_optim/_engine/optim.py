@@ -1515,14 +1515,17 @@ class OptimLoad:
                 # the optimizer-wide entries (D29) go round FSDP's
                 # conversion, which takes every key for a parameter's
                 flat = bool(info.flatten_optimizer_state_dict)
-                extras = _loaded_extras(osd, flat, own=False)
-                wide, _, _ = _take_wide(extras, tuple(optimizers))
+                extras = _loaded_extras(osd, flat, own=not all(_native_load(optim) for optim in optimizers))
+                # the optimizers' own top-level entries (Ranger21's
+                # lookahead_step) go to their own load_state_dict with the
+                # converted dict, as on the native path
+                wide, own, _ = _take_wide(extras, tuple(optimizers))
                 core = _without_extras(osd, extras) if extras else osd
                 # a flattened dict's states as the native path parses them:
                 # upstream's unflattening, which FSDP's load takes, looks up
                 # the names the live optimizer holds -- none, never stepped
                 states = _view(info.index, core, tuple(optimizers))[0] if core and "state" not in core else None
-                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, core, info, states, wide)
+                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, core, info, states, wide, own)
                 return None
         if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
             self.direct = Prepared(

@@ -861,3 +861,32 @@ def optimizer_extras_case(rank: int, ws: int, path: str) -> list[str]:
         full = dcp_optim.get_optimizer_state_dict(model, optim, options=Opts(full_state_dict=True, cpu_offload=True))
         out.append(f"orig={orig} full on this rank: {'lookahead_step' in full}")
     return out
+
+
+def hsdp_extras_case(rank: int, ws: int, path: str) -> list[str]:
+    """The same under HYBRID_SHARD (FSDP's own optimizer-state functions):
+    the get keeps Ranger21's ``lookahead_step``, and the load gives it to
+    Ranger21's own ``load_state_dict`` with FSDP's converted dict."""
+    import pytorch_optimizer as po
+    from torch.distributed.fsdp import ShardingStrategy
+
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    groups = (mesh.get_group(1), mesh.get_group(0))
+    out = []
+    for orig in (True, False):
+        def make(seed: int):
+            torch.manual_seed(seed)
+            model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig,
+                         sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=groups)
+            return model, po.Ranger21(model.parameters(), num_iterations=100, lr=0.01)
+
+        model, optim = make(0)
+        _narrow_train(model, optim, range(3))
+        saved = dcp_optim.get_optimizer_state_dict(model, optim)
+        dcp.save({"optim": saved}, checkpoint_id=f"{path}/hsdp-r21-{int(orig)}")
+        resumed, ropt = make(1)
+        state = {"optim": dcp_optim.get_optimizer_state_dict(resumed, ropt)}
+        dcp.load(state, checkpoint_id=f"{path}/hsdp-r21-{int(orig)}")
+        dcp_optim.set_optimizer_state_dict(resumed, ropt, state["optim"])
+        out.append(f"orig={orig}: saved {saved.get('lookahead_step')}, loaded {ropt.lookahead_step}")
+    return out

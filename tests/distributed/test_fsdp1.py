@@ -131,3 +131,9 @@ def test_optimizers_own_top_level_entries(tmp_path):
         assert r == [x for o in (True, False) for x in
                      [f"orig={o} flat={f}: lookahead_step 3" for f in (False, True)]
                      + [f"orig={o} full on this rank: {rank == 0}"]], r
+
+
+def test_optimizers_own_top_level_entries_hybrid_shard(tmp_path):
+    pytest.importorskip("pytorch_optimizer")
+    results = run_ranks(4, cases.hsdp_extras_case, str(tmp_path), timeout=300)
+    assert all(r == [f"orig={o}: saved 3, loaded 3" for o in (True, False)] for r in results), results
