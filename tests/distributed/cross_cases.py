@@ -2,28 +2,30 @@
 
 What dcp_optim is for: optimizer state saved at one layout and loaded at
 another.  For every case of the resume matrix's catalogue
-(resume_cases.py), in both formats, between every pair of layouts --
-``w1`` (one process, plain tensors), ``fsdp2`` (FSDP2 at world 2),
-``fsdp1`` and ``fsdp1-flat`` (FSDP1 at world 2, ``use_orig_params`` True
-and False):
+(resume_cases.py), in both DCP formats (and, on request, a full dict
+loaded by broadcast), between pairs of layouts -- ``w1`` (one process,
+plain tensors), ``fsdp2`` (FSDP2 at world 2), ``fsdp1`` and
+``fsdp1-flat`` (FSDP1 at world 2, ``use_orig_params`` True and False):
 
 1. **save** (layout A): train ``STEPS`` steps, ``get_optimizer_state_dict``,
-   ``dcp.save``; and A's *truth*: the optimizer's state and groups keyed
-   by FQN with full tensors, read without dcp_optim (``opt.state_dict()``
-   with DTensors made full, and FSDP1's own ``FSDP.optim_state_dict`` for
-   FSDP1 models);
+   ``dcp.save``; and A's *truth* (``truth``): the optimizer's own
+   ``state_dict()`` with every parameter's entry keyed by FQN and full
+   tensors, read without dcp_optim (DTensors made full; under FSDP1 the
+   ranks' pieces put together from FSDP's flat-parameter metadata);
 2. **load** (layout B): a fresh model and never-stepped optimizer,
    template, ``dcp.load``, ``set_optimizer_state_dict``; B's truth must
-   equal A's (every state entry and group key, values, dtypes and types),
-   and ``RESUMED`` steps must run.
+   equal A's (every entry and group key, values, dtypes and types), and
+   ``RESUMED`` steps must run.
 
-Verdicts: ``moved`` (truths equal, training goes on), ``raised`` (the
-load side raised before anything was installed: the reason is kept),
-``no source`` (A could not train or save: the same-layout matrix judges
-that), ``no oracle`` (FSDP1's own function cannot read the optimizer, so
-there is no truth to compare with), and ``diverged`` (the state installed
-is not the state saved, or the load said it succeeded and the next step
-raised): the failure this matrix exists to catch.
+Verdicts: ``moved`` (truths equal, training goes on); ``raised`` (the
+load raised: the reason is kept); ``requantized``, ``layout-dependent``
+and ``not run`` (``_explain``: what no checkpoint carries across the
+change, or a destination the optimizer cannot train at); ``no source``
+(A could not train or save: the same-layout matrix judges that); ``no
+oracle`` (A's ranks hold different values, which its checkpoint holds
+one of: a full dict of rank-local values); and ``diverged`` (the state
+installed is not the state saved, or the load said it succeeded and the
+next step raised): the failure this matrix exists to catch.
 
 The model is uneven at world 2 (5 inputs, 3 hidden units: FSDP2's shards
 of 2 and 1 rows, FSDP1's padded flat parameters), so shard offsets differ
