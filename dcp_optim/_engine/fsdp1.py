@@ -43,7 +43,14 @@ from .own_calls import state_dict_fn
 from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
 from .ranklocal import CHECK_ENV, check_enabled
-from .wide import add_wide, collect_extras, copy_containers, pop_wide, split_own_wide
+from .wide import (
+    add_wide,
+    collect_extras,
+    copy_containers,
+    has_torch_layout,
+    pop_wide,
+    split_own_wide,
+)
 
 __all__ = [
     "Fsdp1Localize",
@@ -250,20 +257,18 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
         error = exc
     check_before_fsdp(model, info, "FSDP1 optimizer state dict", _getter_options(info), error=error)
+    full = info.full_state_dict
+    rank0_only = full and (info.cpu_offload or info.broadcast_from_rank0)
+    group = fsdp_process_group(model, info)
+    to_save = not rank0_only or dist.get_rank(group) == 0
     # the optimizers' own top-level entries (Ranger21's lookahead_step),
     # which the caller adds to the returned dict as for plain models: the
     # FSDP1 getters dropped them, so a resume restarted them silently
-    rank0_only = info.full_state_dict and (info.cpu_offload or info.broadcast_from_rank0)
-    info.optim_extras = extras if not rank0_only or dist.get_rank(fsdp_process_group(model, info)) == 0 else {}
+    info.optim_extras = extras if to_save else {}
     if not _native_supported(info):
         return _get_via_fsdp(model, optimizers, info, local)
     by_flat = {id(h.flat): h for h in handles}
     by_orig = {id(p): (h, i) for h in handles for i, p in enumerate(h.params)}
-    full = info.full_state_dict
-    rank0_only = full and (info.cpu_offload or info.broadcast_from_rank0)
-    group = fsdp_process_group(model, info)
-    rank = dist.get_rank(group)
-    to_save = not rank0_only or rank == 0 or not full
 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
@@ -382,7 +387,7 @@ def check_torch_layout(optim: Any, osd: Any) -> None:
     get raised ``KeyError``, and a full dict's per-parameter tensors were
     loaded whole into the wrapper, beside pieces of another shape.
     Refused, naming it (FSDP2 keeps DTensors, whatever the layout)."""
-    if isinstance(osd, dict) and "state" in osd and "param_groups" in osd:
+    if has_torch_layout(osd):
         return
     keys = list(osd)[:4] if isinstance(osd, dict) else type(osd).__name__
     raise errors.StateDictValueError(

@@ -47,6 +47,7 @@ from .wide import (
     add_wide,
     collect_extras,
     copy_containers,
+    has_torch_layout,
     pop_wide,
     split_own_wide,
     wide_index,
@@ -424,10 +425,6 @@ def _in_own_layout(
     return extra, group_keys
 
 
-_LAYOUT = TORCH_LAYOUT
-
-def _has_layout(osd: Any) -> bool:
-    return isinstance(osd, dict) and all(k in osd for k in _LAYOUT)
 
 
 def _inner_optimizer(optim: Any) -> _Optimizer | None:
@@ -447,9 +444,9 @@ def _wrapper_layout(optim: _Optimizer, osd: Any) -> tuple[Any, _Optimizer] | Non
     of the inner optimizer whose param groups ``optim`` shares
     (pytorch-optimizer's Lookahead: ``base_optimizer``, Magma: ``base``);
     the wrapper's other entries sit beside it.  None otherwise."""
-    if not isinstance(osd, dict) or _has_layout(osd):
+    if not isinstance(osd, dict) or has_torch_layout(osd):
         return None
-    keys = [k for k, v in osd.items() if _has_layout(v)]
+    keys = [k for k, v in osd.items() if has_torch_layout(v)]
     if len(keys) != 1:
         return None
     inner = _inner_optimizer(optim)
@@ -504,7 +501,7 @@ def _check_own_state_dict(optim: _Optimizer, osd: Any) -> None:
     """An optimizer's own ``state_dict()`` must have torch's layout to be
     keyed by FQN (wrappers such as Lookahead return another layout;
     upstream raises ``KeyError: 'state'`` on them)."""
-    if _has_layout(osd):
+    if has_torch_layout(osd):
         return
     got = sorted(map(repr, osd)) if isinstance(osd, dict) else type(osd).__name__
     raise errors.StateDictKeyError(
@@ -530,7 +527,7 @@ def _loaded_extras(osd: Any, flat: bool, own: bool = True) -> dict[str, Any]:
             if isinstance(k, str) and k.startswith("state..")
             or own and not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))
         }
-    out = {k: v for k, v in osd.items() if k not in _LAYOUT} if own else {}
+    out = {k: v for k, v in osd.items() if k not in TORCH_LAYOUT} if own else {}
     state = osd.get("state")
     if isinstance(state, dict):
         out.update((k, v) for k, v in state.items() if isinstance(k, str) and k[:1] == ".")
@@ -1504,8 +1501,9 @@ class OptimLoad:
         if fsdp1:
             from .fsdp1 import check_torch_layout, load_via_fsdp, native_supported
 
-            for optim in optimizers:
-                if not _native_load(optim):  # a wrapper's own state_dict(): torch's layout?
+            native = [_native_load(optim) for optim in optimizers]
+            for optim, own_load in zip(optimizers, native):
+                if not own_load:  # a wrapper's own state_dict(): torch's layout?
                     check_torch_layout(optim, state_dict_fn(optim, "state_dict")())
 
             if not native_supported(info):
@@ -1515,7 +1513,7 @@ class OptimLoad:
                 # the optimizer-wide entries (D29) go round FSDP's
                 # conversion, which takes every key for a parameter's
                 flat = bool(info.flatten_optimizer_state_dict)
-                extras = _loaded_extras(osd, flat, own=not all(_native_load(optim) for optim in optimizers))
+                extras = _loaded_extras(osd, flat, own=not all(native))
                 # the optimizers' own top-level entries (Ranger21's
                 # lookahead_step) go to their own load_state_dict with the
                 # converted dict, as on the native path

@@ -103,6 +103,11 @@ def split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
 TORCH_LAYOUT = ("state", "param_groups")
 
 
+def has_torch_layout(osd: Any) -> bool:
+    """Whether an optimizer's ``state_dict()`` is laid out as torch's."""
+    return isinstance(osd, dict) and all(k in osd for k in TORCH_LAYOUT)
+
+
 def collect_extras(optim: Any, osd: dict[str, Any], extras: dict[str, Any], stacklevel: int = 6) -> None:
     """Top-level entries of an optimizer's own ``state_dict()`` besides
     "state" and "param_groups" (StableSPAM's ``total_step``, Ranger21's
