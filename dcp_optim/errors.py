@@ -122,11 +122,11 @@ class StaleOptimizerStateError(StateDictRuntimeError):
 
 
 class RankLocalStateError(StateDictRuntimeError):
-    """A sharded get (FSDP2/TP) found an optimizer value that is not a
-    tensor and differs between the ranks of a mesh (a group sum such as
-    Prodigy's ``d``, a projector object built from local shards).  DCP
-    stores such a value once, so a resume would silently give every rank
-    one rank's value (D30).  ``key`` names the entry, ``ranks`` the ranks
+    """A sharded or full get (FSDP2/TP, FSDP1) found an optimizer value that
+    is not a DTensor and differs between the ranks of a mesh (a group sum
+    such as Prodigy's ``d``, a projector object built from local shards).
+    DCP stores such a value once, and a full dict holds rank 0's, so a
+    resume would silently give every rank one rank's value (D30).  ``key`` names the entry, ``ranks`` the ranks
     per distinct value."""
 
     def __init__(self, message: str, key: str, ranks: list[list[int]]):

@@ -43,6 +43,7 @@ from .own_calls import state_dict_fn
 from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
 from .ranklocal import CHECK_ENV, check_enabled
+from .ranklocal import check_rank_local as agree_rank_local
 from .wide import (
     add_wide,
     collect_extras,
@@ -242,7 +243,7 @@ def _sort_names(entry: dict[str, Any]) -> dict[str, Any]:
 # --- get -----------------------------------------------------------------------
 
 
-def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
+def get_fsdp1_optim(model: nn.Module, optimizers, info: Any, check_rank_local: bool = False) -> dict[str, Any]:
     # Each optimizer's own dict and the never-stepped state of parameters
     # without any come first: building the latter can fail on some ranks
     # only (a shadow step on a rank's empty pieces), and such a failure is
@@ -258,6 +259,8 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
         error = exc
     check_before_fsdp(model, info, "FSDP1 optimizer state dict", _getter_options(info), error=error)
     full = info.full_state_dict
+    if check_rank_local:
+        _check_saved_once(model, info, local, handles)
     rank0_only = full and (info.cpu_offload or info.broadcast_from_rank0)
     group = fsdp_process_group(model, info)
     to_save = not rank0_only or dist.get_rank(group) == 0
@@ -333,6 +336,31 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any) -> dict[str, Any]:
         return {}
     _unshare_scalars(state)
     return {"state": state, "param_groups": groups}
+
+
+def _check_saved_once(model: nn.Module, info: Any, local: list[tuple[dict[str, Any], dict[str, Any], list[Any]]],
+                      handles: list[_Handle]) -> None:
+    """D30 for a full get, before its gather (which may leave ranks other
+    than 0 with nothing): the values the full dict carries once for all
+    ranks and no gather puts together -- group values, the optimizer-wide
+    entries, the state of parameters FSDP does not manage -- are agreed
+    on as the sharded get agrees on them.  The flat parameters' own 0-dim
+    and other values are agreed in their gather (``_merge_scalars``)."""
+    is_fsdp1, known, mesh = agreement_mesh(model, info)
+    if not (is_fsdp1 and known):
+        return
+    managed = {id(h.flat) for h in handles} | {id(p) for h in handles for p in h.params}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for o, (osd, wide, params) in enumerate(local):
+        for pid, p in enumerate(params):
+            entry = osd["state"].get(pid)
+            slot = None if entry is None or id(p) in managed else info.index.slot_of(p)
+            if slot is not None:
+                state[info.index.tensor_fqns[slot][0]] = entry
+        add_wide(state, o, wide)
+        groups.extend(_groups_by_fqn(osd, params, handles, info))
+    agree_rank_local({"state": state, "param_groups": groups}, info, fsdp1=(mesh,))
 
 
 def _unshare_scalars(state: dict[str, Any]) -> None:

@@ -167,21 +167,25 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
         _check_held_optimizers(optim, i)
+    # D30: values an optimizer computes from the rank's shards (Prodigy's
+    # and D-Adaptation's "d") are saved once, sharded or full; torch.optim's
+    # own classes keep none outside tensors, and their sharded get stays
+    # local (upstream's)
+    rank_local = not all(_torch_optimizer(optim) for optim in optimizers)
     if info.fsdp_modules:
         from .fsdp1 import agreement_mesh, get_fsdp1_optim
 
-        osd = get_fsdp1_optim(model, optimizers, info)
-        if not info.full_state_dict and not all(_torch_optimizer(optim) for optim in optimizers):
-            # D30 for flat parameters too: a value an optimizer computes
-            # from the rank's shards (D-Adaptation's and Prodigy's "d")
+        # a full get checks inside, before its gather: on ranks other than
+        # 0 it may return nothing
+        osd = get_fsdp1_optim(model, optimizers, info, check_rank_local=rank_local and info.full_state_dict)
+        if rank_local and not info.full_state_dict:
             is_fsdp1, known, mesh = agreement_mesh(model, info)
             if is_fsdp1 and known:
                 check_rank_local(osd, info, fsdp1=(mesh,))
     else:
         osd = _get_plain(optimizers, info)
-        if not info.full_state_dict and not all(_torch_optimizer(optim) for optim in optimizers):
-            # D30; torch.optim's own classes keep no rank-local values
-            # outside tensors, and their sharded get stays local (upstream's)
+        if rank_local:
+            # before the full get's gather (DTensors still local)
             check_rank_local(osd, info)
     extras = getattr(info, "optim_extras", None)
     if info.flatten_optimizer_state_dict:

@@ -10,7 +10,8 @@ plan deduplicates replicated items), so on resume every rank loads one
 rank's copy and training continues from state that is wrong on the other
 ranks -- silently.  Upstream's getter returns such values as they are.
 
-The sharded getter therefore agrees, on the mesh of the optimizer's
+The sharded and full getters therefore agree (a full get before its
+gather), on the mesh of the optimizer's
 DTensor parameters, on one digest of every value of the returned dict that
 is not a tensor (state entries and param-group values), and of every
 small plain tensor (``SMALL_TENSOR``): one fixed-size
@@ -46,7 +47,7 @@ from .consistency import (
 )
 
 CHECK_ENV = "DCP_OPTIM_RANK_LOCAL_CHECK"
-_WHAT = "the optimizer state's non-tensor values (sharded get)"
+_WHAT = "the optimizer state's non-tensor values ({} get)"
 
 
 def check_enabled() -> bool:
@@ -176,17 +177,18 @@ def check_rank_local(osd: dict[str, Any], info: Any, fsdp1: tuple[Any] | None = 
                 if k != "params":
                     _leaves(v, f"param_groups[{i}][{k!r}]", entries[m], tensors[m])
     for mesh, mine, small in zip(meshes, entries, tensors):
-        _agree(mesh, mine, small, osd)
+        _agree(mesh, mine, small, osd, bool(info.full_state_dict))
 
 
 def _agree(mesh: Any, mine: list[tuple[str, Any]], small: list[tuple[str, torch.Tensor]],
-           osd: dict[str, Any]) -> None:
+           osd: dict[str, Any], full: bool) -> None:
     digests = [(path, _value_digest(v)) for path, v in mine] + _tensor_digests(small)
     total = hashlib.sha1()
     for path, d in digests:
         total.update(path.encode())
         total.update(d)
-    await_arrival(mesh, _WHAT)
+    what = _WHAT.format("full" if full else "sharded")
+    await_arrival(mesh, what)
     record = _Record(_KIND_RANKLOCAL)
     at = record.put(_digest_words(total.digest()))
     lo, hi = record.reduce(mesh)
@@ -194,7 +196,7 @@ def _agree(mesh: Any, mine: list[tuple[str, Any]], small: list[tuple[str, torch.
         return
     # error path only: every rank's per-entry digests
     details, ranks = mesh_all_gather_object(
-        mesh, ("ranklocal", _WHAT, [(p, d.hex()) for p, d in digests])
+        mesh, ("ranklocal", what, [(p, d.hex()) for p, d in digests])
     )
     _check_same_call(details, list(ranks))
     per_rank = [dict(d[2]) for d in details]
@@ -210,9 +212,10 @@ def _agree(mesh: Any, mine: list[tuple[str, Any]], small: list[tuple[str, torch.
         raise errors.RankLocalStateError(
             f"{_where(path, osd)} of the optimizer state is not a DTensor and differs between the ranks of "
             f"the mesh ({split}): the optimizer computed it from each rank's local shards. "
-            "dcp.save stores such a value (a plain tensor too) once for all ranks, so a resume would give "
-            "every rank one rank's value and training would silently diverge; nothing was "
-            "returned. Ways out: keep such values in DTensors (or reduce them across ranks "
+            + ("A full state dict holds rank 0's copy of such a value for all ranks"
+               if full else "dcp.save stores such a value (a plain tensor too) once for all ranks")
+            + ", so a resume would give every rank one rank's value and training would silently diverge; "
+            "nothing was returned. Ways out: keep such values in DTensors (or reduce them across ranks "
             "inside the optimizer), or save this optimizer per rank with its own "
             "state_dict() and torch.save; DCP_OPTIM_RANK_LOCAL_CHECK=0 turns this check off.",
             path,

@@ -1,5 +1,5 @@
 """D30: rank-local non-tensor optimizer values under FSDP2 (2 gloo ranks,
-uneven shards).  Run by tests/distributed/test_rank_local.py, all in one
+uneven shards), sharded and full gets, and FSDP1's full gets.  Run by tests/distributed/test_rank_local.py, all in one
 launch: each scenario's outcome on this rank, as a plain dict."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.state_dict as upstream
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 import dcp_optim
 from dcp_optim.errors import RankLocalStateError
 
 from ..support.oracle import assert_same_tree
-from .dist_cases import fsdp2_model, train
+from .dist_cases import MLP, fsdp2_model, train
 
 
 class LocalSum(torch.optim.SGD):
@@ -107,12 +108,34 @@ def rank_local_fsdp2(rank: int, ws: int) -> dict[str, Any]:
     model = fsdp2_model(mesh, width=8, hidden=7)
     optim = LocalSum(model.parameters())
     train(model, optim)
+    full = [dcp_optim.StateDictOptions(full_state_dict=True, cpu_offload=offload) for offload in (False, True)]
     os.environ["DCP_OPTIM_RANK_LOCAL_CHECK"] = "0"
     try:
         out["off"] = _outcome(lambda: dcp_optim.get_optimizer_state_dict(model, optim))
+        out["full off"] = _outcome(lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=full[1]))
     finally:
         del os.environ["DCP_OPTIM_RANK_LOCAL_CHECK"]
-    # full_state_dict gathers are not checked (D30: the full dict is rank 0's)
-    out["full"] = _outcome(lambda: dcp_optim.get_optimizer_state_dict(
-        model, optim, options=dcp_optim.StateDictOptions(full_state_dict=True)))
+    # full gets too: the full dict holds rank 0's value for all ranks
+    # (upstream's: rank 0's "d", saved once and loaded everywhere)
+    for opts in full:
+        out[f"fsdp2 full offload={opts.cpu_offload}"] = _outcome(
+            lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=opts))
+    theirs = upstream.get_optimizer_state_dict(
+        model, optim, options=upstream.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["upstream full d"] = theirs["param_groups"][0]["d"] if rank == 0 else None
+    out["own d"] = optim.param_groups[0]["d"]
+    # FSDP1, with and without use_orig_params: the group value is checked
+    # before the gather (which leaves ranks other than 0 with nothing)
+    for orig in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(MLP(width=8, hidden=7, layers=2), device_id=torch.device("cpu"), use_orig_params=orig)
+        optim = LocalSum(model.parameters())
+        train(model, optim)
+        for opts in full:
+            out[f"fsdp1 orig={orig} full offload={opts.cpu_offload}"] = _outcome(
+                lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=opts))
+        for group in optim.param_groups:
+            group["d"] = 1.0  # agreed: the full get goes on
+        out[f"fsdp1 orig={orig} agreed"] = _outcome(
+            lambda: dcp_optim.get_optimizer_state_dict(model, optim, options=full[1]))
     return out

@@ -61,7 +61,27 @@ def test_torch_optim_unchanged(outcomes, fmt):
         assert out[f"adamw[{fmt}]"] == {"raised": None}
 
 
-def test_switch_off_and_full_dicts(outcomes):
+def test_switch_off(outcomes):
     for out in outcomes:
         assert out["off"] == {"raised": None}
-        assert out["full"] == {"raised": None}
+        assert out["full off"] == {"raised": None}
+
+
+def test_full_gets_raise(outcomes):
+    """A full dict is saved once and loaded on every rank: upstream's holds
+    rank 0's group sum, which rank 1 does not hold.  Ours raises on every
+    rank, FSDP2 and FSDP1, with and without cpu_offload (which leaves
+    ranks other than 0 with an empty dict: the check comes before)."""
+    assert outcomes[0]["upstream full d"] == outcomes[0]["own d"] != outcomes[1]["own d"]
+    labels = [f"fsdp2 full offload={o}" for o in (False, True)]
+    labels += [f"fsdp1 orig={orig} full offload={o}" for orig in (False, True) for o in (False, True)]
+    for label in labels:
+        for out in outcomes:
+            got = out[label]
+            assert got["raised"] == "RankLocalStateError", (label, got)
+            assert got["key"] == "param_groups[0]['d']", (label, got)
+            assert "A full state dict holds rank 0's copy" in got["text"], got
+        assert outcomes[0][label] == outcomes[1][label]
+    for orig in (False, True):
+        for out in outcomes:
+            assert out[f"fsdp1 orig={orig} agreed"] == {"raised": None}
