@@ -17,8 +17,13 @@
  *     its requires_grad (presence decides); a trainable parameter of a
  *     stateful group without saved state is "missing" (E18 when strict);
  *   - a group takes the keys of every loaded group its parameters come
- *     from (in loaded order; later ones win), then keeps its own keys the
- *     loaded groups lack; "params" comes first, as upstream leaves it;
+ *     from (in loaded order), then keeps its own keys the loaded groups
+ *     lack; "params" comes first, as upstream leaves it.  Where two of
+ *     those loaded groups give a key values that are not plainly equal,
+ *     the pair is returned as a conflict, which the caller compares in
+ *     full and refuses (one live group cannot hold both: upstream's load
+ *     keeps the last, and some parameters train on another group's
+ *     hyperparameters, silently);
  *   - the k-th empty live group takes the k-th empty loaded group (nested
  *     format) or the one with the same anchor identity (flat format);
  *   - loaded state for FQNs no optimizer owns is reported, not loaded.
@@ -256,9 +261,108 @@ match_empty(dcp_view *v, PyObject *identity, Py_ssize_t k)
     return -1;
 }
 
-/* Copies every key of loaded group `gi` except "params" into `out`. */
+/* Whether two group values are plainly equal: the same object, or
+ * numbers, strings or None comparing equal, or tuples/lists of such.  1
+ * equal, 0 not known to be (a tensor, an object, NaN: the caller compares
+ * those in Python), -1 error.  Only types whose comparison cannot call
+ * back into user code are compared here. */
 static int
-apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
+plainly_equal(PyObject *a, PyObject *b, int depth)
+{
+    if (a == b) {
+        return 1;
+    }
+    if (depth > 8) {
+        return 0;
+    }
+    int scalar_a = a == Py_None || PyBool_Check(a) || PyLong_CheckExact(a) ||
+                   PyFloat_CheckExact(a) || PyUnicode_CheckExact(a);
+    int scalar_b = b == Py_None || PyBool_Check(b) || PyLong_CheckExact(b) ||
+                   PyFloat_CheckExact(b) || PyUnicode_CheckExact(b);
+    if (scalar_a && scalar_b) {
+        if (Py_TYPE(a) != Py_TYPE(b)) {
+            return 0;
+        }
+        return PyObject_RichCompareBool(a, b, Py_EQ);
+    }
+    if ((PyTuple_CheckExact(a) && PyTuple_CheckExact(b)) ||
+        (PyList_CheckExact(a) && PyList_CheckExact(b))) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+        if (n != PySequence_Fast_GET_SIZE(b)) {
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            /* a list can change under a comparison only through user
+             * code, which plainly_equal never calls; items pinned anyway */
+            PyObject *x = PySequence_Fast_GET_ITEM(a, i);
+            PyObject *y = PySequence_Fast_GET_ITEM(b, i);
+            Py_INCREF(x);
+            Py_INCREF(y);
+            int r = plainly_equal(x, y, depth + 1);
+            Py_DECREF(x);
+            Py_DECREF(y);
+            if (r != 1) {
+                return r;
+            }
+            if (PySequence_Fast_GET_SIZE(a) != n ||
+                PySequence_Fast_GET_SIZE(b) != n) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* Stores `value` under `key` in `out`.  With `conflicts` (a later loaded
+ * group of the same live group), a value `out` already holds that is not
+ * plainly equal to it is recorded first as (optimizer, live group, key,
+ * held value, value, loaded group index).  0, or -1 with an exception. */
+static int
+store_group_value(PyObject *out,
+                  PyObject *key,
+                  PyObject *value,
+                  PyObject *conflicts,
+                  Py_ssize_t o,
+                  Py_ssize_t g,
+                  Py_ssize_t gi)
+{
+    if (conflicts != NULL) {
+        PyObject *held = PyDict_GetItemWithError(out, key);
+        if (held == NULL && PyErr_Occurred()) {
+            return -1;
+        }
+        if (held != NULL) {
+            Py_INCREF(held);
+            int same = plainly_equal(held, value, 0);
+            PyObject *entry = NULL;
+            if (same == 0) {
+                entry = Py_BuildValue("(nnOOOn)", o, g, key, held, value, gi);
+            }
+            int rc = same < 0 || (same == 0 && (entry == NULL ||
+                                                PyList_Append(conflicts, entry) < 0))
+                         ? -1
+                         : 0;
+            Py_XDECREF(entry);
+            Py_DECREF(held);
+            if (rc < 0) {
+                return -1;
+            }
+        }
+    }
+    return PyDict_SetItem(out, key, value);
+}
+
+/* Copies every key of loaded group `gi` except "params" into `out` (the
+ * live group `g` of optimizer `o`); `conflicts`: see store_group_value. */
+static int
+apply_loaded_group(dcp_state *st,
+                   dcp_view *v,
+                   Py_ssize_t gi,
+                   PyObject *out,
+                   PyObject *conflicts,
+                   Py_ssize_t o,
+                   Py_ssize_t g)
 {
     if (gi < 0 || gi >= PyList_GET_SIZE(v->groups)) {
         PyErr_SetString(PyExc_IndexError, "loaded group index out of range");
@@ -282,7 +386,7 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
             Py_INCREF(value);
             if (!(PyUnicode_Check(key) &&
                   PyUnicode_Compare(key, st->str_params) == 0)) {
-                rc = PyDict_SetItem(out, key, value);
+                rc = store_group_value(out, key, value, conflicts, o, g, gi);
             }
             Py_DECREF(key);
             Py_DECREF(value);
@@ -308,7 +412,8 @@ apply_loaded_group(dcp_state *st, dcp_view *v, Py_ssize_t gi, PyObject *out)
             PyUnicode_Compare(key, st->str_params) == 0) {
             continue;
         }
-        rc = PyDict_SetItem(out, key, PyTuple_GET_ITEM(pair, 1));
+        rc = store_group_value(
+            out, key, PyTuple_GET_ITEM(pair, 1), conflicts, o, g, gi);
     }
     Py_DECREF(items);
     return rc;
@@ -471,6 +576,7 @@ split_one(dcp_state *st,
           PyObject *results,
           PyObject *missing,
           PyObject *claimed,
+          PyObject *conflicts,
           Py_ssize_t *empty_k)
 {
     PyObject *groups = NULL, *plists = NULL, *fqn_lists = NULL;
@@ -609,10 +715,17 @@ split_one(dcp_state *st,
                 goto group_done;
             }
         }
-        /* Loaded groups apply in loaded order (later ones win). */
+        /* Loaded groups apply in loaded order; where a later one gives a
+         * key another value, the pair is a conflict. */
         qsort(marks.touched, (size_t)ntouched, sizeof(Py_ssize_t), cmp_ssize);
         for (Py_ssize_t j = 0; j < ntouched; j++) {
-            if (apply_loaded_group(st, v, marks.touched[j], new_group) < 0) {
+            if (apply_loaded_group(st,
+                                   v,
+                                   marks.touched[j],
+                                   new_group,
+                                   j ? conflicts : NULL,
+                                   o,
+                                   g) < 0) {
                 goto group_done;
             }
         }
@@ -652,7 +765,11 @@ PyDoc_STRVAR(dcp_split_optim__doc__,
              "Match a loaded-state view to each optimizer by FQN.");
 
 /* split_optim(index, optimizers, view, expect_state)
- *   -> (per-optimizer dicts, missing fqns, unexpected keys)
+ *   -> (per-optimizer dicts, missing fqns, unexpected keys, conflicts)
+ *
+ * conflicts: (optimizer, live group, key, value held, other value, loaded
+ * group of the other value) where a live group's parameters come from
+ * loaded groups whose values of a key are not plainly equal.
  *
  * expect_state: a list with, per optimizer, None (stateful iff the loaded
  * dict has state for any of its parameters) or a list of bools per group.
@@ -663,7 +780,7 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dcp_state *st = dcp_get_state(module);
     PyObject *optims = NULL, *expects = NULL, *results = NULL;
     PyObject *missing = NULL, *claimed = NULL, *unexpected = NULL;
-    PyObject *items = NULL, *result = NULL;
+    PyObject *items = NULL, *result = NULL, *conflicts = NULL;
     dcp_view v;
 
     if (dcp_check_nargs("split_optim", nargs, 4) < 0 ||
@@ -684,7 +801,9 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     results = PyList_New(0);
     missing = PyList_New(0);
     claimed = PySet_New(NULL);
-    if (results == NULL || missing == NULL || claimed == NULL) {
+    conflicts = PyList_New(0);
+    if (results == NULL || missing == NULL || claimed == NULL ||
+        conflicts == NULL) {
         goto done;
     }
     Py_ssize_t empty_k = 0;
@@ -698,6 +817,7 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                       results,
                       missing,
                       claimed,
+                      conflicts,
                       &empty_k) < 0) {
             goto done;
         }
@@ -720,7 +840,7 @@ dcp_split_optim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    result = PyTuple_Pack(3, results, missing, unexpected);
+    result = PyTuple_Pack(4, results, missing, unexpected, conflicts);
 done:
     Py_XDECREF(optims);
     Py_XDECREF(expects);
@@ -729,6 +849,7 @@ done:
     Py_XDECREF(claimed);
     Py_XDECREF(unexpected);
     Py_XDECREF(items);
+    Py_XDECREF(conflicts);
     return result;
 }
 

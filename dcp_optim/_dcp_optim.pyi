@@ -194,7 +194,8 @@ def shard_layouts(global_shape: Any, mesh_shape: Any, placements: Any, coords: A
     """(local_shape, blocks) of the shard at each mesh coordinate."""
 
 def split_optim(index: Any, optimizers: Any, view: Any, expect_state: Any, /) -> Any:
-    """Match a loaded-state view to each optimizer by FQN."""
+    """Match a loaded-state view to each optimizer by FQN: (per-optimizer
+    dicts, missing FQNs, unexpected keys, group conflicts)."""
 
 def tensor_devices(ctx: Any, values: Any, /) -> Any:
     """Distinct devices of the tensors with dim() > 0 among values."""

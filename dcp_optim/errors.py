@@ -27,6 +27,7 @@ __all__ = [
     "HeldOptimizerStateError",
     "StaleOptimizerStateError",
     "RankLocalStateError",
+    "ParamGroupConflictError",
 ]
 
 
@@ -136,6 +137,27 @@ class RankLocalStateError(StateDictRuntimeError):
 
     def __reduce__(self):  # picklable (errors travel between ranks)
         return (type(self), (str(self.args[0]) if self.args else "", self.key, self.ranks))
+
+
+class ParamGroupConflictError(StateDictValueError):
+    """An optimizer load whose live param group holds parameters that the
+    loaded dict puts in param groups with different values of one key
+    (the checkpoint was saved with another grouping): one group cannot
+    hold both, and upstream's load would keep one silently.  ``optimizer``
+    and ``group`` locate the live group, ``key`` names the key, ``fqns``
+    a parameter from each of the two loaded groups."""
+
+    def __init__(self, message: str, optimizer: int = -1, group: int = -1, key: object = None,
+                 fqns: list[str] | None = None):
+        super().__init__(message)
+        self.optimizer = optimizer
+        self.group = group
+        self.key = key
+        self.fqns = list(fqns or [])
+
+    def __reduce__(self):  # picklable (errors travel between ranks)
+        return (type(self), (str(self.args[0]) if self.args else "", self.optimizer, self.group,
+                             self.key, self.fqns))
 
 
 class InconsistentOptimizerStateError(StateDictRuntimeError, AssertionError):

@@ -44,6 +44,7 @@ from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
 from .ranklocal import CHECK_ENV, check_enabled
 from .ranklocal import check_rank_local as agree_rank_local
+from .values import same_value
 from .wide import (
     add_wide,
     collect_extras,
@@ -979,13 +980,13 @@ class Fsdp1Localize:
 
     def validate(self, payload: Any = None) -> None:
         if self.route is None:
-            _check_loaded_entries(self.view[0], self.handles)
+            _check_loaded_entries(self.view, self.handles)
             return
         if payload is None:
             raise errors.StateDictValueError("broadcast_from_rank0=True: rank 0 did not provide an optimizer state dict")
         if not self.route.is_source:
             self.view = payload
-        _check_loaded_entries(self.view[0], self.handles)
+        _check_loaded_entries(self.view, self.handles)
 
     def reserve(self) -> None:
         from .distribute import plan_stream
@@ -1022,7 +1023,7 @@ class Fsdp1Localize:
         pass
 
 
-def _check_loaded_entries(state: dict[str, Any], handles: list[_Handle]) -> None:
+def _check_loaded_entries(view: tuple, handles: list[_Handle]) -> None:
     """A loaded original parameter's state tensors are shaped like it (they
     are cut as FSDP cuts the parameter: one of another size would be read
     past its end, after the ranks agreed).  And FSDP's rules for
@@ -1036,9 +1037,15 @@ def _check_loaded_entries(state: dict[str, Any], handles: list[_Handle]) -> None
     with ``use_orig_params``) can hold different ones, and taking the
     first would drop the others silently: ``StateDictValueError``
     (a ``ValueError``, as FSDP raises) naming both parameters and the
-    state.  Metadata only (a broadcast's receivers see tensors as
-    ``TensorMeta``: the source compares their values)."""
+    state.  So are the originals' param groups: a flat parameter sits in
+    one group, and originals saved in groups with different values (the
+    checkpoint's body and head with their own learning rates) cannot both
+    keep theirs (``ParamGroupConflictError``).  Metadata only (a
+    broadcast's receivers see tensors as ``TensorMeta``: the source
+    compares their values)."""
     from .distribute import TensorMeta
+
+    state, groups, fqn_group = view[0], view[1], view[2]
 
     def kind(value: Any) -> str:
         if isinstance(value, TensorMeta):
@@ -1050,11 +1057,11 @@ def _check_loaded_entries(state: dict[str, Any], handles: list[_Handle]) -> None
     def same(a: Any, b: Any) -> bool:
         if isinstance(a, TensorMeta) or isinstance(b, TensorMeta):
             return True  # compared on the source
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return a.dtype == b.dtype and bool(torch.equal(a, b))
-        return type(a) is type(b) and bool(a == b)
+        return same_value(a, b)
 
     for h in handles:
+        if not h.orig:
+            _check_flat_groups(h, groups, fqn_group, same)
         entries = [(f, state.get(f)) for f in h.fqns]
         present = [(f, e) for f, e in entries if isinstance(e, dict) and e]
         for (fqn, entry), shape in zip(entries, h.shapes):
@@ -1094,6 +1101,30 @@ def _check_loaded_entries(state: dict[str, Any], handles: list[_Handle]) -> None
                         f"({value!r}): the flat parameter {where} holds one value for all of its parameters; "
                         "loading would keep one and drop the other.  Load it into a model wrapped with "
                         "use_orig_params=True, or with each of these parameters in a flat parameter of its own")
+
+
+def _check_flat_groups(h: _Handle, groups: list[Any], fqn_group: dict[str, int],
+                       same: Callable[[Any, Any], bool]) -> None:
+    """The loaded groups of a flat parameter's originals agree on every key
+    both hold (see ``_check_loaded_entries``)."""
+    loaded = [(f, fqn_group[f]) for f in h.fqns if f in fqn_group]
+    first_fqn, first = loaded[0] if loaded else ("", -1)
+    for fqn, gi in loaded[1:]:
+        if gi == first:
+            continue
+        a, b = groups[first], groups[gi]
+        for key, value in a.items():
+            if key != "params" and key in b and not same(value, b[key]):
+                raise errors.ParamGroupConflictError(
+                    f"the FSDP1 flat parameter of {h.fqns} (use_orig_params=False) sits in one param "
+                    f"group, but the loaded dict puts its parameters in groups with different {key!r} "
+                    f"({value!r} for '{first_fqn}', {b[key]!r} for '{fqn}'): one group cannot hold both "
+                    "values (a load keeping either would train some parameters with another group's "
+                    "hyperparameters). Nothing was loaded. Wrap the model with use_orig_params=True and "
+                    "build the optimizer with the checkpoint's param groups, or give these parameters "
+                    "flat parameters of their own.",
+                    -1, -1, key, [first_fqn, fqn],
+                )
 
 
 def _gathered(view: tuple, handles: list[_Handle]) -> tuple:

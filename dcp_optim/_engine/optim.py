@@ -42,6 +42,7 @@ from .shadow import (
     upstream_wrapper_entries,
 )
 from .tree import insert_path, maybe_full_or_cpu_state_dict
+from .values import same_value
 from .wide import (
     TORCH_LAYOUT,
     add_wide,
@@ -1185,6 +1186,38 @@ def _check_entries(
                     )
 
 
+def _refuse_group_conflicts(conflicts: list[tuple], optimizers: tuple[_Optimizer, ...],
+                            splits: list[dict[str, Any]], view: tuple) -> None:
+    """Raises ``ParamGroupConflictError`` where a live param group holds
+    parameters that the loaded dict puts in groups with different values
+    of one key (``C.split_optim``'s conflicts, those not plainly equal):
+    the checkpoint was saved with another grouping (two groups merged into
+    one, one group split across two, an FSDP1 flat parameter over
+    parameters of several groups).  One live group cannot hold both values;
+    upstream's load keeps the last group's (or raises ``KeyError`` when a
+    group lacks a key), so some parameters would go on training with
+    another group's learning rate or weight decay, silently.  Torch's own
+    ``load_state_dict`` refuses any other grouping."""
+    fqn_group, loaded = view[2], view[1]
+    for o, g, key, held, value, gi in conflicts:
+        if same_value(held, value):
+            continue
+        fqns = splits[o]["param_groups"][g]["params"]
+        theirs = next((f for f in fqns if fqn_group.get(f) == gi), "?")
+        ours = next((f for f in fqns if fqn_group.get(f) not in (None, gi)
+                     and key in loaded[fqn_group[f]] and same_value(loaded[fqn_group[f]][key], held)), "?")
+        raise errors.ParamGroupConflictError(
+            f"optimizer {o} ({type(optimizers[o]).__qualname__}), param group {g}: its parameters "
+            f"come from loaded param groups with different {key!r} ({held!r} for '{ours}', "
+            f"{value!r} for '{theirs}'): the checkpoint was saved with another grouping of the "
+            "parameters, and one group cannot hold both values (a load keeping either would "
+            "train some parameters with another group's hyperparameters). Nothing was loaded. "
+            "Build the optimizer with the checkpoint's param groups, or make the loaded groups' "
+            f"{key!r} agree before loading.",
+            o, g, key, [ours, theirs],
+        )
+
+
 def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, extras: dict[str, Any] | None = None):
     """Validate a loaded view against every optimizer and build what
     commit installs: (prepared, missing, unexpected).  Raises on bad input;
@@ -1196,7 +1229,9 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     owners = optimizers
     optimizers = _load_targets(tuple(optim if w is None else w[1] for optim, w in zip(optimizers, wrapped)))
     expect = [_expect_state(optim) for optim in optimizers]
-    splits, missing, unexpected = C.split_optim(info.index, optimizers, view, expect)
+    splits, missing, unexpected, conflicts = C.split_optim(info.index, optimizers, view, expect)
+    if conflicts:
+        _refuse_group_conflicts(conflicts, optimizers, splits, view)
     # Which state is required follows the groups as loaded (the
     # checkpoint's hyperparameters win): Adam saved without amsgrad loads
     # into Adam(amsgrad=True).  Split again in the rare case it differs.
@@ -1204,7 +1239,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         _expect_state(optim, split["param_groups"]) for optim, split in zip(optimizers, splits)
     ]
     if loaded_expect != expect:
-        splits, missing, unexpected = C.split_optim(info.index, optimizers, view, loaded_expect)
+        splits, missing, unexpected, _ = C.split_optim(info.index, optimizers, view, loaded_expect)
     if missing and any(zero.is_zero(owner) for owner in owners):
         missing = zero.without_other_partitions(info.index, owners, missing)
     templates, first_dtypes = _templates(optimizers, splits, missing, bool(info.strict))

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .. import errors
 from ..schema import proxied
 from .consistency import mesh_for_group
+from .values import same_value
 
 __all__ = [
     "is_zero",
@@ -146,24 +147,6 @@ def _scalars(entry: dict[Any, Any]) -> list[tuple[Any, Any]]:
     ]
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Bitwise equality of two state values (NaN equals NaN)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        a = a.detach().to("cpu").contiguous().reshape(-1)
-        b = b.detach().to("cpu").contiguous().reshape(-1)
-        if a.is_complex():
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
-        return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare: not the same
-        return False
-
-
 def _entry_changed(saved: dict[Any, Any], live: dict[Any, Any]) -> bool:
     """Whether a partition's live state entry moved on from the copy
     consolidated earlier: a counter or other scalar moved (every stepping
@@ -173,8 +156,8 @@ def _entry_changed(saved: dict[Any, Any], live: dict[Any, Any]) -> bool:
         return True
     scalars = _scalars(live)
     if scalars:
-        return any(not _same(saved[k], v) for k, v in scalars)
-    return any(not _same(saved[k], v) for k, v in live.items())
+        return any(not same_value(saved[k], v) for k, v in scalars)
+    return any(not same_value(saved[k], v) for k, v in live.items())
 
 
 def check_fresh(optim: Any, position: int) -> None:

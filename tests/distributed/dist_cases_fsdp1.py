@@ -10,6 +10,7 @@ full state dict without the offload).
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -889,4 +890,56 @@ def hsdp_extras_case(rank: int, ws: int, path: str) -> list[str]:
         dcp.load(state, checkpoint_id=f"{path}/hsdp-r21-{int(orig)}")
         dcp_optim.set_optimizer_state_dict(resumed, ropt, state["optim"])
         out.append(f"orig={orig}: saved {saved.get('lookahead_step')}, loaded {ropt.lookahead_step}")
+    return out
+
+
+def regroup_case(rank: int, ws: int) -> list[str]:
+    """A checkpoint of two differently configured param groups (body: lr
+    0.05, weight decay 0.1; head: lr 0.01, none) loaded into one group --
+    as an FSDP1 flat parameter over both layers must be (use_orig_params=
+    False), or FSDP2 built with one group.  Upstream's full load gives the
+    one group the last saved group's values, so the body goes on with the
+    head's learning rate and no weight decay, silently; dcp_optim raises
+    ``ParamGroupConflictError`` on every rank (full and broadcast loads),
+    the optimizer unchanged."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain = _Wide()
+    plain_opt = torch.optim.AdamW([
+        {"params": plain.body.parameters(), "lr": 0.05, "weight_decay": 0.1},
+        {"params": plain.head.parameters(), "lr": 0.01, "weight_decay": 0.0},
+    ])
+    plain(torch.randn(4, 8)).sum().backward()
+    plain_opt.step()
+    full = dcp_optim.get_optimizer_state_dict(plain, plain_opt, options=Opts(full_state_dict=True))
+    out = []
+    layouts = [(f"FSDP1 orig={o}", lambda o=o: FSDP(_Wide(), device_id=CPU, use_orig_params=o)) for o in (True, False)]
+    layouts.append(("FSDP2", lambda: fully_shard(_Wide(), mesh=init_device_mesh("cpu", (ws,)))))
+    for label, build in layouts:
+        for bcast in (False, True):
+            torch.manual_seed(1)
+            model = build()
+            optim = torch.optim.AdamW(model.parameters(), lr=0.02)
+            model(torch.randn(4, 8)).sum().backward()
+            optim.step()
+            before = copy.deepcopy(optim.state_dict())
+            given = full if rank == 0 or not bcast else {}
+            try:
+                dcp_optim.set_optimizer_state_dict(model, optim, dict(given), options=Opts(
+                    full_state_dict=True, broadcast_from_rank0=bcast))
+                out.append(f"{label} bcast={bcast}: loaded")
+            except dcp_optim.errors.ParamGroupConflictError as exc:
+                assert "different 'lr' (0.05 for 'body.weight', 0.01 for 'head.weight')" in str(exc), exc
+                out.append(f"{label} bcast={bcast}: ParamGroupConflictError")
+                assert_same_tree(optim.state_dict(), before)
+        if label != "FSDP1 orig=False":  # upstream's FSDP1 flat load goes through FSDP's own conversion
+            torch.manual_seed(1)
+            model = build()
+            optim = torch.optim.AdamW(model.parameters(), lr=0.02)
+            upstream.set_optimizer_state_dict(model, optim, dict(full),
+                                              options=upstream.StateDictOptions(full_state_dict=True))
+            out.append(f"{label} upstream: lr {optim.param_groups[0]['lr']}, "
+                       f"weight_decay {optim.param_groups[0]['weight_decay']}")
+    dist.barrier()
     return out

@@ -137,3 +137,14 @@ def test_optimizers_own_top_level_entries_hybrid_shard(tmp_path):
     pytest.importorskip("pytorch_optimizer")
     results = run_ranks(4, cases.hsdp_extras_case, str(tmp_path), timeout=300)
     assert all(r == [f"orig={o}: saved 3, loaded 3" for o in (True, False)] for r in results), results
+
+
+def test_load_into_another_grouping_refused():
+    results = run_ranks(2, cases.regroup_case, timeout=300)
+    expected = []
+    for label in ("FSDP1 orig=True", "FSDP1 orig=False", "FSDP2"):
+        expected += [f"{label} bcast={b}: ParamGroupConflictError" for b in (False, True)]
+        if label != "FSDP1 orig=False":
+            # upstream: the head's values for the body too, silently
+            expected.append(f"{label} upstream: lr 0.01, weight_decay 0.0")
+    assert all(r == expected for r in results), results

@@ -392,6 +392,70 @@ def test_single_empty_group_gets_its_own_hyperparameters(impl):
     assert [g["lr"] for g in optim2.param_groups] == [0.01, 0.5, 0.02]
 
 
+# Two saved groups configured differently, loaded into optimizers grouped
+# otherwise: the groups merged into one, or split across two.
+SAVED_GROUPS = [
+    {"params": ["a.weight", "a.bias"], "lr": 0.05, "weight_decay": 0.1},
+    {"params": ["b.weight", "b.bias"], "lr": 0.01, "weight_decay": 0.0},
+]
+REGROUPINGS = {
+    "merged": [{"params": ["a.weight", "a.bias", "b.weight", "b.bias"]}],
+    "split_across": [{"params": ["a.weight", "b.weight"]}, {"params": ["a.bias", "b.bias"]}],
+}
+
+
+@FORMATS
+@pytest.mark.parametrize("regroup", list(REGROUPINGS))
+@impls("a group over parameters of differently configured saved groups takes the last one's values "
+       "(merged: 'a' trains with lr 0.01 and no weight decay, silently) or raises KeyError 'lr' (split)",
+       raises=(pytest.fail.Exception, KeyError))
+def test_load_into_another_grouping_raises(impl, flat, regroup):
+    model, optim = grouped(SAVED_GROUPS, lr=0.02)
+    train(model, optim, 1)
+    o = opts(impl, flatten_optimizer_state_dict=flat)
+    sd = impl.get_optimizer_state_dict(model, optim, options=o)
+    model2, optim2 = grouped(REGROUPINGS[regroup], lr=0.02)
+    before = optimizer_snapshot(optim2)
+    with pytest.raises(ValueError, match=r"different 'lr' \(0.05 for 'a\.weight', 0.01 for 'b\.weight'\)") as info:
+        impl.set_optimizer_state_dict(model2, optim2, sd, options=o)
+    assert_same_tree(optimizer_snapshot(optim2), before)
+    assert isinstance(info.value, dcp_optim.errors.ParamGroupConflictError)
+    assert (info.value.optimizer, info.value.group, info.value.key) == (0, 0, "lr")
+
+
+@FORMATS
+@impls("equal groups merge", upstream_fails=False)
+def test_load_equal_groups_merged(impl, flat):
+    """Saved groups whose values agree (a NaN included) load into one
+    group, and training goes on as it would have."""
+    _load_equal_groups(impl, flat, "merged")
+
+
+@FORMATS
+@impls("equal groups split across two", upstream_fails=False)
+def test_load_equal_groups_split_across(impl, flat, request):
+    if impl is upstream and not flat:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=KeyError,
+            reason="nested: the live groups lose every hyperparameter but 'params' (KeyError 'lr')"))
+    _load_equal_groups(impl, flat, "split_across")
+
+
+def _load_equal_groups(impl, flat, regroup):
+    spec = [{**g, "lr": 0.05, "weight_decay": 0.1, "tag": float("nan")} for g in SAVED_GROUPS]
+    model, optim = grouped(spec, lr=0.02)
+    train(model, optim, 1)
+    o = opts(impl, flatten_optimizer_state_dict=flat)
+    sd = copy.deepcopy(impl.get_optimizer_state_dict(model, optim, options=o))
+    model2, optim2 = grouped(REGROUPINGS[regroup], lr=0.02)
+    impl.set_model_state_dict(model2, impl.get_model_state_dict(model))
+    impl.set_optimizer_state_dict(model2, optim2, sd, options=o)
+    assert all(g["lr"] == 0.05 and g["weight_decay"] == 0.1 for g in optim2.param_groups)
+    train(model, optim, 2, start=1)
+    train(model2, optim2, 2, start=1)
+    assert_same_tree(params_snapshot(model2), params_snapshot(model))
+
+
 @FORMATS
 @impls("several optimizers with empty groups: E20 (nested) / IndexError (flat)", raises=(ValueError, IndexError))
 def test_several_optimizers_with_empty_groups(impl, flat):
