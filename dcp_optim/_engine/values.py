@@ -18,7 +18,8 @@ import torch
 
 def same_value(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` hold the same value: tensors of the same
-    dtype and shape with the same bytes, numbers equal (NaN equals NaN),
+    dtype and shape with the same bytes, ints and floats equal (NaN
+    equals NaN),
     lists, tuples and dicts item by item, other objects by their equality
     or, where their class has none of its own, by their pickles."""
     if a is b:
@@ -33,10 +34,11 @@ def same_value(a: Any, b: Any) -> bool:
         if a.is_complex():
             a, b = torch.view_as_real(a), torch.view_as_real(b)
         return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    numbers = (int, float)
+    if type(a) in numbers and type(b) in numbers:  # 1 and 1.0 train alike; bools apart
+        return a == b or (a != a and b != b)
     if type(a) is not type(b):
         return False
-    if isinstance(a, float):
-        return a == b or (a != a and b != b)
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
