@@ -161,6 +161,31 @@ def _torch_optimizer(optim: Any) -> bool:
     return type(proxied(optim)).__module__.startswith("torch.optim.")
 
 
+def _check_disjoint(optimizers: tuple[_Optimizer, ...], info: Any) -> None:
+    """Raises ``StateDictValueError`` where a parameter is in two of the
+    optimizers: a dict keyed by FQN holds one state and one group per
+    parameter, so one optimizer's would be dropped (upstream's getter keeps
+    the last optimizer's state for it, silently; its load gives both the
+    same state)."""
+    if len(optimizers) < 2:
+        return
+    owner: dict[int, int] = {}
+    for i, optim in enumerate(optimizers):
+        for group in optim.param_groups:
+            for p in group["params"]:
+                j = owner.setdefault(id(p), i)
+                if j == i or proxied(optimizers[j]) is proxied(optim):  # one optimizer, passed twice
+                    continue
+                slot = info.index.slot_of(p)
+                name = f"'{info.index.tensor_fqns[slot][0]}'" if slot is not None else f"of shape {tuple(p.shape)}"
+                raise errors.StateDictValueError(
+                    f"parameter {name} is in optimizer {j} ({type(optimizers[j]).__qualname__}) and in "
+                    f"optimizer {i} ({type(optim).__qualname__}): an optimizer state dict keyed by FQN holds "
+                    "one state per parameter, so one of them would be dropped silently. Nothing was "
+                    "changed. Get and set these optimizers' state dicts in separate calls."
+                )
+
+
 @torch.no_grad()
 def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     if not info.handle_optim:
@@ -168,6 +193,7 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
     for i, optim in enumerate(optimizers):
         _check_optimizer(optim, i)
         _check_held_optimizers(optim, i)
+    _check_disjoint(optimizers, info)
     # D30: values an optimizer computes from the rank's shards (Prodigy's
     # and D-Adaptation's "d") are saved once, sharded or full; torch.optim's
     # own classes keep none outside tensors, and their sharded get stays
@@ -1532,6 +1558,7 @@ class OptimLoad:
             return None
         for i, optim in enumerate(optimizers):
             _check_optimizer(optim, i)
+        _check_disjoint(optimizers, info)
         self.can_fail = bool(info.fsdp_modules) or not all(_native_load(optim) for optim in optimizers)
         _check_loaded_dict(osd, bool(info.flatten_optimizer_state_dict))
         if not info.flatten_optimizer_state_dict:

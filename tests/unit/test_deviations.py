@@ -790,3 +790,22 @@ def test_failed_set_state_dict_changes_nothing(impl):
     with pytest.raises(RuntimeError, match="size mismatch for a.bias"):
         impl.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
     assert_same_tree((params_snapshot(model), optimizer_snapshot(optim)), before)
+
+
+@impls("a parameter in two optimizers: the dict keeps the last optimizer's state for it, silently",
+       raises=pytest.fail.Exception)
+def test_parameter_in_two_optimizers_raises(impl):
+    model = Net()
+    ps = dict(model.named_parameters())
+    adam = torch.optim.AdamW([ps["a.weight"], ps["a.bias"], ps["b.weight"]], lr=0.05)
+    sgd = torch.optim.SGD([ps["b.weight"], ps["b.bias"]], lr=0.01, momentum=0.9)
+    train(model, [adam, sgd], 1)
+    before = optimizer_snapshot([adam, sgd])
+    with pytest.raises(ValueError, match=r"parameter 'b\.weight' is in optimizer 0 \(AdamW\) and in optimizer 1 \(SGD\)"):
+        impl.get_optimizer_state_dict(model, (adam, sgd))
+    sd = dcp_optim.get_optimizer_state_dict(model, adam)
+    with pytest.raises(ValueError, match=r"parameter 'b\.weight' is in optimizer 0"):
+        impl.set_optimizer_state_dict(model, (adam, sgd), sd)
+    assert_same_tree(optimizer_snapshot([adam, sgd]), before)
+    # one optimizer passed twice holds nothing twice
+    impl.get_optimizer_state_dict(model, (adam, adam))
