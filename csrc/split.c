@@ -316,8 +316,9 @@ plainly_equal(PyObject *a, PyObject *b, int depth)
 
 /* Stores `value` under `key` in `out`.  With `conflicts` (a later loaded
  * group of the same live group), a value `out` already holds that is not
- * plainly equal to it is recorded first as (optimizer, live group, key,
- * held value, value, loaded group index).  0, or -1 with an exception. */
+ * plainly equal to it is recorded first as ("values", optimizer, live
+ * group, key, held value, value, loaded group index).  0, or -1 with an
+ * exception. */
 static int
 store_group_value(PyObject *out,
                   PyObject *key,
@@ -337,7 +338,8 @@ store_group_value(PyObject *out,
             int same = plainly_equal(held, value, 0);
             PyObject *entry = NULL;
             if (same == 0) {
-                entry = Py_BuildValue("(nnOOOn)", o, g, key, held, value, gi);
+                entry = Py_BuildValue(
+                    "(snnOOOn)", "values", o, g, key, held, value, gi);
             }
             int rc = same < 0 || (same == 0 && (entry == NULL ||
                                                 PyList_Append(conflicts, entry) < 0))
@@ -641,6 +643,7 @@ split_one(dcp_state *st,
         PyObject *fqns = PyList_GET_ITEM(fqn_lists, g);
         PyObject *new_group = PyDict_New();
         Py_ssize_t ntouched = 0;
+        PyObject *ungrouped = NULL; /* borrowed from fqns */
         int group_rc = -1;
         if (new_group == NULL || PyList_Append(out_groups, new_group) < 0 ||
             PyDict_SetItem(new_group, st->str_params, fqns) < 0) {
@@ -688,9 +691,13 @@ split_one(dcp_state *st,
                     goto group_done;
                 }
             }
+            int with_state = has;
             has = dcp_dict_get_ref(v->fqn_group, fqn, &gi);
             if (has < 0) {
                 goto group_done;
+            }
+            if (!has && with_state && ungrouped == NULL) {
+                ungrouped = fqn;
             }
             if (has) {
                 Py_ssize_t k = PyLong_AsSsize_t(gi);
@@ -712,6 +719,20 @@ split_one(dcp_state *st,
                 goto group_done;
             }
             if (gi >= 0 && touch_group(&marks, gi, &ntouched) < 0) {
+                goto group_done;
+            }
+        }
+        /* A parameter with loaded state that no loaded group lists, in a
+         * live group that takes another's values (a nested DCP template
+         * built with other groups reads the checkpoint's groups by
+         * position, and keeps none of this parameter's): its group's
+         * values are unknown -- ("ungrouped", optimizer, group, fqn). */
+        if (ungrouped != NULL && ntouched > 0) {
+            PyObject *entry =
+                Py_BuildValue("(snnO)", "ungrouped", o, g, ungrouped);
+            int bad = entry == NULL || PyList_Append(conflicts, entry) < 0;
+            Py_XDECREF(entry);
+            if (bad) {
                 goto group_done;
             }
         }
@@ -767,9 +788,11 @@ PyDoc_STRVAR(dcp_split_optim__doc__,
 /* split_optim(index, optimizers, view, expect_state)
  *   -> (per-optimizer dicts, missing fqns, unexpected keys, conflicts)
  *
- * conflicts: (optimizer, live group, key, value held, other value, loaded
- * group of the other value) where a live group's parameters come from
- * loaded groups whose values of a key are not plainly equal.
+ * conflicts: ("values", optimizer, live group, key, value held, other
+ * value, loaded group of the other value) where a live group's parameters
+ * come from loaded groups whose values of a key are not plainly equal;
+ * ("ungrouped", optimizer, live group, fqn) where a parameter with loaded
+ * state is in no loaded group but its live group takes another's values.
  *
  * expect_state: a list with, per optimizer, None (stateful iff the loaded
  * dict has state for any of its parameters) or a list of bools per group.

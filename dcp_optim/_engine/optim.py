@@ -1225,7 +1225,23 @@ def _refuse_group_conflicts(conflicts: list[tuple], optimizers: tuple[_Optimizer
     another group's learning rate or weight decay, silently.  Torch's own
     ``load_state_dict`` refuses any other grouping."""
     fqn_group, loaded = view[2], view[1]
-    for o, g, key, held, value, gi in conflicts:
+    for conflict in conflicts:
+        if conflict[0] == "ungrouped":
+            o, g, fqn = conflict[1:]
+            fqns = splits[o]["param_groups"][g]["params"]
+            grouped = next((f for f in fqns if f in fqn_group), "?")
+            raise errors.ParamGroupConflictError(
+                f"optimizer {o} ({type(optimizers[o]).__qualname__}), param group {g}: the loaded dict "
+                f"holds state for '{fqn}' but lists it in no param group, while '{grouped}' in the same "
+                f"live group takes its loaded group's values: the values '{fqn}' was trained with are "
+                "unknown. A "
+                "template built by an optimizer with other param groups reads a checkpoint's groups "
+                "by position (DCP's nested format), keeping only as many as it has. Nothing was "
+                "loaded. Build the optimizer with the checkpoint's param groups, or save and load "
+                "with flatten_optimizer_state_dict=True, whose groups are keyed by FQN.",
+                o, g, None, [fqn, grouped],
+            )
+        o, g, key, held, value, gi = conflict[1:]
         if same_value(held, value):
             continue
         fqns = splits[o]["param_groups"][g]["params"]

@@ -424,6 +424,29 @@ def test_load_into_another_grouping_raises(impl, flat, regroup):
 
 
 @FORMATS
+@impls("through DCP into a template of one group: the body's values for all, silently (nested), "
+       "or the last group's (flat)", raises=pytest.fail.Exception)
+def test_dcp_resume_into_another_grouping_raises(impl, flat, tmp_path):
+    """The template flow: a nested template built by an optimizer with
+    other groups reads the checkpoint's groups by position (DCP keeps as
+    many as the template has), so the second group's values are gone and
+    its parameters' state stands in no group; flattened, every parameter
+    reads its own group's values, which disagree."""
+    model, optim = grouped(SAVED_GROUPS, lr=0.02)
+    train(model, optim, 1)
+    o = opts(impl, flatten_optimizer_state_dict=flat)
+    dcp.save({"optim": impl.get_optimizer_state_dict(model, optim, options=o)}, checkpoint_id=str(tmp_path))
+    model2, optim2 = grouped(REGROUPINGS["merged"], lr=0.02)
+    state = {"optim": impl.get_optimizer_state_dict(model2, optim2, options=o)}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    before = optimizer_snapshot(optim2)
+    match = "different 'lr'" if flat else "holds state for 'b.weight' but lists it in no param group"
+    with pytest.raises(dcp_optim.errors.ParamGroupConflictError, match=match):
+        impl.set_optimizer_state_dict(model2, optim2, state["optim"], options=o)
+    assert_same_tree(optimizer_snapshot(optim2), before)
+
+
+@FORMATS
 @impls("equal groups merge", upstream_fails=False)
 def test_load_equal_groups_merged(impl, flat):
     """Saved groups whose values agree (a NaN included) load into one
