@@ -1009,6 +1009,9 @@ def _nothing() -> None:
 # names, and casts to the dtypes, without a second shadow step.  No
 # tensor is kept; gone with the optimizer.
 _TEMPLATE_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Beside it, by FQN: the names of the states that are DTensors (what the
+# optimizer keeps sharded at this layout; see _check_placed).
+_TEMPLATE_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _first_step_entry(entry: dict[Any, Any]) -> dict[Any, torch.dtype | None]:
@@ -1016,21 +1019,29 @@ def _first_step_entry(entry: dict[Any, Any]) -> dict[Any, torch.dtype | None]:
     return {name: value.dtype if isinstance(value, torch.Tensor) else None for name, value in entry.items()}
 
 
+def _placed_names(entry: dict[Any, Any]) -> frozenset[Any]:
+    """The names of a first step's states that are DTensors."""
+    return frozenset(name for name, value in entry.items() if isinstance(value, DTensor))
+
+
 def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None) -> None:
     if not pristine_states:
         return
     try:
         known = _TEMPLATE_ENTRIES.setdefault(optim, {})
+        placed = _TEMPLATE_PLACED.setdefault(optim, {})
     except TypeError:  # not weakly referenceable
         return
     for fqn, entry in pristine_states.items():
         if isinstance(entry, dict):
             known[fqn] = _first_step_entry(entry)
+            placed[fqn] = _placed_names(entry)
 
 
 def _templates(
     optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]], missing: list[str], strict: bool
-) -> tuple[list[dict[str, list[Any] | None] | None], list[dict[int, dict[Any, torch.Tensor]] | None]]:
+) -> tuple[list[dict[str, list[Any] | None] | None], list[dict[int, dict[Any, torch.Tensor]] | None],
+           list[dict[str, frozenset[Any]]]]:
     """Per optimizer without a schema, what a first step gives the
     parameters that are ``missing``, or have a loaded entry and either
     hold no state yet or (``strict``) any: the template's state names
@@ -1041,20 +1052,26 @@ def _templates(
     names, or None: no check).  At most one shadow step per optimizer.
     Names None for optimizers with a schema (their entries are checked
     against it by prepare_install).  With them, per optimizer, the dtypes
-    the load casts to (see _first_dtypes; a schema's: _schema_first_dtypes)."""
+    the load casts to (see _first_dtypes; a schema's: _schema_first_dtypes),
+    and the names a first step gives as DTensors, {fqn: names}
+    (_check_placed)."""
     todo = set(missing)
     out: list[dict[str, list[Any] | None] | None] = []
     dtypes: list[dict[int, dict[Any, torch.Tensor]] | None] = []
+    placed_out: list[dict[str, frozenset[Any]]] = []
     for optim, split in zip(optimizers, splits):
         if schema_for(optim) is not None:
             out.append(None)
             dtypes.append(_schema_first_dtypes(optim, split))
+            placed_out.append({})
             continue
         state = split["state"]
         try:
             known = _TEMPLATE_ENTRIES.get(optim) or {}
+            known_placed = _TEMPLATE_PLACED.get(optim) or {}
         except TypeError:
-            known = {}
+            known, known_placed = {}, {}
+        placed: dict[str, frozenset[Any]] = {}
         first: dict[str, dict[Any, torch.dtype | None] | None] = {}
         shadow: list[tuple[str, Any]] = []
         pairs: list[tuple[str, Any]] = []
@@ -1066,6 +1083,7 @@ def _templates(
                 pairs.append((fqn, param))
                 if fqn in known:
                     first[fqn] = known[fqn]
+                    placed[fqn] = known_placed.get(fqn, frozenset())
                 else:
                     shadow.append((fqn, param))
         if shadow:
@@ -1080,6 +1098,8 @@ def _templates(
                 states = None
             for fqn, param in shadow:
                 first[fqn] = None if states is None else _first_step_entry(states.get(id(param)) or {})
+                if states is not None:
+                    placed[fqn] = _placed_names(states.get(id(param)) or {})
         names: dict[str, list[Any] | None] = {}
         for fqn, param in pairs:
             # what a step creates, with what the parameter holds (SPAM's
@@ -1094,7 +1114,8 @@ def _templates(
                 names[fqn] = list(step_entry) + [n for n in held_names if n not in step_entry]
         out.append(names)
         dtypes.append(_first_dtypes(optim, pairs, first))
-    return out, dtypes
+        placed_out.append(placed)
+    return out, dtypes, placed_out
 
 
 def _first_dtypes(
@@ -1212,6 +1233,55 @@ def _check_entries(
                     )
 
 
+def _plain_tensor_in(value: Any) -> bool:
+    """Whether ``value`` holds, at any depth of dicts, lists and tuples, a
+    tensor with a dimension that is not a DTensor (or its metadata)."""
+    from .distribute import TensorMeta
+
+    if isinstance(value, DTensor):
+        return False
+    if isinstance(value, torch.Tensor | TensorMeta):
+        return len(value.shape) > 0
+    if isinstance(value, dict):
+        return any(_plain_tensor_in(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_plain_tensor_in(v) for v in value)
+    return False
+
+
+def _check_placed(optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]],
+                  placed: list[dict[str, frozenset[Any]]]) -> None:
+    """A full load (every rank given full tensors) turns the state tensors
+    shaped like their DTensor parameter into its shards; any other tensor
+    stays as it comes, a plain tensor.  Where the optimizer keeps that
+    state as a DTensor at this layout (its first step's, ``placed``: a
+    per-row norm of shape (rows, 1), a state kept flat), a plain tensor
+    fails its next step (``got mixed torch.Tensor and DTensor``) or
+    trains on other numbers: ``StateDictValueError`` before anything
+    changes.  Through DCP the template, holding that DTensor, takes it."""
+    from .distribute import TensorMeta
+
+    for optim, split, names_of in zip(optimizers, splits, placed):
+        for fqn, names in names_of.items():
+            entry = split["state"].get(fqn)
+            if not names or not isinstance(entry, dict):
+                continue
+            for name in names:
+                value = entry.get(name)
+                if isinstance(value, DTensor) or not isinstance(value, torch.Tensor | TensorMeta):
+                    continue
+                if len(value.shape) == 0:
+                    continue
+                raise errors.StateDictValueError(
+                    f"optimizer state {name!r} of parameter '{fqn}' is a full tensor of shape "
+                    f"{tuple(value.shape)}, not shaped like the parameter, where "
+                    f"{type(optim).__qualname__} keeps a DTensor at this layout: a full load cannot "
+                    "tell how to shard it, and a plain tensor would fail the next step or train on "
+                    "other numbers. Nothing was loaded. Load this optimizer through DCP with a "
+                    "sharded state dict (its template holds the DTensor)."
+                )
+
+
 def _refuse_group_conflicts(conflicts: list[tuple], optimizers: tuple[_Optimizer, ...],
                             splits: list[dict[str, Any]], view: tuple) -> None:
     """Raises ``ParamGroupConflictError`` where a live param group holds
@@ -1284,7 +1354,9 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         splits, missing, unexpected, _ = C.split_optim(info.index, optimizers, view, loaded_expect)
     if missing and any(zero.is_zero(owner) for owner in owners):
         missing = zero.without_other_partitions(info.index, owners, missing)
-    templates, first_dtypes = _templates(optimizers, splits, missing, bool(info.strict))
+    templates, first_dtypes, placed = _templates(optimizers, splits, missing, bool(info.strict))
+    if info.full_state_dict:
+        _check_placed(optimizers, splits, placed)
     if missing:
         missing = _drop_stateless(missing, templates)
     wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
@@ -1331,6 +1403,16 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
                     f"own state_dict() entries {w[2]} (its inner optimizer's state is "
                     "there): a dict from get_optimizer_state_dict of this wrapper carries "
                     "them as top-level keys; nothing was loaded"
+                )
+            full_entries = [k for k in own if _plain_tensor_in((extras or {})[k])] if info.full_state_dict else []
+            if full_entries and any(isinstance(p, DTensor) for g in optim.param_groups for p in g["params"]):
+                # its own entries travel as they are, full: nothing would
+                # shard the tensors it keeps beside DTensor parameters
+                raise errors.StateDictValueError(
+                    f"{type(owner).__qualname__}'s own state_dict() entries {full_entries} hold full tensors, and "
+                    "its parameters are DTensors: a full load cannot shard the tensors of a wrapper's own "
+                    "layout (the next step would mix them with DTensors). Nothing was loaded. Load it "
+                    "through DCP with a sharded state dict (its template holds the shards)."
                 )
             C.prepare_install(ctx, optim, split, expected)
             prepared.append((_WRAPPER, {**(extras or {}), w[0]: split}))
@@ -1392,6 +1474,7 @@ def _load_targets(optimizers: tuple[_Optimizer, ...]) -> tuple[_Optimizer, ...]:
             known = _TEMPLATE_ENTRIES.get(optim)
             if known:
                 _TEMPLATE_ENTRIES[target] = known
+                _TEMPLATE_PLACED[target] = _TEMPLATE_PLACED.get(optim) or {}
             optim = target
         out.append(optim)
     return tuple(out)

@@ -58,6 +58,29 @@ def _conv_model(mesh) -> torch.nn.Module:
     return model
 
 
+class _RowNorm(torch.optim.Optimizer):
+    """SGD that keeps, for 2-D parameters, a per-row norm of shape (rows,
+    1) -- a DTensor under FSDP2, not shaped like its parameter -- and uses
+    it in its update (as pytorch-optimizer's Nero keeps its norms)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.01})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dim() == 2:
+                    state = self.state[p]
+                    norm = p.grad.norm(dim=1, keepdim=True)
+                    state["row"] = state["row"] * 0.9 + norm if "row" in state else norm
+                    p.add_(p.grad / (state["row"] + 1.0), alpha=-group["lr"])
+                else:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
     mesh = init_device_mesh("cpu", (ws,))
 
@@ -321,6 +344,25 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             expected = osd[f"state.{name}.exp_avg"] if flat else osd["state"][name]["exp_avg"]
             assert torch.equal(got, expected)
 
+        # 13. a full load of a state the optimizer keeps as a DTensor not
+        #     shaped like its parameter (a per-row norm, as Nero's): the
+        #     full tensor stays plain, and the next step mixes it with
+        #     DTensors.  Refused on every rank, nothing changed.
+        def full_load_unshardable_state(impl, flat=flat):
+            src = build()
+            src_o = _RowNorm(src.parameters())
+            train(src, src_o, steps=1, seed=1)
+            osd = impl.get_optimizer_state_dict(src, src_o, options=_opts(impl, flat, full_state_dict=True))
+            dst = build(seed=3)
+            dst_o = _RowNorm(dst.parameters())
+            try:
+                impl.set_optimizer_state_dict(dst, dst_o, osd, options=_opts(impl, flat, full_state_dict=True))
+            except ValueError as exc:
+                assert "a full load cannot tell how to shard it" in str(exc), exc
+                assert not dst_o.state
+                return
+            train(dst, dst_o, steps=1, seed=2)  # upstream: the step raises (mixed Tensor and DTensor)
+
         scenarios = {
             "getters_change_nothing": getters_change_nothing,
             "never_stepped_round_trip": never_stepped_round_trip,
@@ -335,6 +377,7 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             "broadcast_channels_last": broadcast_channels_last,
             "broadcast_non_contiguous_optim": broadcast_non_contiguous_optim,
             "full_optim_load": full_optim_load,
+            "full_load_unshardable_state": full_load_unshardable_state,
         }
         for name, fn in scenarios.items():
             key = f"{name}[{fmt}]"
