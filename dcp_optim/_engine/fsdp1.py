@@ -732,7 +732,7 @@ def _same_wire(a: Any, b: Any) -> bool:
     if isinstance(a, _WireScalar) or isinstance(b, _WireScalar):
         return (isinstance(a, _WireScalar) and isinstance(b, _WireScalar) and a.dtype == b.dtype
                 and a.value == b.value)
-    return bool(a == b)
+    return same_value(a, b)  # lists of tensors too (a preconditioner per dimension), bit for bit
 
 
 def _show_wire(value: Any) -> str:
