@@ -341,8 +341,9 @@ store_group_value(PyObject *out,
                 entry = Py_BuildValue(
                     "(snnOOOn)", "values", o, g, key, held, value, gi);
             }
-            int rc = same < 0 || (same == 0 && (entry == NULL ||
-                                                PyList_Append(conflicts, entry) < 0))
+            int rc = same < 0 || (same == 0 &&
+                                  (entry == NULL ||
+                                   PyList_Append(conflicts, entry) < 0))
                          ? -1
                          : 0;
             Py_XDECREF(entry);
