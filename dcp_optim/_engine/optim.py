@@ -1259,6 +1259,8 @@ def _check_placed(optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any
     fails its next step (``got mixed torch.Tensor and DTensor``) or
     trains on other numbers: ``StateDictValueError`` before anything
     changes.  Through DCP the template, holding that DTensor, takes it."""
+    from .distribute import TensorMeta
+
     for optim, split, names_of in zip(optimizers, splits, placed):
         for fqn, names in names_of.items():
             entry = split["state"].get(fqn)
@@ -1266,8 +1268,10 @@ def _check_placed(optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any
                 continue
             for name in names:
                 value = entry.get(name)
-                if isinstance(value, dict | list | tuple) or not _plain_tensor_in(value):
-                    continue  # a leaf only: a plain tensor with a dimension (or its metadata)
+                if isinstance(value, DTensor) or not isinstance(value, torch.Tensor | TensorMeta):
+                    continue
+                if len(value.shape) == 0:
+                    continue
                 raise errors.StateDictValueError(
                     f"optimizer state {name!r} of parameter '{fqn}' is a full tensor of shape "
                     f"{tuple(value.shape)}, not shaped like the parameter, where "
