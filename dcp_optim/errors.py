@@ -24,6 +24,7 @@ __all__ = [
     "StateDictRuntimeError",
     "MissingOptimizerStateError",
     "IncompleteTemplateError",
+    "StepCollectiveError",
     "HeldOptimizerStateError",
     "StaleOptimizerStateError",
     "RankLocalStateError",
@@ -87,6 +88,16 @@ class IncompleteTemplateError(StateDictRuntimeError):
     zero-gradient step of the optimizer itself yields it): raised rather
     than returning a template ``dcp.load`` would silently leave state
     behind with."""
+
+
+class StepCollectiveError(StateDictRuntimeError):
+    """A collective that an optimizer's own step issues while dcp_optim
+    steps that optimizer to build a template, and that the other ranks of
+    its group do not make at the same point (they take no such step: the
+    ranks' parameters without state differ).  Raised before the collective
+    runs, instead of waiting in it until the process group's timeout; the
+    template is then refused as any other that cannot be built (the
+    getter's ``IncompleteTemplateError``, caused by this one)."""
 
 
 class HeldOptimizerStateError(StateDictRuntimeError):

@@ -201,6 +201,89 @@ def meet(store: Any, prefix: str, seq: int, ranks: tuple[int, ...], rank: int, w
     _delete(store, mine)
 
 
+# --- collectives inside dcp_optim's own optimizer steps ----------------------------
+#
+# (see lockstep.py)  The k-th collective of the steps dcp_optim takes
+# between two arrival meetings of a group meets that group's ranks under
+# (the group, its next arrival, k): a step that failed or ran on one rank
+# only never shifts the numbering of a later call's, as every rank makes
+# every arrival.  Each rank sets its key, then waits for its peers' keys;
+# a peer found waiting at its next arrival instead takes no step here: the
+# meeting fails at once.  A failure stays until the group's next arrival
+# (the step's retries and the other route fail at once, not after another
+# wait).  A rank deletes its key of collective k - 1 once k is met (every
+# peer has read it); the last one stays until the store goes.
+
+_STEP = "dcp_optim/step"
+# per group of ranks: (its next arrival, collectives met before it, the
+# failure of the last one or None)
+_step_meetings: dict[str, tuple[int, int, str | None]] = {}
+
+
+def meet_in_step(ranks: tuple[int, ...], signature: str, what: str, bound: float) -> None:
+    """Meet the other ``ranks`` at this rank's next collective
+    (``signature``: the operator) of an optimizer step dcp_optim takes;
+    raise ``StepCollectiveError`` where a peer takes no such step or is at
+    another operator (see above)."""
+    rank = dist.get_rank()
+    group = hashlib.sha1(repr(tuple(ranks)).encode()).hexdigest()[:16]
+    arrival = _meetings.get(group, 0) + 1
+    at, k, failed = _step_meetings.get(group, (arrival, 0, None))
+    if at != arrival:
+        k, failed = 0, None
+    if failed is not None:
+        raise errors.StepCollectiveError(failed)
+    k += 1
+    _step_meetings[group] = (arrival, k, None)
+    store = dist.distributed_c10d._get_default_store()
+    base = f"{_STEP}/{group}/{arrival}"
+    store.set(f"{base}/{k}/r{rank}", signature)
+    peers = [r for r in ranks if r != rank]
+    keys = [f"{base}/{k}/r{r}" for r in peers]
+    deadline = time.monotonic() + bound
+    pause = _POLL_FIRST_S
+    failure = None
+    while not store.check(keys):
+        absent = [r for r, key in zip(peers, keys) if not store.check([key])]
+        elsewhere = [r for r in absent if _waiting_at_arrival(store, r, group)]
+        left = deadline - time.monotonic()
+        if elsewhere or left <= 0:
+            failure = (
+                f"rank(s) {elsewhere} of ranks {list(ranks)} are waiting at dcp_optim's next meeting"
+                if elsewhere else
+                f"rank(s) {absent} of ranks {list(ranks)} did not reach it within {bound:g} s "
+                f"({ARRIVAL_ENV})"
+            )
+            break
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _POLL_MAX_S)
+    if failure is None:
+        theirs = [bytes(v).decode() for v in store.multi_get(keys)]
+        other = [(r, v) for r, v in zip(peers, theirs) if v != signature]
+        if other:
+            failure = f"rank {other[0][0]} of ranks {list(ranks)} is at {other[0][1]} instead"
+    if failure is not None:
+        message = (
+            f"{what} (a step dcp_optim takes to build the state template of parameters without "
+            f"state) makes a collective, {signature}, on rank {rank}, and {failure}: the ranks' "
+            "parameters without state differ, and a step on some ranks only cannot communicate. "
+            "Nothing was changed; the collective did not run. Step the optimizer on every rank "
+            "before taking its state dict, or declare its state with "
+            "dcp_optim.register_optimizer_schema (no step is taken then)."
+        )
+        _step_meetings[group] = (arrival, k, message)
+        raise errors.StepCollectiveError(message)
+    if k > 1:
+        _delete(store, f"{base}/{k - 1}/r{rank}")
+
+
+def _waiting_at_arrival(store: Any, rank: int, group: str) -> bool:
+    """Whether ``rank`` waits at its next arrival meeting of ``group`` or
+    of any other group of ranks holding it that this rank knows."""
+    digests = {group} | {digest for ranks, digest in _groups.values() if rank in ranks}
+    return any(store.check([f"{_ARRIVE}/{d}/{_meetings.get(d, 0) + 1}/r{rank}"]) for d in digests)
+
+
 # --- failures inside torch's own collectives --------------------------------------
 #
 # A commit that runs torch's own code with collectives in it (FSDP1's load

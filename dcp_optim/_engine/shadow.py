@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..schema import step_target
+from .lockstep import collectives_in_step
 
 __all__ = [
     "OPTIMIZER_WIDE",
@@ -581,7 +582,8 @@ def _shadow_step(
                 group["lr"] = torch.zeros_like(lr)
             elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
                 group["lr"] = 0.0
-    with torch.no_grad(), _no_global_step_hooks():
+    # its collectives only in lockstep with the other ranks' steps
+    with torch.no_grad(), _no_global_step_hooks(), collectives_in_step(optimizer):
         if closure:
 
             def zero_loss() -> torch.Tensor:
@@ -750,7 +752,7 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
     live_keys = [set(g) for g in optimizer.param_groups]
     failures: list[BaseException] = []
     for closure, mode in ((c, m) for c in (False, True) for m in ("expanded", "dense")):
-        with _undone(optimizer, params), torch.no_grad(), _no_global_step_hooks():
+        with _undone(optimizer, params), torch.no_grad(), _no_global_step_hooks(), collectives_in_step(optimizer):
             scalars: dict[tuple[Any, Any], torch.Tensor] = {}
 
             def set_grads() -> None:

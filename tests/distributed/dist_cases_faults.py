@@ -754,3 +754,90 @@ def _fsdp_fails_at_commit(rank: int, nth: int, model: Any, optim: Any, load: Any
     if rank == 1:
         time.sleep(8)
     return {"result": result, "seconds": seconds, "state": classify(before, _snapshot(model, optim), None)}
+
+
+def _errors_in_chain(exc: BaseException | None) -> list[str]:
+    """The class names of ``exc`` and its causes and contexts."""
+    names = []
+    while exc is not None:
+        names.append(type(exc).__name__)
+        exc = exc.__cause__ or exc.__context__
+    return names
+
+
+def step_collectives_case(rank: int, ws: int) -> dict[str, Any]:
+    """An optimizer whose step communicates, stepped by dcp_optim to build
+    a template (lockstep.py).  (a) heavyball's SOAP under FSDP1 keeps the
+    state of each flat parameter on its owner rank: a getter found
+    parameters without state on rank 0 only and its shadow step waited in
+    heavyball's all_to_all until the process group's timeout, which broke
+    the group; now the collective meets no peer (rank 1 waits at the
+    call's next meeting) and the call ends at once with one error on both
+    ranks.  (b) pytorch-optimizer's AdamMini with ``model_sharding``
+    all-gathers the parameters' sizes as it creates their state: every
+    rank's template of a fresh optimizer comes from steps that meet in
+    lockstep, upstream's keys.  (c) the same optimizer with one
+    parameter's state gone on rank 0 only: rank 0's template step raises
+    StepCollectiveError at once, as rank 1 waits at a meeting, and the
+    group still works."""
+    import heavyball
+    from pytorch_optimizer import AdamMini
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from dcp_optim._engine import consistency
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=60))
+    out: dict[str, Any] = {}
+    heavyball.utils.compile_mode = None
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), device_id=torch.device("cpu"),
+                 use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    optim = heavyball.SOAP(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(8, 4)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    with _arrival_bound("20"):
+        result, seconds = _timed(lambda: dcp_optim.get_optimizer_state_dict(model, optim))
+    out["heavyball"] = (result.split(":")[0], seconds)
+    probe = torch.ones(1)
+    dist.all_reduce(probe)  # the group works
+    out["heavyball_group"] = float(probe)
+
+    def adam_mini():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        return model, AdamMini(model, lr=1e-2, model_sharding=True, num_embeds=4, num_heads=1)
+
+    model, optim = adam_mini()
+    ref_model, ref_optim = adam_mini()
+    with _arrival_bound("20"):
+        ours = dcp_optim.get_optimizer_state_dict(model, optim)
+    theirs = upstream.get_optimizer_state_dict(ref_model, ref_optim)
+    out["fresh_same_keys"] = (
+        list(ours["state"]) == list(theirs["state"])
+        and all(list(ours["state"][k]) == list(theirs["state"][k]) for k in theirs["state"])
+        and len(ours["state"]) == 4
+    )
+    out["fresh_live"] = len(optim.state)  # the shadow steps left no state
+    model, optim = adam_mini()
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()  # both ranks: AdamMini's collectives meet
+    if rank == 0:
+        optim.state.pop(model[1].bias)
+    t0 = time.monotonic()
+    error = None
+    with _arrival_bound("20"):
+        try:
+            dcp_optim.get_optimizer_state_dict(model, optim)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            error = exc
+        # rank 1 (no template to build) is at this meeting first
+        consistency.await_arrival(None, "after the getter")
+    out["one_sided"] = (_errors_in_chain(error), round(time.monotonic() - t0, 1))
+    out["one_sided_live"] = len(optim.state)
+    probe = torch.ones(1)
+    dist.all_reduce(probe)
+    out["one_sided_group"] = float(probe)
+    return out

@@ -398,3 +398,22 @@ def test_fsdp1_model_only_load_failing_midway_in_fsdps_own_code_changes_nothing(
         "RuntimeError: FSDP1's own load fails on rank 1 [raised on rank 1 of ranks [0, 1] inside torch's own "
         "collectives of set_model_state_dict"), r1
     assert r0["state"] == r1["state"] == "unchanged", (r0, r1)
+
+
+def test_optimizer_steps_that_communicate_meet_in_lockstep():
+    r0, r1 = run_ranks(2, cases.step_collectives_case, timeout=240)
+    # (a) heavyball's FSDP1 owners: one error on both ranks, at once (it
+    # was the process group's timeout, 60 s here, and a broken group)
+    assert r0["heavyball"][0] == r1["heavyball"][0] != "ok", (r0, r1)
+    assert r0["heavyball"][1] < 15 and r1["heavyball"][1] < 15, (r0, r1)
+    assert r0["heavyball_group"] == r1["heavyball_group"] == 2.0
+    # (b) every rank steps: the collectives meet, upstream's keys
+    assert r0["fresh_same_keys"] and r1["fresh_same_keys"], (r0, r1)
+    assert r0["fresh_live"] == r1["fresh_live"] == 0
+    # (c) rank 0 alone steps: its collective does not run, at once
+    names, seconds = r0["one_sided"]
+    assert names[:2] == ["IncompleteTemplateError", "StepCollectiveError"], names
+    assert seconds < 15, r0
+    assert r1["one_sided"][0] == [], r1
+    assert r0["one_sided_live"] == 3 and r1["one_sided_live"] == 4
+    assert r0["one_sided_group"] == r1["one_sided_group"] == 2.0
