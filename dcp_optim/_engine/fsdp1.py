@@ -44,7 +44,7 @@ from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
 from .ranklocal import CHECK_ENV, check_enabled
 from .ranklocal import check_rank_local as agree_rank_local
-from .values import same_value
+from .values import plain_tensor_in, same_value
 from .wide import (
     add_wide,
     collect_extras,
@@ -986,7 +986,7 @@ class Fsdp1Localize:
             raise errors.StateDictValueError("broadcast_from_rank0=True: rank 0 did not provide an optimizer state dict")
         if not self.route.is_source:
             self.view = payload
-        _check_loaded_entries(self.view, self.handles)
+        _check_loaded_entries(self.view, self.handles, broadcast=True)
 
     def reserve(self) -> None:
         from .distribute import plan_stream
@@ -1023,7 +1023,7 @@ class Fsdp1Localize:
         pass
 
 
-def _check_loaded_entries(view: tuple, handles: list[_Handle]) -> None:
+def _check_loaded_entries(view: tuple, handles: list[_Handle], broadcast: bool = False) -> None:
     """A loaded original parameter's state tensors are shaped like it (they
     are cut as FSDP cuts the parameter: one of another size would be read
     past its end, after the ranks agreed).  And FSDP's rules for
@@ -1040,9 +1040,13 @@ def _check_loaded_entries(view: tuple, handles: list[_Handle]) -> None:
     state.  So are the originals' param groups: a flat parameter sits in
     one group, and originals saved in groups with different values (the
     checkpoint's body and head with their own learning rates) cannot both
-    keep theirs (``ParamGroupConflictError``).  Metadata only (a
-    broadcast's receivers see tensors as ``TensorMeta``: the source
-    compares their values)."""
+    keep theirs (``ParamGroupConflictError``).  On a ``broadcast`` load,
+    a state that holds tensors inside a list, tuple or dict (SOAP's
+    per-dimension preconditioners) is refused: the stream carries the
+    tensors that are cut into pieces, and such tensors -- of shapes that
+    follow the layout they were computed at -- would reach no rank but
+    the source.  Metadata only (a broadcast's receivers see tensors as
+    ``TensorMeta``: the source compares their values)."""
     from .distribute import TensorMeta
 
     state, groups, fqn_group = view[0], view[1], view[2]
@@ -1067,6 +1071,14 @@ def _check_loaded_entries(view: tuple, handles: list[_Handle]) -> None:
         for (fqn, entry), shape in zip(entries, h.shapes):
             numel = torch.Size(shape).numel()
             for name, value in entry.items() if isinstance(entry, dict) else ():
+                if broadcast and kind(value) == "non-tensor" and plain_tensor_in(value):
+                    raise errors.StateDictValueError(
+                        f"optimizer state {name!r} of {fqn!r} holds tensors inside a "
+                        f"{type(value).__name__}: a broadcast load into FSDP1 cuts a parameter's state "
+                        "tensors into this rank's pieces, and tensors inside a container are no "
+                        "parameter's shape (they follow the layout they were computed at); they would "
+                        "reach no rank but the source. Nothing was loaded. Save and load this "
+                        "optimizer through DCP at the layout it trains at.")
                 if kind(value) == "tensor" and torch.Size(value.shape).numel() != numel:
                     raise errors.StateDictValueError(
                         f"optimizer state {name!r} of {fqn!r} has shape {tuple(value.shape)} where the "

@@ -42,7 +42,7 @@ from .shadow import (
     upstream_wrapper_entries,
 )
 from .tree import insert_path, maybe_full_or_cpu_state_dict
-from .values import same_value
+from .values import plain_tensor_in, same_value
 from .wide import (
     TORCH_LAYOUT,
     add_wide,
@@ -1233,22 +1233,6 @@ def _check_entries(
                     )
 
 
-def _plain_tensor_in(value: Any) -> bool:
-    """Whether ``value`` holds, at any depth of dicts, lists and tuples, a
-    tensor with a dimension that is not a DTensor (or its metadata)."""
-    from .distribute import TensorMeta
-
-    if isinstance(value, DTensor):
-        return False
-    if isinstance(value, torch.Tensor | TensorMeta):
-        return len(value.shape) > 0
-    if isinstance(value, dict):
-        return any(_plain_tensor_in(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_plain_tensor_in(v) for v in value)
-    return False
-
-
 def _check_placed(optimizers: tuple[_Optimizer, ...], splits: list[dict[str, Any]],
                   placed: list[dict[str, frozenset[Any]]]) -> None:
     """A full load (every rank given full tensors) turns the state tensors
@@ -1404,7 +1388,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
                     "there): a dict from get_optimizer_state_dict of this wrapper carries "
                     "them as top-level keys; nothing was loaded"
                 )
-            full_entries = [k for k in own if _plain_tensor_in((extras or {})[k])] if info.full_state_dict else []
+            full_entries = [k for k in own if plain_tensor_in((extras or {})[k])] if info.full_state_dict else []
             if full_entries and any(isinstance(p, DTensor) for g in optim.param_groups for p in g["params"]):
                 # its own entries travel as they are, full: nothing would
                 # shard the tensors it keeps beside DTensor parameters

@@ -1,6 +1,7 @@
-"""Equality of the values an optimizer keeps beside its tensors' data
-(param-group hyperparameters, counters, 0-dim state), as a resume needs
-it: bit for bit, NaN equal to NaN.
+"""The values an optimizer keeps beside its tensors' data (param-group
+hyperparameters, counters, 0-dim state, containers of tensors): their
+equality as a resume needs it -- bit for bit, NaN equal to NaN -- and
+whether one holds tensors no load can cut into shards.
 
 ``==`` alone says too little or too much for this: tensors compare element
 by element (and ``bool()`` of the result raises for more than one), NaN
@@ -53,3 +54,23 @@ def same_value(a: Any, b: Any) -> bool:
         return pickle.dumps(a, protocol=4) == pickle.dumps(b, protocol=4)
     except Exception:  # noqa: BLE001 - neither comparable nor picklable
         return False
+
+
+def plain_tensor_in(value: Any) -> bool:
+    """Whether ``value`` holds, at any depth of dicts, lists and tuples, a
+    tensor with a dimension that is not a DTensor (or its metadata: a
+    broadcast load's receivers see the source's tensors as
+    ``TensorMeta``)."""
+    from torch.distributed.tensor import DTensor
+
+    from .distribute import TensorMeta
+
+    if isinstance(value, DTensor):
+        return False
+    if isinstance(value, torch.Tensor | TensorMeta):
+        return len(value.shape) > 0
+    if isinstance(value, dict):
+        return any(plain_tensor_in(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(plain_tensor_in(v) for v in value)
+    return False

@@ -943,3 +943,42 @@ def regroup_case(rank: int, ws: int) -> list[str]:
                        f"weight_decay {optim.param_groups[0]['weight_decay']}")
     dist.barrier()
     return out
+
+
+def nested_state_broadcast_case(rank: int, ws: int) -> list[str]:
+    """pytorch-optimizer's SOAP keeps ``GG``, a list of per-dimension
+    preconditioners, beside each parameter.  A full dict of it saved at one
+    process, broadcast into FSDP1: the stream carries the state tensors it
+    cuts into pieces, not tensors inside a list, so the receivers held
+    only their metadata and failed in the install with a ``TypeError`` of
+    the metadata's class; now ``StateDictValueError`` naming the state,
+    on every rank, the optimizer unchanged.  (Each rank holding the full
+    dict passes the lists through, as upstream.)"""
+    from pytorch_optimizer import SOAP
+
+    torch.manual_seed(0)
+    plain = _Wide()
+    plain_opt = SOAP(plain.parameters(), lr=1e-2)
+    for _ in range(2):
+        plain(torch.randn(4, 8)).sum().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    full = dcp_optim.get_optimizer_state_dict(plain, plain_opt, options=Opts(full_state_dict=True))
+    assert isinstance(full["state"]["body.weight"]["GG"], list)
+    out = []
+    for orig in (True, False):
+        torch.manual_seed(1)
+        model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig)
+        optim = SOAP(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        before = copy.deepcopy(optim.state_dict())
+        try:
+            dcp_optim.set_optimizer_state_dict(model, optim, dict(full) if rank == 0 else {}, options=Opts(
+                full_state_dict=True, broadcast_from_rank0=True))
+            out.append(f"orig={orig}: loaded")
+        except Exception as exc:  # noqa: BLE001 - recorded
+            out.append(f"orig={orig}: {type(exc).__name__}: {str(exc)[:80]}")
+            assert_same_tree(optim.state_dict(), before)
+    dist.barrier()
+    return out

@@ -148,3 +148,10 @@ def test_load_into_another_grouping_refused():
             # upstream: the head's values for the body too, silently
             expected.append(f"{label} upstream: lr 0.01, weight_decay 0.0")
     assert all(r == expected for r in results), results
+
+
+def test_broadcast_of_tensors_inside_a_state_list_refused():
+    results = run_ranks(2, cases.nested_state_broadcast_case, timeout=300)
+    message = ("StateDictValueError: optimizer state 'GG' of 'body.weight' holds tensors inside a list: "
+               "a broadcast l")
+    assert all(r == [f"orig={o}: {message}" for o in (True, False)] for r in results), results
