@@ -869,12 +869,13 @@ class OptimLocalize(_StreamedLoad):
     optimizer state, and still nothing changed when a check fails.
     """
 
-    def __init__(self, view: tuple, info: Any, *, full: bool, held=None, precheck=None):
+    def __init__(self, view: tuple, info: Any, *, full: bool, held=None, precheck=None, keep_plain=None):
         self.view = view
         self.info = info
         self.full = full
         self.held = held
         self.precheck = precheck
+        self.keep_plain = keep_plain
         self.jobs = []
         self.route = None
         if full and info.broadcast_from_rank0:
@@ -901,9 +902,24 @@ class OptimLocalize(_StreamedLoad):
                     state = self.inline
         full = self.full
         existing = self.held() if full and self.held is not None and self.precheck is not None else None
+        # the state tensors the optimizer keeps whole beside DTensor
+        # parameters stay as they come (see optim.kept_plain)
+        kept = _set_aside(state, self.keep_plain() if self.keep_plain is not None else {}, full)
+        if kept and route is not None:
+            fqn, path = next((f, p) for f, paths in kept.items() for p in paths)
+            raise errors.StateDictValueError(
+                f"optimizer state {'.'.join(map(str, path))!r} of parameter '{fqn}': the optimizer keeps "
+                "it as a whole tensor beside the DTensor parameter, on every rank, and a broadcast load "
+                "delivers each rank its shards only. Nothing was loaded. Give every rank the full dict "
+                "(broadcast_from_rank0=False) or load through DCP with a sharded state dict.")
+        original = state
+        if kept:
+            state = {fqn: _without(entry, kept[fqn]) if fqn in kept else entry for fqn, entry in state.items()}
         new_state, jobs, slots, n_held = C.optim_state_jobs(
             self.info.index, state, DTensor, 0 if full else 1, DTensor.from_local, existing
         )
+        for fqn, paths in kept.items():
+            _put_back(original[fqn], new_state[fqn], paths)
         if full and jobs:
             owner = {id(entry): fqn for fqn, entry in new_state.items() if isinstance(entry, dict)}
             names = [f"{owner.get(id(slot[0]), '?')}.{slot[1]}" for slot in slots]
@@ -938,6 +954,55 @@ class OptimLocalize(_StreamedLoad):
     def inline_values(self) -> Any:
         """What travels inline from the source (its state), else None."""
         return self.view[0] if self.route is not None and self.route.is_source else None
+
+
+def _set_aside(state: dict[str, Any], keep: dict[str, tuple[frozenset[tuple], tuple]],
+               full: bool) -> dict[str, dict[tuple, Any]]:
+    """Of ``keep``'s paths (with the parameter's global shape), those
+    ``state`` holds a tensor (or its metadata) with a dimension at:
+    {fqn: {path: value}}.  A full load sets aside only those of the
+    parameter's shape: it keeps any other tensor whole already."""
+    out: dict[str, dict[tuple, Any]] = {}
+    for fqn, (paths, shape) in keep.items():
+        entry = state.get(fqn)
+        for path in paths:
+            value: Any = entry
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            if not isinstance(value, torch.Tensor | TensorMeta) or len(value.shape) == 0:
+                continue
+            if not full or tuple(value.shape) == shape:
+                out.setdefault(fqn, {})[path] = value
+    return out
+
+
+def _without(entry: dict[Any, Any], paths: dict[tuple, Any], at: tuple = ()) -> dict[Any, Any]:
+    """``entry`` without the leaves at ``paths`` (its dicts copied)."""
+    out: dict[Any, Any] = {}
+    for key, value in entry.items():
+        if (*at, key) in paths:
+            continue
+        out[key] = _without(value, paths, (*at, key)) if isinstance(value, dict) else value
+    return out
+
+
+def _put_back(loaded: dict[Any, Any], entry: dict[Any, Any], paths: dict[tuple, Any], at: tuple = ()) -> None:
+    """Put the values set aside at ``paths`` back into ``entry`` (the
+    localized copy of ``loaded``), in ``loaded``'s order of keys.  In
+    place: the load's slots (where each job's result goes) are entries'
+    dicts."""
+    ordered: list[tuple[Any, Any]] = []
+    for key, value in loaded.items():
+        here = (*at, key)
+        if here in paths:
+            ordered.append((key, paths[here]))
+        elif key in entry:
+            mine = entry[key]
+            if isinstance(value, dict) and isinstance(mine, dict):
+                _put_back(value, mine, paths, here)
+            ordered.append((key, mine))
+    entry.clear()
+    entry.update(ordered)
 
 
 def view_metadata(view: tuple) -> tuple:

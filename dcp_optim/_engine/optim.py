@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -1012,6 +1012,10 @@ _TEMPLATE_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Beside it, by FQN: the names of the states that are DTensors (what the
 # optimizer keeps sharded at this layout; see _check_placed).
 _TEMPLATE_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# And the paths (tuples of keys, nested entries included) of the tensors
+# with a dimension that are not DTensors (what it keeps whole beside a
+# DTensor parameter; see kept_plain).
+_TEMPLATE_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _first_step_entry(entry: dict[Any, Any]) -> dict[Any, torch.dtype | None]:
@@ -1024,18 +1028,97 @@ def _placed_names(entry: dict[Any, Any]) -> frozenset[Any]:
     return frozenset(name for name, value in entry.items() if isinstance(value, DTensor))
 
 
+def _plain_paths(value: Any, path: tuple = ()) -> Iterator[tuple]:
+    """The paths, in ``value``'s nested dicts, of its tensors with a
+    dimension that are not DTensors."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _plain_paths(v, (*path, k))
+    elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+        yield path
+
+
 def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None) -> None:
     if not pristine_states:
         return
     try:
         known = _TEMPLATE_ENTRIES.setdefault(optim, {})
         placed = _TEMPLATE_PLACED.setdefault(optim, {})
+        plain = _TEMPLATE_PLAIN.setdefault(optim, {})
     except TypeError:  # not weakly referenceable
         return
     for fqn, entry in pristine_states.items():
         if isinstance(entry, dict):
             known[fqn] = _first_step_entry(entry)
             placed[fqn] = _placed_names(entry)
+            plain[fqn] = frozenset(_plain_paths(entry))
+
+
+def kept_plain(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, tuple[frozenset[tuple], tuple]]:
+    """Per FQN of a DTensor parameter, the paths of the state tensors its
+    optimizer keeps as plain (whole) tensors, and the parameter's global
+    shape: heavyball computes on each
+    parameter's full tensor and keeps its state whole on every rank.  A
+    sharded or full load leaves a plain tensor given there as it is,
+    instead of making it this rank's shard of the parameter (D9: the state
+    keeps the live placement), which the next step would mix with the
+    whole ones.  Read from the state the optimizer holds, else from the
+    getter's template of it (its first step at this layout), else from
+    one shadow step (kept as that template: the load's checks reuse it);
+    where that step cannot run, nothing is kept (D9's sharding, as
+    before).  Empty for optimizers with a schema (theirs are shaped like
+    the parameter)."""
+    out: dict[str, tuple[frozenset[tuple], tuple]] = {}
+    targets = _load_targets(tuple(optim if w is None else w[1] for optim, w in
+                                  ((o, _live_wrapper_layout(o)) for o in optimizers)))
+    fqn_of: dict[int, str] | None = None
+    for optim in targets:
+        if schema_for(optim) is not None:
+            continue
+        try:
+            template = _TEMPLATE_PLAIN.get(optim) or {}
+        except TypeError:
+            template = {}
+        shadowed = False
+        for group in optim.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, DTensor):
+                    continue
+                if fqn_of is None:
+                    fqn_of = {id(t): fqns[0] for t, fqns in zip(index.tensors, index.tensor_fqns) if fqns}
+                fqn = fqn_of.get(id(param))
+                if fqn is None:
+                    continue
+                held = optim.state.get(param)
+                if not held and fqn not in template and not shadowed:
+                    shadowed = True  # at most one shadow step per optimizer
+                    template = _shadow_template(optim, index) or template
+                paths = frozenset(_plain_paths(held)) if held else template.get(fqn, frozenset())
+                if paths:
+                    out[fqn] = (paths, tuple(param.shape))
+    return out
+
+
+def _shadow_template(optim: _Optimizer, index: Any) -> dict[str, frozenset[tuple]] | None:
+    """One shadow step of ``optim`` for its DTensor parameters without
+    state, remembered as the getter's template would be; the plain paths
+    by FQN, or None where the step cannot run."""
+    fqn_of = {id(t): fqns[0] for t, fqns in zip(index.tensors, index.tensor_fqns) if fqns}
+    params: list[torch.Tensor] = [
+        p for g in optim.param_groups for p in g["params"]
+        if isinstance(p, DTensor) and p.requires_grad and not optim.state.get(p) and id(p) in fqn_of
+    ]
+    try:
+        states = fallback_pristine(optim, params)[0]
+    except Warning:
+        raise  # warnings turned into errors: raised before anything changes
+    except Exception:  # noqa: BLE001 - cannot tell: D9's sharding
+        return None
+    _remember_template(optim, {fqn_of[id(p)]: states[id(p)] for p in params if isinstance(states.get(id(p)), dict)})
+    try:
+        return _TEMPLATE_PLAIN.get(optim)
+    except TypeError:  # not weakly referenceable: nothing remembered
+        return None
 
 
 def _templates(
@@ -1709,6 +1792,7 @@ class OptimLoad:
                 info,
                 full=info.full_state_dict,
                 held=lambda: held_state(info.index, optimizers),
+                keep_plain=lambda: kept_plain(info.index, optimizers),
                 precheck=lambda v: _prepare_view(optimizers, v, info, self.extras),
             )
         return (self.localize.source_meta() if self.localize is not None else None, extras)

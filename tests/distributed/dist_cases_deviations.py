@@ -11,6 +11,7 @@ as in the single-process tests).
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections.abc import Callable
 
@@ -363,6 +364,44 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                 return
             train(dst, dst_o, steps=1, seed=2)  # upstream: the step raises (mixed Tensor and DTensor)
 
+        # 15. an optimizer that keeps its state whole beside DTensor
+        #     parameters (heavyball's MSAMLaProp: full tensors, plain, on
+        #     every rank; pytorch-optimizer's QHAdam: a 1-element plain
+        #     tensor): a sharded load keeps that placement (D9: the live
+        #     one).  It made each a shard of the parameter (QHAdam's: a
+        #     ValueError), and heavyball's next step mixed shards with
+        #     whole tensors.  The resumed step equals the uninterrupted
+        #     one bit for bit.  heavyball's state holds a set, which
+        #     neither implementation flattens: the nested format only.
+        def whole_state_beside_dtensors(impl, flat=flat):
+            import heavyball
+            from pytorch_optimizer import QHAdam
+
+            heavyball.utils.compile_mode = None
+            makers = [lambda m: QHAdam(m.parameters(), lr=1e-2)]
+            if not flat:
+                makers.append(lambda m: heavyball.MSAMLaProp(m.parameters(), lr=1e-2))
+            # (maker, full dict broadcast from rank 0): QHAdam's tensors
+            # travel whole in a broadcast too; heavyball has no full dict
+            # (a set in its state: both implementations' gathers refuse it)
+            runs = [(makers[0], False), (makers[0], True)] + [(m, False) for m in makers[1:]]
+            for make, bcast in runs:
+                src = build()
+                src_o = make(src)
+                train(src, src_o, steps=2, seed=21)
+                opts = _opts(impl, flat, full_state_dict=bcast, broadcast_from_rank0=bcast)
+                msd = copy.deepcopy(impl.get_model_state_dict(src, options=opts))
+                osd = copy.deepcopy(impl.get_optimizer_state_dict(src, src_o, options=opts))
+                if bcast and dist.get_rank() != 0:
+                    msd, osd = {}, {}
+                dst = build(seed=22)
+                dst_o = make(dst)
+                impl.set_model_state_dict(dst, msd, options=opts)
+                impl.set_optimizer_state_dict(dst, dst_o, osd, options=opts)
+                train(src, src_o, steps=1, seed=23)
+                train(dst, dst_o, steps=1, seed=23)
+                assert_same_tree(params_snapshot(src), params_snapshot(dst))
+
         scenarios = {
             "getters_change_nothing": getters_change_nothing,
             "never_stepped_round_trip": never_stepped_round_trip,
@@ -378,6 +417,7 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             "broadcast_non_contiguous_optim": broadcast_non_contiguous_optim,
             "full_optim_load": full_optim_load,
             "full_load_unshardable_state": full_load_unshardable_state,
+            "whole_state_beside_dtensors": whole_state_beside_dtensors,
         }
         for name, fn in scenarios.items():
             key = f"{name}[{fmt}]"
