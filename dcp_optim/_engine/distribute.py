@@ -904,14 +904,8 @@ class OptimLocalize(_StreamedLoad):
         existing = self.held() if full and self.held is not None and self.precheck is not None else None
         # the state tensors the optimizer keeps whole beside DTensor
         # parameters stay as they come (see optim.kept_plain)
-        kept = _set_aside(state, self.keep_plain() if self.keep_plain is not None else {}, full)
-        if kept and route is not None:
-            fqn, path = next((f, p) for f, paths in kept.items() for p in paths)
-            raise errors.StateDictValueError(
-                f"optimizer state {'.'.join(map(str, path))!r} of parameter '{fqn}': the optimizer keeps "
-                "it as a whole tensor beside the DTensor parameter, on every rank, and a broadcast load "
-                "delivers each rank its shards only. Nothing was loaded. Give every rank the full dict "
-                "(broadcast_from_rank0=False) or load through DCP with a sharded state dict.")
+        keep = self.keep_plain() if self.keep_plain is not None else {}
+        kept = _set_aside(state, keep, full)
         original = state
         if kept:
             state = {fqn: _without(entry, kept[fqn]) if fqn in kept else entry for fqn, entry in state.items()}
@@ -920,6 +914,15 @@ class OptimLocalize(_StreamedLoad):
         )
         for fqn, paths in kept.items():
             _put_back(original[fqn], new_state[fqn], paths)
+            if full:
+                # a full load delivers them whole (a broadcast's stream
+                # too), as any tensor no parameter's layout shards
+                for path in paths:
+                    container = new_state[fqn]
+                    for key in path[:-1]:
+                        container = container[key]
+                    jobs.append((container[path[-1]], None, keep[fqn][2]))
+                    slots.append((container, path[-1]))
         if full and jobs:
             owner = {id(entry): fqn for fqn, entry in new_state.items() if isinstance(entry, dict)}
             names = [f"{owner.get(id(slot[0]), '?')}.{slot[1]}" for slot in slots]
@@ -956,14 +959,14 @@ class OptimLocalize(_StreamedLoad):
         return self.view[0] if self.route is not None and self.route.is_source else None
 
 
-def _set_aside(state: dict[str, Any], keep: dict[str, tuple[frozenset[tuple], tuple]],
+def _set_aside(state: dict[str, Any], keep: dict[str, tuple[frozenset[tuple], tuple, Any]],
                full: bool) -> dict[str, dict[tuple, Any]]:
     """Of ``keep``'s paths (with the parameter's global shape), those
     ``state`` holds a tensor (or its metadata) with a dimension at:
     {fqn: {path: value}}.  A full load sets aside only those of the
     parameter's shape: it keeps any other tensor whole already."""
     out: dict[str, dict[tuple, Any]] = {}
-    for fqn, (paths, shape) in keep.items():
+    for fqn, (paths, shape, _) in keep.items():
         entry = state.get(fqn)
         for path in paths:
             value: Any = entry

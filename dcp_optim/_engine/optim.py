@@ -1054,10 +1054,10 @@ def _remember_template(optim: _Optimizer, pristine_states: dict[str, Any] | None
             plain[fqn] = frozenset(_plain_paths(entry))
 
 
-def kept_plain(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, tuple[frozenset[tuple], tuple]]:
+def kept_plain(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, tuple[frozenset[tuple], tuple, Any]]:
     """Per FQN of a DTensor parameter, the paths of the state tensors its
-    optimizer keeps as plain (whole) tensors, and the parameter's global
-    shape: heavyball computes on each
+    optimizer keeps as plain (whole) tensors, the parameter's global
+    shape and its local device: heavyball computes on each
     parameter's full tensor and keeps its state whole on every rank.  A
     sharded or full load leaves a plain tensor given there as it is,
     instead of making it this rank's shard of the parameter (D9: the state
@@ -1068,7 +1068,7 @@ def kept_plain(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, tupl
     where that step cannot run, nothing is kept (D9's sharding, as
     before).  Empty for optimizers with a schema (theirs are shaped like
     the parameter)."""
-    out: dict[str, tuple[frozenset[tuple], tuple]] = {}
+    out: dict[str, tuple[frozenset[tuple], tuple, Any]] = {}
     targets = _load_targets(tuple(optim if w is None else w[1] for optim, w in
                                   ((o, _live_wrapper_layout(o)) for o in optimizers)))
     fqn_of: dict[int, str] | None = None
@@ -1095,7 +1095,7 @@ def kept_plain(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, tupl
                     template = _shadow_template(optim, index) or template
                 paths = frozenset(_plain_paths(held)) if held else template.get(fqn, frozenset())
                 if paths:
-                    out[fqn] = (paths, tuple(param.shape))
+                    out[fqn] = (paths, tuple(param.shape), param.device)
     return out
 
 

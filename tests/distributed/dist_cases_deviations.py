@@ -82,6 +82,28 @@ class _RowNorm(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+class _WholeSum(torch.optim.Optimizer):
+    """Keeps each DTensor parameter's gradient sum whole, plain, on every
+    rank (shaped like the parameter: what heavyball keeps, in a state dict
+    a full get can gather)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                whole = p.grad.full_tensor()
+                if "whole" not in state:
+                    state["whole"] = torch.zeros_like(whole)
+                state["whole"].add_(whole)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
 def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
     mesh = init_device_mesh("cpu", (ws,))
 
@@ -382,9 +404,12 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             if not flat:
                 makers.append(lambda m: heavyball.MSAMLaProp(m.parameters(), lr=1e-2))
             # (maker, full dict broadcast from rank 0): QHAdam's tensors
-            # travel whole in a broadcast too; heavyball has no full dict
-            # (a set in its state: both implementations' gathers refuse it)
-            runs = [(makers[0], False), (makers[0], True)] + [(m, False) for m in makers[1:]]
+            # and _WholeSum's (of the parameter's shape) travel whole in a
+            # broadcast too; heavyball has no full dict (a set in its
+            # state: both implementations' gathers refuse it)
+            makers.append(lambda m: _WholeSum(m.parameters()))
+            runs = [(m, b) for m in (makers[0], makers[-1]) for b in (False, True)]
+            runs += [(m, False) for m in makers[1:-1]]
             for make, bcast in runs:
                 src = build()
                 src_o = make(src)
@@ -401,6 +426,10 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
                 train(src, src_o, steps=1, seed=23)
                 train(dst, dst_o, steps=1, seed=23)
                 assert_same_tree(params_snapshot(src), params_snapshot(dst))
+                if not type(src_o).__module__.startswith("heavyball"):
+                    # (heavyball's groups keep a private "_orig_shapes" its
+                    # state_dict leaves out: a resume rebuilds it)
+                    assert_same_tree(optimizer_snapshot([src_o]), optimizer_snapshot([dst_o]))
 
         scenarios = {
             "getters_change_nothing": getters_change_nothing,
