@@ -400,7 +400,9 @@ def deviations_fsdp2(rank: int, ws: int) -> dict[str, dict[str, str]]:
             from pytorch_optimizer import QHAdam
 
             heavyball.utils.compile_mode = None
-            makers = [lambda m: QHAdam(m.parameters(), lr=1e-2)]
+            # (foreach=False: torch 2.11's DTensor has no sharding rule
+            # for _foreach_pow, which QHAdam's batched step calls)
+            makers = [lambda m: QHAdam(m.parameters(), lr=1e-2, foreach=False)]
             if not flat:
                 makers.append(lambda m: heavyball.MSAMLaProp(m.parameters(), lr=1e-2))
             # (maker, full dict broadcast from rank 0): QHAdam's tensors
