@@ -212,7 +212,8 @@ def meet(store: Any, prefix: str, seq: int, ranks: tuple[int, ...], rank: int, w
 # meeting fails at once.  A failure stays until the group's next arrival
 # (the step's retries and the other route fail at once, not after another
 # wait).  A rank deletes its key of collective k - 1 once k is met (every
-# peer has read it); the last one stays until the store goes.
+# peer has read it), and its last key of an earlier arrival at its first
+# collective after that arrival (every peer has left those steps since).
 
 _STEP = "dcp_optim/step"
 # per group of ranks: (its next arrival, collectives met before it, the
@@ -229,13 +230,15 @@ def meet_in_step(ranks: tuple[int, ...], signature: str, what: str, bound: float
     group = hashlib.sha1(repr(tuple(ranks)).encode()).hexdigest()[:16]
     arrival = _meetings.get(group, 0) + 1
     at, k, failed = _step_meetings.get(group, (arrival, 0, None))
+    store = dist.distributed_c10d._get_default_store()
     if at != arrival:
+        if k:
+            _delete(store, f"{_STEP}/{group}/{at}/{k}/r{rank}")
         k, failed = 0, None
     if failed is not None:
         raise errors.StepCollectiveError(failed)
     k += 1
     _step_meetings[group] = (arrival, k, None)
-    store = dist.distributed_c10d._get_default_store()
     base = f"{_STEP}/{group}/{arrival}"
     store.set(f"{base}/{k}/r{rank}", signature)
     peers = [r for r in ranks if r != rank]
