@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import errors
 from .consistency import all_gather_flat, check_agreement, flagged, mesh_ranks
 from .core import C
+from .serial_collectives import one_collective_at_a_time
 from .tensor_bytes import opaque
 
 __all__ = ["bucket_bytes", "bucket_setting", "set_bucket_bytes", "gather_full_tensors"]
@@ -110,7 +111,11 @@ def _reduce_partials(leaves: list[Any]) -> list[Any] | None:
         leaf = leaves[i]
         if any(p.is_partial() for p in leaf.placements):
             placements = [Replicate() if p.is_partial() else p for p in leaf.placements]
-            out[i] = leaf.redistribute(leaf.device_mesh, placements)
+            if type(leaf._local_tensor) is torch.Tensor:
+                out[i] = leaf.redistribute(leaf.device_mesh, placements)
+            else:  # a wrapper subclass: its collectives one at a time
+                with one_collective_at_a_time():
+                    out[i] = leaf.redistribute(leaf.device_mesh, placements)
             changed = True
     return out if changed else None
 
@@ -291,13 +296,17 @@ def _gather_opaque(
 def _upstream_full_tensor(value: Any) -> Any:
     """Upstream's gather of one DTensor (``_gather_state_dict``'s): on its
     mesh's device, redistributed to ``Replicate`` on every mesh dimension,
-    its local tensor (waited for)."""
+    its local tensor (waited for); the subclass's collectives run one at a
+    time."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     mesh = value.device_mesh
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
-    value = value.redistribute(device_mesh=mesh, placements=[Replicate() for _ in value.placements])
+    # the subclass issues one functional collective per inner tensor: one
+    # at a time, or torch's gloo group corrupts the heap (see the module)
+    with one_collective_at_a_time():
+        value = value.redistribute(device_mesh=mesh, placements=[Replicate() for _ in value.placements])
     local = value.to_local()
     if isinstance(local, AsyncCollectiveTensor):
         local = local.wait()
