@@ -142,9 +142,14 @@ def _meeting_group(mesh: Any | None) -> tuple[tuple[int, ...], str]:
     found = _groups.get(key)
     if found is None:
         ranks = _mesh_ranks(mesh)
-        found = (ranks, hashlib.sha1(repr(ranks).encode()).hexdigest()[:16])
+        found = (ranks, _group_digest(ranks))
         _groups[key] = found
     return found
+
+
+def _group_digest(ranks: tuple[int, ...]) -> str:
+    """The name of the meetings of ``ranks`` on the store."""
+    return hashlib.sha1(repr(tuple(ranks)).encode()).hexdigest()[:16]
 
 
 def await_arrival(mesh: Any | None, what: str) -> None:
@@ -227,7 +232,7 @@ def meet_in_step(ranks: tuple[int, ...], signature: str, what: str, bound: float
     raise ``StepCollectiveError`` where a peer takes no such step or is at
     another operator (see above)."""
     rank = dist.get_rank()
-    group = hashlib.sha1(repr(tuple(ranks)).encode()).hexdigest()[:16]
+    group = _group_digest(ranks)
     arrival = _meetings.get(group, 0) + 1
     at, k, failed = _step_meetings.get(group, (arrival, 0, None))
     store = dist.distributed_c10d._get_default_store()

@@ -1092,18 +1092,18 @@ def kept_plain(index: Any, optimizers: tuple[_Optimizer, ...]) -> dict[str, tupl
                 held = optim.state.get(param)
                 if not held and fqn not in template and not shadowed:
                     shadowed = True  # at most one shadow step per optimizer
-                    template = _shadow_template(optim, index) or template
+                    template = _shadow_template(optim, fqn_of) or template
                 paths = frozenset(_plain_paths(held)) if held else template.get(fqn, frozenset())
                 if paths:
                     out[fqn] = (paths, tuple(param.shape), param.device)
     return out
 
 
-def _shadow_template(optim: _Optimizer, index: Any) -> dict[str, frozenset[tuple]] | None:
+def _shadow_template(optim: _Optimizer, fqn_of: dict[int, str]) -> dict[str, frozenset[tuple]] | None:
     """One shadow step of ``optim`` for its DTensor parameters without
-    state, remembered as the getter's template would be; the plain paths
-    by FQN, or None where the step cannot run."""
-    fqn_of = {id(t): fqns[0] for t, fqns in zip(index.tensors, index.tensor_fqns) if fqns}
+    state (``fqn_of``: their FQNs by id), remembered as the getter's
+    template would be; the plain paths by FQN, or None where the step
+    cannot run."""
     params: list[torch.Tensor] = [
         p for g in optim.param_groups for p in g["params"]
         if isinstance(p, DTensor) and p.requires_grad and not optim.state.get(p) and id(p) in fqn_of
