@@ -711,6 +711,18 @@ def _merge_scalars(fqn: str, per_rank: list[tuple[int, dict[str, Any], dict[str,
             continue
         for name, value in values.items():
             if check and name in out and not _same_wire(out[name], value):
+                if plain_tensor_in(value) or plain_tensor_in(out[name]):
+                    raise errors.InconsistentOptimizerStateError(
+                        f"optimizer state {name!r} of {fqn!r} holds tensors inside a "
+                        f"{type(value).__name__}, and ranks {source[name]} and {rank} hold different "
+                        "ones: under FSDP1 the optimizer steps each rank's piece of a flat parameter, so "
+                        "such tensors are pieces too (heavyball keeps a parameter's state in a dict per "
+                        "view), and dcp_optim maps pieces of state tensors only where they are the "
+                        "state's own values, so the get is refused (upstream's saves one rank's pieces "
+                        "under every original name, or raises).  Under FSDP2 (DTensor parameters) "
+                        "dcp_optim saves such state",
+                        f"{fqn}.{name}", [source[name], rank],
+                    )
                 raise errors.InconsistentOptimizerStateError(
                     f"optimizer state {name!r} of {fqn!r}: rank {rank} has {_show_wire(value)}, rank "
                     f"{source[name]} {_show_wire(out[name])}.  A value the optimizer computes from each "

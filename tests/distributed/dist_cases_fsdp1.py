@@ -982,3 +982,54 @@ def nested_state_broadcast_case(rank: int, ws: int) -> list[str]:
             assert_same_tree(optim.state_dict(), before)
     dist.barrier()
     return out
+
+
+def nested_state_pieces_case(rank: int, ws: int) -> list[str]:
+    """heavyball keeps each parameter's state in a dict per view
+    (``state[p][0]["update_by_adam_exp_avg_0"]``).  Under FSDP1 it steps
+    each rank's piece of a flat parameter, so those tensors are pieces,
+    which no FSDP1 mapping knows inside a dict: dcp_optim refuses the get
+    on every rank, naming the entry; upstream's sharded get with flat
+    parameters returns each rank's own flat-shard state under every
+    original name (the same tensors for the weight and the bias, other
+    values on each rank), with original parameters it raises."""
+    import gc
+    import warnings
+
+    import heavyball
+
+    warnings.simplefilter("ignore")
+    out = []
+    for orig in (True, False):
+        torch.manual_seed(0)
+        model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        optim = heavyball.AdamW(model.parameters(), lr=0.1)
+        for i in range(2):
+            torch.manual_seed(10 + i)
+            model(torch.randn(4, 8)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        before = copy.deepcopy(optim.state_dict())
+        try:
+            dcp_optim.get_optimizer_state_dict(model, optim)
+            out.append(f"orig={orig} ours: saved")
+        except dcp_optim.errors.InconsistentOptimizerStateError as exc:
+            assert "holds tensors inside a dict" in str(exc) and "'body.weight'" in str(exc), exc
+            out.append(f"orig={orig} ours: InconsistentOptimizerStateError")
+        assert_same_tree(optim.state_dict(), before)
+        try:
+            theirs = upstream.get_optimizer_state_dict(model, optim)
+        except RuntimeError:
+            out.append(f"orig={orig} upstream: RuntimeError")
+        else:
+            weight, bias = (theirs["state"][f"body.{n}"][0]["update_by_adam_exp_avg_0"] for n in ("weight", "bias"))
+            shard = optim.state[optim.param_groups[0]["params"][0]][0]["update_by_adam_exp_avg_0"]
+            same = weight is bias or torch.equal(weight, bias)
+            out.append(f"orig={orig} upstream: this rank's flat shard under both names: "
+                       f"{same and torch.equal(weight, shard)}")
+        # heavyball looks for FSDP's flat parameters among all live
+        # objects: a dead weak proxy of this model's would break its step
+        del model, optim, before
+        gc.collect()
+    dist.barrier()
+    return out

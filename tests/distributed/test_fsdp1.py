@@ -155,3 +155,15 @@ def test_broadcast_of_tensors_inside_a_state_list_refused():
     message = ("StateDictValueError: optimizer state 'GG' of 'body.weight' holds tensors inside a list: "
                "a broadcast l")
     assert all(r == [f"orig={o}: {message}" for o in (True, False)] for r in results), results
+
+
+def test_state_tensors_inside_a_dict_refused():
+    """heavyball under FSDP1: its state tensors sit in a dict per view,
+    pieces of flat parameters no mapping reaches; refused on every rank
+    (upstream: one rank's flat-shard state under every name, or a raise)."""
+    pytest.importorskip("heavyball")
+    results = run_ranks(2, cases.nested_state_pieces_case, timeout=300)
+    expected = ["orig=True ours: InconsistentOptimizerStateError", "orig=True upstream: RuntimeError",
+                "orig=False ours: InconsistentOptimizerStateError",
+                "orig=False upstream: this rank's flat shard under both names: True"]
+    assert all(r == expected for r in results), results
