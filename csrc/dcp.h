@@ -489,6 +489,11 @@ extern PyMethodDef dcp_load_jobs_methods[];      /* load_jobs.c */
 extern PyMethodDef dcp_gather_methods[];         /* gather.c */
 extern PyMethodDef dcp_reshard_plan_methods[];   /* reshard_plan.c */
 
+/* tree.c: 1 when `obj` is a set or frozenset of plain values (numbers,
+ * strings, bytes, None, tuples of them): a state value that full gets and
+ * the flattened format carry as it is; 0 otherwise; -1 on error. */
+int dcp_is_plain_set(PyObject *obj);
+
 /* ----------------------------------------------------------------------
  * Full gathers (gather.c): the GatherPlan type and its executors.
  */

@@ -119,6 +119,12 @@ flatten_leaf(dcp_state *st,
             allowed = PyObject_IsInstance(leaf, ctx->tensor_type);
         }
         if (allowed == 0) {
+            /* a deliberate difference: a set of plain values (heavyball's
+             * initialised indices) is flattened as a value, where
+             * upstream raises */
+            allowed = dcp_is_plain_set(leaf);
+        }
+        if (allowed == 0) {
             PyErr_Format(PyExc_NotImplementedError,
                          "Flattening optimizer state_dict only supports "
                          "tensor, int, float, dict states now. Type is "
@@ -134,7 +140,7 @@ flatten_leaf(dcp_state *st,
 
 /* Flattens one state dict under `prefix` ("state.<fqn>.", ending with a
  * dot) into `out`.  Leaves must be Tensor, int, float or dict (upstream's
- * E15). */
+ * E15), or a set of plain values (dcp_is_plain_set). */
 static int
 flatten_state(dcp_state *st,
               dcp_Context *ctx,

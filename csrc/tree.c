@@ -13,6 +13,13 @@
  * tuple; int/float/str/bytes/io.BytesIO/None stay as they are; anything
  * else raises ValueError("Unexpected value type ...") when type checking,
  * or is deep-copied otherwise.
+ *
+ * One deliberate difference: a set or frozenset of plain values (numbers,
+ * strings, bytes, None, tuples of them) is a value too -- heavyball keeps
+ * the set of a parameter's initialised state indices beside its tensors,
+ * and upstream's full and offloaded gets raise on it.  A set is copied
+ * (the optimizer adds to its own at every step), a frozenset kept; a set
+ * holding a tensor still raises (no gather would reach it).
  */
 #include "dcp.h"
 
@@ -37,6 +44,49 @@ is_plain_leaf(dcp_tree *t, PyObject *obj)
         return 0;
     }
     return PyObject_IsInstance(obj, t->ctx->bytesio_type);
+}
+
+/* 1 when every element of `obj` (a set, a frozenset or a tuple inside
+ * one) is a number, string, bytes, None or such a tuple; 0 otherwise; -1
+ * on error.  Elements are hashable, so a tuple's contents are too and a
+ * set cannot hold a list or a dict. */
+static int
+plain_elements(PyObject *obj, int depth)
+{
+    if (depth > 32) {
+        return 0;
+    }
+    PyObject *it = PyObject_GetIter(obj);
+    if (it == NULL) {
+        return -1;
+    }
+    int rc = 1;
+    PyObject *item;
+    while (rc == 1 && (item = PyIter_Next(it)) != NULL) {
+        if (PyTuple_Check(item)) {
+            rc = plain_elements(item, depth + 1);
+        }
+        else if (!(item == Py_None || PyLong_Check(item) ||
+                   PyFloat_Check(item) || PyComplex_Check(item) ||
+                   PyUnicode_Check(item) || PyBytes_Check(item))) {
+            rc = 0;
+        }
+        Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (rc == 1 && PyErr_Occurred()) {
+        rc = -1;
+    }
+    return rc;
+}
+
+int
+dcp_is_plain_set(PyObject *obj)
+{
+    if (!PyAnySet_Check(obj)) {
+        return 0;
+    }
+    return plain_elements(obj, 0);
 }
 
 /* Collect (t->leaves != NULL): returns a new reference to Py_None.
@@ -68,6 +118,18 @@ tree_visit(dcp_tree *t, PyObject *obj)
     }
     if (rc) {
         return Py_NewRef(t->leaves != NULL ? Py_None : obj);
+    }
+    rc = dcp_is_plain_set(obj);
+    if (rc < 0) {
+        return NULL;
+    }
+    if (rc) {
+        if (t->leaves != NULL || PyFrozenSet_CheckExact(obj)) {
+            return Py_NewRef(t->leaves != NULL ? Py_None : obj);
+        }
+        /* a set (or a subclass of one), copied as a plain set: what
+         * deepcopy gives of a set of immutable values */
+        return PyFrozenSet_Check(obj) ? PyFrozenSet_New(obj) : PySet_New(obj);
     }
     if (Py_EnterRecursiveCall(" while walking a state dict")) {
         return NULL;

@@ -846,22 +846,32 @@ def _flat_view(index: Any, osd: dict[str, Any], whole: dict[str, tuple[str, Any]
     return view
 
 
-def _odd_paths(name: str, value: Any) -> list[tuple[Any, ...]]:
+def _odd_paths(name: Any, value: Any) -> list[tuple[Any, ...]]:
     """The leaf paths (name, k1, ..., kn) of a state value that is a dict
     with a key that is not a str or holds a dot, at any depth (AggMo's
-    momentum buffers keyed by their beta): splitting its flattened keys at
-    the dots cannot give those keys back; [] for any other value."""
-    if not isinstance(value, dict):
-        return []
+    momentum buffers keyed by their beta), or of one whose own name is not
+    a str (heavyball's state per view index, ``{0: {...}}``): splitting
+    their flattened keys at the dots cannot give those keys back; [] for
+    any other value.  Inside such a value a list is walked as the
+    flattened format spells it (``_encode_lists``: "[i]" per element, "[]"
+    for its length), so its elements are read back under those keys and
+    decoded with the rest."""
+    odd = not isinstance(name, str)
+    if not isinstance(value, dict) or not value:
+        return [(name,)] if odd else []
     paths: list[tuple[Any, ...]] = []
-    odd = False
 
-    def walk(node: dict[Any, Any], path: tuple[Any, ...]) -> None:
+    def walk(node: dict[Any, Any] | list[Any], path: tuple[Any, ...]) -> None:
         nonlocal odd
-        for k, v in node.items():
+        if isinstance(node, list):
+            paths.append((*path, _LIST_LEN))
+            items: Any = ((f"[{i}]", v) for i, v in enumerate(node) if v is not None)
+        else:
+            items = node.items()
+        for k, v in items:
             if not isinstance(k, str) or "." in k:
                 odd = True
-            if isinstance(v, dict) and v:
+            if (isinstance(v, dict) and v) or isinstance(v, list):
                 walk(v, (*path, k))
             else:
                 paths.append((*path, k))
@@ -935,7 +945,7 @@ def _whole_state_names(
                 add(param, [k for k in names if isinstance(k, tuple) or (isinstance(k, str) and "." in k)])
             for param, live in optim.state.items():
                 if isinstance(live, dict):
-                    add(param, [p for k, v in live.items() if isinstance(k, str) for p in _odd_paths(k, v)])
+                    add(param, [p for k, v in live.items() for p in _odd_paths(k, v)])
             continue
         schema = schema_for(optim)
         if schema is not None:
