@@ -37,6 +37,7 @@ from .pipeline import Prepared, Report
 from .pristine import add_group_keys, pristine, pristine_states, template_error
 from .ranklocal import check_rank_local
 from .shadow import (
+    fallback_own_entries,
     fallback_pristine,
     fallback_wrapper_entries,
     upstream_wrapper_entries,
@@ -53,6 +54,8 @@ from .wide import (
     split_own_wide,
     wide_index,
     wide_key,
+    with_step_created,
+    without_step_created,
 )
 
 __all__ = ["OptimLoad", "get_optim", "load_optim", "init_optim_state"]
@@ -384,6 +387,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         _check_own_state_dict(optim, osd)
         osd, inner_wide = split_own_wide(osd)
         C.optim_remap(index, target, osd)
+        if wrapped is None and not zero_owner:
+            osd = _own_entries_completed(index, optim, osd)
         collect_extras(optim, osd, extras)
         state.update(osd["state"])
         if extra:
@@ -515,6 +520,28 @@ def _unwrap_state_dict(
                 raise template_error(optim, "own state_dict() entries", shadow_exc, exc) from exc
         own = {k: _fill(v, first.get(k)) for k, v in own.items()}
     return {**osd[key], **own}, inner, group_keys
+
+
+def _own_entries_completed(index: Any, optim: _Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """``osd`` (the optimizer's own ``state_dict()``, FQN-keyed) with the
+    dicts among its own top-level entries completed, while some parameter
+    has no state, with the keys a first step creates in them, marked
+    (``wide.with_step_created``: heavyball's ``inner_group``, which dcp.load
+    would otherwise leave empty).  ``osd`` itself where no entry is a dict,
+    every parameter holds state, or the shadow step raises (the entries
+    are returned as they are held, as before)."""
+    own = [k for k, v in osd.items() if k not in TORCH_LAYOUT and isinstance(v, dict)]
+    if not own or not C.optim_missing(index, optim):
+        return osd
+    try:
+        first = fallback_own_entries(optim)
+    except Exception as exc:  # noqa: BLE001 - the entries as held
+        exc.__traceback__ = None  # its frames hold the shadow's copies
+        return osd
+    completed = {k: with_step_created(osd[k], first.get(k)) for k in own}
+    if all(completed[k] is osd[k] for k in own):
+        return osd
+    return {**osd, **completed}
 
 
 def _fill(held: Any, first: Any) -> Any:
@@ -1437,6 +1464,9 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     if missing:
         missing = _drop_stateless(missing, templates)
     wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
+    # entries a template marked as a first step's, still unfilled (a
+    # never-stepped optimizer's own checkpoint): left out, as it had none
+    extras = {k: without_step_created(v) for k, v in extras.items()}
     if wide_unexpected:
         unexpected = [*unexpected, *wide_unexpected]
     if info.strict:

@@ -33,6 +33,7 @@ from .lockstep import collectives_in_step
 __all__ = [
     "OPTIMIZER_WIDE",
     "copy_tensor",
+    "fallback_own_entries",
     "fallback_pristine",
     "fallback_wrapper_entries",
     "upstream_pristine",
@@ -541,6 +542,26 @@ def _retyped(first: dict[Any, Any], second: dict[Any, Any]) -> bool:
     return any(_takes_tensor(first[k], v) for k, v in second.items() if k in first)
 
 
+def _left_out(key: Any, own_key: Any) -> bool:
+    """Whether a top-level key of an optimizer's own ``state_dict()`` is
+    not one of the entries asked for: the wrapper's inner dict
+    (``own_key``), or torch's own layout (a frozenset of its keys)."""
+    return key in own_key if isinstance(own_key, frozenset) else key == own_key
+
+
+def fallback_own_entries(optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+    """For an optimizer whose own ``state_dict()`` adds top-level entries
+    beside torch's layout (heavyball's "heavyball", whose ``inner_group``
+    a step fills): those entries as a first step leaves them, by one
+    shadow step as :func:`fallback_wrapper_entries` takes.  Raises what
+    the step raises."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stand = _StandIns(optimizer)
+    first, _ = _tries(optimizer, stand, {id(p) for p in params}, 0.0, [(True, False, False)],
+                      own_key=frozenset(("state", "param_groups")))
+    return first
+
+
 def fallback_wrapper_entries(
     optimizer: torch.optim.Optimizer, inner_key: Any
 ) -> tuple[dict[Any, Any], list[dict[str, Any]]]:
@@ -603,7 +624,7 @@ def _shadow_step(
         new_keys.append(_zero_steps(keep({k: v for k, v in group.items() if k not in keys})))
     if own_key is not None:
         own = shadow.state_dict()
-        return {k: _zero_steps(keep(v)) for k, v in own.items() if k != own_key}, new_keys
+        return {k: _zero_steps(keep(v)) for k, v in own.items() if not _left_out(k, own_key)}, new_keys
     states: dict[Any, Any] = {}
     for p, clone in order:
         if id(p) in wanted and clone in shadow.state:
@@ -806,7 +827,7 @@ def _upstream_step(optimizer: Any, wanted: set[int], own_key: Any = None) -> tup
             ]
             if own_key is not None:
                 own = optimizer.state_dict()
-                return {k: _zero_steps(_own(v)) for k, v in own.items() if k != own_key}, new_keys
+                return {k: _zero_steps(_own(v)) for k, v in own.items() if not _left_out(k, own_key)}, new_keys
             state = optimizer.state
             states: dict[Any, Any] = {
                 id(p): _zero_steps(keep(dict(state[p]))) for p in params if id(p) in wanted and state.get(p)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
+
 from .. import errors
 from .shadow import OPTIMIZER_WIDE
 
@@ -106,6 +108,106 @@ TORCH_LAYOUT = ("state", "param_groups")
 def has_torch_layout(osd: Any) -> bool:
     """Whether an optimizer's ``state_dict()`` is laid out as torch's."""
     return isinstance(osd, dict) and all(k in osd for k in TORCH_LAYOUT)
+
+
+# --- entries of an optimizer's own state_dict() that a step creates ------------
+#
+# heavyball's optimizers add a "heavyball" entry to their state_dict(),
+# whose ``inner_group`` dict a step fills (SOAP's and PSGD's preconditioner
+# schedule: ``cumulative_prob`` and its step count).  The template of a
+# never-stepped optimizer holds that dict empty, and dcp.load fills only
+# the keys a template holds: the schedule restarted, silently.  So while
+# some parameter has no state, such a dict is completed with the keys a
+# first step (a shadow step) creates, their numbers marked as created by
+# that step (an int or float subclass: every format, dcp.save and the
+# broadcast's metadata carry them, pickled).  A load drops the values
+# still marked -- a never-stepped optimizer's own checkpoint, or the
+# template given back -- so the optimizer gets the dict it had, and a
+# checkpoint of a trained one fills them with its values.
+
+
+class StepCreatedInt(int):
+    """An int a first step would create, in a never-stepped template (see
+    above); dropped by a load that finds it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"StepCreatedInt({int(self)})"
+
+
+class StepCreatedFloat(float):
+    """A float a first step would create, in a never-stepped template (see
+    above); dropped by a load that finds it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"StepCreatedFloat({float(self)!r})"
+
+
+torch.serialization.add_safe_globals([StepCreatedInt, StepCreatedFloat])
+
+
+def _marked(value: Any) -> Any:
+    """``value`` (created by a first step) marked where it is a number; a
+    dict's numbers at any depth; anything else as it is."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return StepCreatedInt(value)
+    if isinstance(value, float):
+        return StepCreatedFloat(value)
+    if isinstance(value, dict):
+        return {k: _marked(v) for k, v in value.items()}
+    return value
+
+
+def with_step_created(held: Any, first: Any) -> Any:
+    """``held`` (a dict of an optimizer's own ``state_dict()`` entry) with
+    the keys ``first`` (the same entry after a first step) has and it
+    lacks, at any depth of dicts, their numbers marked; a new dict where
+    anything is added (``held`` itself is never changed)."""
+    if not isinstance(held, dict) or not isinstance(first, dict):
+        return held
+    out = None
+    for k, v in first.items():
+        if k in held:
+            new = with_step_created(held[k], v)
+            if new is held[k]:
+                continue
+        else:
+            new = _marked(v)
+        if out is None:
+            out = dict(held)
+        out[k] = new
+    return held if out is None else out
+
+
+def without_step_created(value: Any) -> Any:
+    """``value`` without the dict entries whose values are still marked as
+    created by a first step, at any depth of dicts; a new dict where
+    anything goes (``value`` itself is never changed)."""
+    if not isinstance(value, dict):
+        return value
+    out = None
+    for k, v in value.items():
+        if isinstance(v, (StepCreatedInt, StepCreatedFloat)):
+            new: Any = _DROP
+        else:
+            new = without_step_created(v)
+            if new is v:
+                continue
+        if out is None:
+            out = dict(value)
+        if new is _DROP:
+            del out[k]
+        else:
+            out[k] = new
+    return value if out is None else out
+
+
+_DROP = object()
 
 
 def collect_extras(optim: Any, osd: dict[str, Any], extras: dict[str, Any], stacklevel: int = 6) -> None:
