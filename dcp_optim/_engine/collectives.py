@@ -33,6 +33,7 @@ it adapts to the tensors: ``min(256 MiB, max(largest tensor, 16 MiB))``;
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -111,11 +112,10 @@ def _reduce_partials(leaves: list[Any]) -> list[Any] | None:
         leaf = leaves[i]
         if any(p.is_partial() for p in leaf.placements):
             placements = [Replicate() if p.is_partial() else p for p in leaf.placements]
-            if type(leaf._local_tensor) is torch.Tensor:
+            # a wrapper subclass's collectives one at a time
+            wrapped = type(leaf._local_tensor) is not torch.Tensor
+            with one_collective_at_a_time() if wrapped else contextlib.nullcontext():
                 out[i] = leaf.redistribute(leaf.device_mesh, placements)
-            else:  # a wrapper subclass: its collectives one at a time
-                with one_collective_at_a_time():
-                    out[i] = leaf.redistribute(leaf.device_mesh, placements)
             changed = True
     return out if changed else None
 

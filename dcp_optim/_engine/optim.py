@@ -49,6 +49,7 @@ from .wide import (
     add_wide,
     collect_extras,
     copy_containers,
+    filled,
     has_torch_layout,
     pop_wide,
     split_own_wide,
@@ -518,7 +519,7 @@ def _unwrap_state_dict(
                 first, group_keys = upstream_wrapper_entries(optim, key)
             except Exception as exc:  # noqa: BLE001 - raised as the template error
                 raise template_error(optim, "own state_dict() entries", shadow_exc, exc) from exc
-        own = {k: _fill(v, first.get(k)) for k, v in own.items()}
+        own = {k: filled(v, first.get(k)) for k, v in own.items()}
     return {**osd[key], **own}, inner, group_keys
 
 
@@ -538,21 +539,7 @@ def _own_entries_completed(index: Any, optim: _Optimizer, osd: dict[str, Any]) -
     except Exception as exc:  # noqa: BLE001 - the entries as held
         exc.__traceback__ = None  # its frames hold the shadow's copies
         return osd
-    completed = {k: with_step_created(osd[k], first.get(k)) for k in own}
-    if all(completed[k] is osd[k] for k in own):
-        return osd
-    return {**osd, **completed}
-
-
-def _fill(held: Any, first: Any) -> Any:
-    """``held`` with the entries of ``first`` it lacks added, at any depth
-    of dicts (held values win)."""
-    if not isinstance(held, dict) or not isinstance(first, dict):
-        return held
-    out = dict(held)
-    for k, v in first.items():
-        out[k] = _fill(out[k], v) if k in out else v
-    return out
+    return {**osd, **{k: with_step_created(osd[k], first.get(k)) for k in own}}
 
 
 def _check_own_state_dict(optim: _Optimizer, osd: Any) -> None:

@@ -163,51 +163,34 @@ def _marked(value: Any) -> Any:
     return value
 
 
+def filled(held: Any, first: Any, added: Any = None) -> Any:
+    """``held`` with the entries of ``first`` it lacks added (through
+    ``added`` where given), at any depth of dicts; held values win.  A new
+    dict where anything is added, ``held`` itself otherwise (never
+    changed)."""
+    if not isinstance(held, dict) or not isinstance(first, dict):
+        return held
+    out = {k: filled(v, first[k], added) if k in first else v for k, v in held.items()}
+    out.update((k, v if added is None else added(v)) for k, v in first.items() if k not in held)
+    return held if len(out) == len(held) and all(out[k] is v for k, v in held.items()) else out
+
+
 def with_step_created(held: Any, first: Any) -> Any:
     """``held`` (a dict of an optimizer's own ``state_dict()`` entry) with
     the keys ``first`` (the same entry after a first step) has and it
-    lacks, at any depth of dicts, their numbers marked; a new dict where
-    anything is added (``held`` itself is never changed)."""
-    if not isinstance(held, dict) or not isinstance(first, dict):
-        return held
-    out = None
-    for k, v in first.items():
-        if k in held:
-            new = with_step_created(held[k], v)
-            if new is held[k]:
-                continue
-        else:
-            new = _marked(v)
-        if out is None:
-            out = dict(held)
-        out[k] = new
-    return held if out is None else out
+    lacks, their numbers marked (``filled``)."""
+    return filled(held, first, _marked)
 
 
 def without_step_created(value: Any) -> Any:
     """``value`` without the dict entries whose values are still marked as
     created by a first step, at any depth of dicts; a new dict where
-    anything goes (``value`` itself is never changed)."""
+    anything goes, ``value`` itself otherwise (never changed)."""
     if not isinstance(value, dict):
         return value
-    out = None
-    for k, v in value.items():
-        if isinstance(v, (StepCreatedInt, StepCreatedFloat)):
-            new: Any = _DROP
-        else:
-            new = without_step_created(v)
-            if new is v:
-                continue
-        if out is None:
-            out = dict(value)
-        if new is _DROP:
-            del out[k]
-        else:
-            out[k] = new
-    return value if out is None else out
-
-
-_DROP = object()
+    out = {k: without_step_created(v) for k, v in value.items()
+           if not isinstance(v, (StepCreatedInt, StepCreatedFloat))}
+    return value if len(out) == len(value) and all(out[k] is v for k, v in value.items()) else out
 
 
 def collect_extras(optim: Any, osd: dict[str, Any], extras: dict[str, Any], stacklevel: int = 6) -> None:
