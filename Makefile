@@ -162,8 +162,8 @@ TORCHRUN_DESELECT ?= not harness and not launch_cost and not memory and not fsdp
 TORCHRUN_LIMIT    ?= 600
 # The other ranks' output of a launch (torchrun --log-dir, --redirects:
 # the console shows rank 0's, as it prints it): when a launch fails, it is
-# printed from here (a rank that died shows why: pytest's faulthandler
-# writes its stacks to stderr).
+# printed from here.  tools/torchrun-suite.sh runs each launch, and once
+# more where a rank crashed inside torch (see there).
 TORCHRUN_LOGS     := $(CURDIR)/.torchrun-logs
 
 .PHONY: test-torchrun
@@ -171,17 +171,10 @@ test-torchrun: build
 	rm -rf $(TORCHRUN_PASSED) $(TORCHRUN_LOGS)
 	for n in $(TORCHRUN_NPROCS); do \
 	    echo "== torchrun --nproc-per-node=$$n"; \
-	    others=$$(seq -s, 1 $$((n - 1)) | sed 's/\([0-9][0-9]*\)/\1:3/g'); \
 	    DCP_OPTIM_TORCHRUN_PASSED=$(TORCHRUN_PASSED) \
-	    timeout -k 10 $(TORCHRUN_LIMIT) $(VENV)/bin/torchrun --standalone --nproc-per-node=$$n \
-	        --log-dir $(TORCHRUN_LOGS)/$$n --redirects "$$others" \
-	        -m pytest -q -p no:cacheprovider --disable-warnings \
-	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || { \
-	        for f in $$(find $(TORCHRUN_LOGS)/$$n -path '*/attempt_*/[1-9]*' -name 'std*.log' | sort); do \
-	            echo "== $$f"; \
-	            if [ "$$(wc -l < "$$f")" -le 160 ]; then cat "$$f"; \
-	            else head -n 40 "$$f"; echo "[...]"; tail -n 120 "$$f"; fi; \
-	        done; exit 1; }; \
+	    tools/torchrun-suite.sh $$n $(TORCHRUN_LOGS)/$$n $(VENV)/bin/torchrun $(TORCHRUN_LIMIT) -- \
+	        -q -p no:cacheprovider --disable-warnings \
+	        --timeout 150 -k "$(TORCHRUN_DESELECT)" $(TORCHRUN_TESTS) || exit 1; \
 	done
 	timeout -k 10 $(TORCHRUN_LIMIT) $(PY) -m pytest -q -p no:cacheprovider -m torchrun tests/distributed/test_torchrun.py
 
