@@ -32,6 +32,7 @@ from .. import errors
 from ..schema import PARAM, PARAM_DEVICE, proxied, schema_for
 from . import zero
 from .core import C, context
+from .never_stepped import mark_flat, mark_groups, marked_in_view, plain_groups, unmarked_groups
 from .own_calls import is_patched, state_dict_fn
 from .pipeline import Prepared, Report
 from .pristine import add_group_keys, pristine, pristine_states, template_error
@@ -233,6 +234,9 @@ def get_optim(model: nn.Module, optimizers: tuple[_Optimizer, ...], info: Any) -
             osd = C.flatten_optim(context(), encoded, info.group_counts, keys)
         if keys is not None:
             _trim_flat_keys(keys, osd_nested)
+        never = getattr(info, "never_stepped", None)
+        if never:
+            mark_flat(osd, osd_nested.get("param_groups", []), never)
     if extras:
         # after "state"/"param_groups" (nested) or the flat keys
         for key, value in extras.items():
@@ -344,6 +348,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     groups: list[dict[str, Any]] = []
     counts: list[int] = []
     extras: dict[str, Any] = {}
+    # the parameters whose state is a shadow step's (never_stepped)
+    never: set[str] = set()
     for o, optim in enumerate(optimizers):
         if _native_get(optim):
             extra, group_keys = pristine(index, optim)
@@ -355,6 +361,11 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
             add_wide(state, o, {**first_wide, **wide[0]})
             add_group_keys(groups[first:], group_keys)
+            if extra and schema_for(optim) is None:
+                never.update(extra)
+                tail = groups[first:]
+                mark_groups(tail, set(extra))
+                groups[first:] = tail
             counts.append(len(optim.param_groups))
             continue
         zero_owner = zero.is_zero(optim)
@@ -396,10 +407,17 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             state.update(extra)
         add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
         add_group_keys(osd["param_groups"], group_keys)
+        first = len(groups)
         groups.extend(osd["param_groups"])
+        if extra and schema_for(target) is None and not zero_owner:
+            never.update(extra)
+            tail = groups[first:]
+            mark_groups(tail, set(extra))
+            groups[first:] = tail
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts
     info.optim_extras = extras
+    info.never_stepped = never
     return {"state": state, "param_groups": groups}
 
 
@@ -1432,6 +1450,11 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     owners = optimizers
     optimizers = _load_targets(tuple(optim if w is None else w[1] for optim, w in zip(optimizers, wrapped)))
     expect = [_expect_state(optim) for optim in optimizers]
+    # parameters the dict marks as saved without state (never_stepped):
+    # none is installed, none is missing
+    never = marked_in_view(view) if _schema_less(optimizers) else set()
+    if never:
+        view = ({k: v for k, v in view[0].items() if k not in never}, plain_groups(view[1]), *view[2:])
     splits, missing, unexpected, conflicts = C.split_optim(info.index, optimizers, view, expect)
     if conflicts:
         _refuse_group_conflicts(conflicts, optimizers, splits, view)
@@ -1443,6 +1466,10 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     ]
     if loaded_expect != expect:
         splits, missing, unexpected, _ = C.split_optim(info.index, optimizers, view, loaded_expect)
+    if never:
+        missing = [fqn for fqn in missing if fqn not in never]
+        splits = [_without_first_step_keys(info.index, optim, split, never)
+                  for optim, split in zip(optimizers, splits)]
     if missing and any(zero.is_zero(owner) for owner in owners):
         missing = zero.without_other_partitions(info.index, owners, missing)
     templates, first_dtypes, placed = _templates(optimizers, splits, missing, bool(info.strict))
@@ -1519,6 +1546,27 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
 
 
 _WRAPPER = "wrapper"  # a prepared load for a wrapper's own load_state_dict
+
+
+def _schema_less(optimizers: tuple[_Optimizer, ...]) -> bool:
+    """Whether some optimizer (or the one it wraps) has no schema: only
+    such an optimizer's getter marks never-stepped parameters."""
+    return any(schema_for(optim) is None for optim in (*optimizers, *_load_targets(optimizers)))
+
+
+def _without_first_step_keys(index: Any, optim: _Optimizer, split: dict[str, Any], never: set[str]) -> dict[str, Any]:
+    """The split's groups with the marks' numbers plain and, in a group
+    whose parameters the dict marks all as never stepped, without the
+    keys the live group lacks (never_stepped.unmarked_groups)."""
+    live = optim.param_groups
+    all_never = []
+    for group in live:
+        fqns = []
+        for p in group.get("params", ()):
+            slot = index.slot_of(p)
+            fqns.append(index.tensor_fqns[slot][0] if slot is not None else None)
+        all_never.append(bool(fqns) and all(f in never for f in fqns))
+    return {**split, "param_groups": unmarked_groups(split["param_groups"], live, all_never)}
 
 
 def _check_wide(

@@ -1,0 +1,178 @@
+"""Parameters a checkpoint saved without state: left without state on load.
+
+An optimizer without a schema gets the template of a parameter that has
+no state from a shadow step (``shadow.fallback_pristine``): the state
+*after* one step with zero gradients.  For many optimizers that is not
+what a fresh one holds before its first step -- Yogi's second moment has
+been scaled once, PID's gradient buffer holds a zero gradient, Adan's
+previous gradient is zero instead of the first real one.  A checkpoint
+of such a parameter (a never-stepped optimizer's, or the template given
+back) loaded as plain state would make the resumed first step differ
+from the fresh optimizer's: silently.
+
+So the getter marks those parameters in what it returns, in a way every
+format, ``dcp.save`` and the broadcast's metadata carry (pickled values,
+never tensors):
+
+* nested: the parameter's name in its group's ``params`` list is a
+  ``NeverSteppedName`` (a str);
+* flattened: the numbers among its ``param_groups.<fqn>.<key>`` entries
+  are ``NeverSteppedInt`` / ``NeverSteppedFloat``.
+
+A template of a never-stepped optimizer holds the marks, and ``dcp.load``
+replaces them with what the checkpoint holds: a trained checkpoint's
+plain names and numbers (its state is loaded), or a never-stepped
+checkpoint's marks.  A load finds the marked parameters and installs no
+state for them (the optimizer's own first step creates it, as in the
+fresh optimizer), and in a group all of whose parameters are marked it
+adds no key the live group lacks (the keys a first step adds to a group:
+pytorch-optimizer's ``step``, heavyball's ``step_count``).  The marks
+never reach the optimizer: the numbers are installed as plain numbers.
+
+Only the schema-less route is marked: a schema's pristine state is what
+a first step starts from, so loading it is already the fresh optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .wide import StepCreatedFloat, StepCreatedInt
+
+__all__ = [
+    "NeverSteppedFloat",
+    "NeverSteppedInt",
+    "NeverSteppedName",
+    "mark_flat",
+    "mark_groups",
+    "marked_in_view",
+    "plain_groups",
+    "unmarked_groups",
+]
+
+
+class NeverSteppedName(str):
+    """A parameter's name in a group's ``params``: the parameter had no
+    state when the dict was taken (see the module)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"NeverSteppedName({str(self)!r})"
+
+
+class NeverSteppedInt(int):
+    """An int among a never-stepped parameter's flattened group entries."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"NeverSteppedInt({int(self)})"
+
+
+class NeverSteppedFloat(float):
+    """A float among a never-stepped parameter's flattened group entries."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"NeverSteppedFloat({float(self)!r})"
+
+
+_MARKS = (NeverSteppedName, NeverSteppedInt, NeverSteppedFloat)
+torch.serialization.add_safe_globals(list(_MARKS))
+
+
+def _number_mark(value: Any) -> Any:
+    if type(value) is int:
+        return NeverSteppedInt(value)
+    if type(value) is float:
+        return NeverSteppedFloat(value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, NeverSteppedInt):
+        return int(value)
+    if isinstance(value, NeverSteppedFloat):
+        return float(value)
+    return value
+
+
+def mark_groups(groups: list[Any], never: set[str]) -> None:
+    """The groups (returned by a getter, in place: each marked group is
+    replaced by a copy) with the names in ``never`` marked."""
+    for i, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, list) and any(p in never for p in params):
+            groups[i] = {**group, "params": [NeverSteppedName(p) if p in never else p for p in params]}
+
+
+def mark_flat(flat: dict[str, Any], nested_groups: list[Any], never: set[str]) -> None:
+    """The numbers among the flattened group entries of the names in
+    ``never`` marked, in the flattened dict the getter built (one marked
+    object per group and key: the format repeats a group's objects under
+    each of its parameters)."""
+    for group in nested_groups:
+        if not isinstance(group, dict):
+            continue
+        marked: dict[str, Any] = {}
+        for fqn in group.get("params", ()):
+            if fqn not in never:
+                continue
+            for key in group:
+                if key == "params":
+                    continue
+                flat_key = f"param_groups.{fqn}.{key}"
+                if flat_key in flat:
+                    if key not in marked:
+                        marked[key] = _number_mark(flat[flat_key])
+                    flat[flat_key] = marked[key]
+
+
+def marked_in_view(view: tuple) -> set[str]:
+    """The names a loaded view marks: in its groups' ``params`` (nested),
+    or by a marked number in the group the parse made for the name
+    (flattened: one group per name, without ``params``)."""
+    groups, fqn_group = view[1], view[2]
+    out = {str(p) for g in groups if isinstance(g, dict)
+           for p in (g.get("params") or ()) if isinstance(p, NeverSteppedName)}
+    for fqn, gi in fqn_group.items():
+        group = groups[gi] if isinstance(gi, int) and 0 <= gi < len(groups) else None
+        if isinstance(group, dict) and "params" not in group and \
+                any(isinstance(v, (NeverSteppedInt, NeverSteppedFloat)) for v in group.values()):
+            out.add(str(fqn))
+    return out
+
+
+def plain_groups(groups: list[Any]) -> list[Any]:
+    """A new list of a loaded view's groups, the marked numbers plain (in
+    new dicts: the view's may be the caller's)."""
+    return [{k: _plain(v) for k, v in g.items()}
+            if isinstance(g, dict) and any(isinstance(v, (NeverSteppedInt, NeverSteppedFloat)) for v in g.values())
+            else g for g in groups]
+
+
+def unmarked_groups(split_groups: list[Any], live_groups: list[Any], all_never: list[bool]) -> list[Any]:
+    """The groups a load installs, the marks' numbers plain; in a group
+    whose parameters are all marked (``all_never``), without the keys the
+    live group lacks (a first step's) -- a new list of new dicts where
+    anything changes."""
+    out = []
+    for i, group in enumerate(split_groups):
+        if not isinstance(group, dict):
+            out.append(group)
+            continue
+        live = live_groups[i] if i < len(live_groups) and isinstance(live_groups[i], dict) else None
+        drop = all_never[i] if i < len(all_never) else False
+        new = {}
+        for k, v in group.items():
+            if drop and live is not None and k not in live and k != "params":
+                continue
+            if drop and isinstance(v, (StepCreatedInt, StepCreatedFloat)):
+                continue
+            new[k] = _plain(v)
+        out.append(new)
+    return out

@@ -1,0 +1,185 @@
+"""A never-stepped parameter of an optimizer without a schema resumes as
+the fresh optimizer (D48 in docs/differences.md).
+
+Its template comes from a shadow step: the state *after* one step with
+zero gradients.  Loaded as state, that made the resumed first step
+differ from the fresh optimizer's for about a quarter of the corpus
+(Yogi's second moment scaled once, PID's gradient buffer a zero
+gradient, pytorch-optimizer's group ``step`` already 1, heavyball's
+``step_count``): a checkpoint taken before the first step, or the
+template given back, changed training silently.  The getter now marks
+those parameters (their names in ``params``, nested; their group
+entries' numbers, flattened), and a load installs no state for them and
+no group key a first step adds.  Optimizers from PyPI: torch-optimizer,
+pytorch-optimizer, heavyball."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as upstream
+
+import dcp_optim
+from dcp_optim._engine.never_stepped import NeverSteppedFloat, NeverSteppedName
+
+from .test_optim_corpus import CATALOGUE, _build, _step
+
+pytest.importorskip("torch_optimizer")
+pytest.importorskip("pytorch_optimizer")
+heavyball = pytest.importorskip("heavyball")
+heavyball.utils.compile_mode = None  # its compiled steps take minutes on this CPU
+
+# state only in tensors, no group key a step adds (AccSGD, PID); a number
+# in each entry (Yogi); a group "step" a first step adds (pytorch-
+# optimizer); a tensor group key and an own state_dict() entry (heavyball)
+CASES = ["topt.AccSGD", "topt.PID", "topt.Yogi", "po.yogi", "po.adan", "heavyball.AdamW"]
+FORMATS = pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _pair(name: str):
+    skip, factory = CATALOGUE[name]
+    assert not skip, skip
+    return _build(factory)
+
+
+def _same_params(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def _groups(optim) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+
+
+def _options(flat: bool) -> dcp_optim.StateDictOptions:
+    return dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+@FORMATS
+@pytest.mark.parametrize("name", CASES)
+def test_never_stepped_checkpoint_resumes_like_the_fresh_optimizer(name, flat, tmp_path):
+    fresh_model, fresh = _pair(name)
+    # saved before any step, through DCP, into the template of another
+    # never-stepped optimizer
+    model, optim = _pair(name)
+    dcp.save({"optim": dcp_optim.get_optimizer_state_dict(model, optim, options=_options(flat))},
+             checkpoint_id=str(tmp_path))
+    model, optim = _pair(name)
+    template = {"optim": dcp_optim.get_optimizer_state_dict(model, optim, options=_options(flat))}
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    dcp_optim.set_optimizer_state_dict(model, optim, template["optim"], options=_options(flat))
+    # no state and the fresh optimizer's groups, plain numbers in them
+    assert not any(isinstance(k, torch.Tensor) for k in optim.state), optim.state.keys()
+    assert _groups(optim) == _groups(fresh)
+    assert all(type(v) in (int, float) for g in _groups(optim) for v in g.values()
+               if isinstance(v, (int, float)) and not isinstance(v, bool))
+    # the template given back, without DCP
+    back_model, back = _pair(name)
+    given = copy.deepcopy(dcp_optim.get_optimizer_state_dict(back_model, back, options=_options(flat)))
+    dcp_optim.set_optimizer_state_dict(back_model, back, given, options=_options(flat))
+    for i in range(3):
+        _step(fresh_model, fresh, i)
+        _step(model, optim, i)
+        _step(back_model, back, i)
+    assert _same_params(model, fresh_model)
+    assert _same_params(back_model, fresh_model)
+
+
+@pytest.mark.parametrize("name", ["topt.Yogi", "po.yogi"])
+def test_upstream_resumes_its_never_stepped_checkpoint_differently(name, tmp_path):
+    """Upstream's template is its dummy step's state (and it steps the live
+    optimizer); the resumed run differs from the fresh one."""
+    fresh_model, fresh = _pair(name)
+    model, optim = _pair(name)
+    dcp.save({"optim": upstream.get_optimizer_state_dict(model, optim)}, checkpoint_id=str(tmp_path))
+    model, optim = _pair(name)
+    template = {"optim": upstream.get_optimizer_state_dict(model, optim)}
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    upstream.set_optimizer_state_dict(model, optim, template["optim"])
+    for i in range(3):
+        _step(fresh_model, fresh, i)
+        _step(model, optim, i)
+    assert not _same_params(model, fresh_model)
+
+
+@FORMATS
+@pytest.mark.parametrize("name", ["topt.Yogi", "po.yogi", "heavyball.AdamW"])
+def test_trained_checkpoint_through_a_never_stepped_template_loads_whole(name, flat, tmp_path):
+    """A trained checkpoint replaces the template's marks with its plain
+    names and numbers: every parameter's state is loaded."""
+    model, optim = _pair(name)
+    for i in range(2):
+        _step(model, optim, i)
+    saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_options(flat))
+    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
+    new_model, new_optim = _pair(name)
+    new_model.load_state_dict(model.state_dict())
+    template = {"optim": dcp_optim.get_optimizer_state_dict(new_model, new_optim, options=_options(flat))}
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    dcp_optim.set_optimizer_state_dict(new_model, new_optim, template["optim"], options=_options(flat))
+    assert len([k for k in new_optim.state if isinstance(k, torch.Tensor)]) == \
+        len([k for k in optim.state if isinstance(k, torch.Tensor)]) > 0
+    for i in range(2, 4):
+        _step(model, optim, i)
+        _step(new_model, new_optim, i)
+    assert _same_params(model, new_model)
+
+
+@FORMATS
+def test_partly_stepped_optimizer_marks_only_the_parameters_without_state(flat, tmp_path):
+    """A parameter that had no gradient at the first steps is marked, the
+    others are not; the resume leaves it without state and loads theirs."""
+    name = "topt.Yogi"
+
+    def run(model, optim, steps):
+        for i in steps:
+            model.b.weight.requires_grad_(i >= 2)
+            model.b.bias.requires_grad_(i >= 2)
+            _step(model, optim, i)
+
+    model, optim = _pair(name)
+    run(model, optim, range(2))
+    model.b.requires_grad_(True)  # trainable, without state
+    saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_options(flat))
+    if flat:
+        marked = {k for k, v in saved.items() if isinstance(v, NeverSteppedFloat)}
+        assert marked and all(k.startswith(("param_groups.b.weight.", "param_groups.b.bias.")) for k in marked)
+    else:
+        names = saved["param_groups"][0]["params"]
+        assert [n for n in names if isinstance(n, NeverSteppedName)] == ["b.weight", "b.bias"]
+    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
+    new_model, new_optim = _pair(name)
+    new_model.load_state_dict(model.state_dict())
+    template = {"optim": dcp_optim.get_optimizer_state_dict(new_model, new_optim, options=_options(flat))}
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    dcp_optim.set_optimizer_state_dict(new_model, new_optim, template["optim"], options=_options(flat))
+    assert set(new_optim.state) == {new_model.a.weight, new_model.a.bias}
+    run(model, optim, range(2, 4))
+    run(new_model, new_optim, range(2, 4))
+    assert _same_params(model, new_model)
+
+
+def test_marks_leave_the_callers_dict_and_the_optimizer_alone():
+    model, optim = _pair("topt.Yogi")
+    given = dcp_optim.get_optimizer_state_dict(model, optim)
+    before = copy.deepcopy(given)
+    dcp_optim.set_optimizer_state_dict(model, optim, given)
+    assert given["param_groups"] == before["param_groups"]
+    assert [type(n) for n in given["param_groups"][0]["params"]] == [NeverSteppedName] * 4
+    assert given["state"].keys() == before["state"].keys()
+    for fqn, entry in given["state"].items():
+        assert entry.keys() == before["state"][fqn].keys()
+        assert all(torch.equal(v, before["state"][fqn][k]) if isinstance(v, torch.Tensor) else v == before["state"][fqn][k]
+                   for k, v in entry.items())
+    # the live groups never held a mark
+    assert all(type(p) is torch.nn.Parameter for g in optim.param_groups for p in g["params"])
