@@ -16,7 +16,6 @@ pytorch-optimizer, heavyball."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -37,14 +36,8 @@ heavyball.utils.compile_mode = None  # its compiled steps take minutes on this C
 # in each entry (Yogi); a group "step" a first step adds (pytorch-
 # optimizer); a tensor group key and an own state_dict() entry (heavyball)
 CASES = ["topt.AccSGD", "topt.PID", "topt.Yogi", "po.yogi", "po.adan", "heavyball.AdamW"]
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 FORMATS = pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def _pair(name: str):
@@ -63,6 +56,19 @@ def _groups(optim) -> list[dict]:
 
 def _options(flat: bool) -> dcp_optim.StateDictOptions:
     return dcp_optim.StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _resumed(name: str, model, saved: dict, path, flat: bool):
+    """A fresh pair of the corpus entry, with ``model``'s weights and
+    ``saved`` resumed through DCP (the template of the never-stepped
+    optimizer, dcp.load, set)."""
+    dcp.save({"optim": saved}, checkpoint_id=str(path))
+    new_model, new_optim = _pair(name)
+    new_model.load_state_dict(model.state_dict())
+    template = {"optim": dcp_optim.get_optimizer_state_dict(new_model, new_optim, options=_options(flat))}
+    dcp.load(template, checkpoint_id=str(path))
+    dcp_optim.set_optimizer_state_dict(new_model, new_optim, template["optim"], options=_options(flat))
+    return new_model, new_optim
 
 
 @FORMATS
@@ -121,12 +127,7 @@ def test_trained_checkpoint_through_a_never_stepped_template_loads_whole(name, f
     for i in range(2):
         _step(model, optim, i)
     saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_options(flat))
-    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
-    new_model, new_optim = _pair(name)
-    new_model.load_state_dict(model.state_dict())
-    template = {"optim": dcp_optim.get_optimizer_state_dict(new_model, new_optim, options=_options(flat))}
-    dcp.load(template, checkpoint_id=str(tmp_path))
-    dcp_optim.set_optimizer_state_dict(new_model, new_optim, template["optim"], options=_options(flat))
+    new_model, new_optim = _resumed(name, model, saved, tmp_path, flat)
     assert len([k for k in new_optim.state if isinstance(k, torch.Tensor)]) == \
         len([k for k in optim.state if isinstance(k, torch.Tensor)]) > 0
     for i in range(2, 4):
@@ -157,12 +158,7 @@ def test_partly_stepped_optimizer_marks_only_the_parameters_without_state(flat, 
     else:
         names = saved["param_groups"][0]["params"]
         assert [n for n in names if isinstance(n, NeverSteppedName)] == ["b.weight", "b.bias"]
-    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
-    new_model, new_optim = _pair(name)
-    new_model.load_state_dict(model.state_dict())
-    template = {"optim": dcp_optim.get_optimizer_state_dict(new_model, new_optim, options=_options(flat))}
-    dcp.load(template, checkpoint_id=str(tmp_path))
-    dcp_optim.set_optimizer_state_dict(new_model, new_optim, template["optim"], options=_options(flat))
+    new_model, new_optim = _resumed(name, model, saved, tmp_path, flat)
     assert set(new_optim.state) == {new_model.a.weight, new_model.a.bias}
     run(model, optim, range(2, 4))
     run(new_model, new_optim, range(2, 4))

@@ -9,7 +9,6 @@ raises as upstream's (no gather would reach the tensor)."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -30,6 +29,9 @@ FORMS = {
 }
 
 
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
+
+
 def _build(seed: int = 0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -48,13 +50,6 @@ def _trained(steps: int = 2):
     for i in range(steps):
         _step(model, optim, i)
     return model, optim
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.mark.parametrize("form", list(FORMS))

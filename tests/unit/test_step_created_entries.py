@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import io
-import warnings
 
 import pytest
 import torch
@@ -33,14 +32,8 @@ from dcp_optim._engine.wide import (
 heavyball = pytest.importorskip("heavyball")
 heavyball.utils.compile_mode = None  # its compiled steps take minutes on this CPU
 
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 FORMATS = pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def _build(seed: int = 0):
