@@ -19,18 +19,25 @@ never tensors):
 * flattened: the numbers among its ``param_groups.<fqn>.<key>`` entries
   are ``NeverSteppedInt`` / ``NeverSteppedFloat``.
 
+The keys the shadow step adds to a group (pytorch-optimizer's ``step``,
+heavyball's ``base_lr`` and ``step_count``) are in the template too,
+their numbers marked as a first step's (``wide.StepCreatedInt`` /
+``StepCreatedFloat``, as D47's).
+
 A template of a never-stepped optimizer holds the marks, and ``dcp.load``
 replaces them with what the checkpoint holds: a trained checkpoint's
 plain names and numbers (its state is loaded), or a never-stepped
-checkpoint's marks.  A load finds the marked parameters and installs no
-state for them (the optimizer's own first step creates it, as in the
-fresh optimizer), and in a group all of whose parameters are marked it
-adds no key the live group lacks (the keys a first step adds to a group:
-pytorch-optimizer's ``step``, heavyball's ``step_count``).  The marks
-never reach the optimizer: the numbers are installed as plain numbers.
+checkpoint's marks.  A load installs no state for a marked parameter
+(its first real step creates it, as in the fresh optimizer), drops the
+group values still marked as a first step's, and in a group all of whose
+parameters are marked also drops the values of keys the live group lacks
+that no mark can carry (tensors, bools: heavyball's ``step_count``).  The
+marks never reach the optimizer: other numbers are installed plain.
 
-Only the schema-less route is marked: a schema's pristine state is what
-a first step starts from, so loading it is already the fresh optimizer.
+Only the schema-less route is marked, and only entries that hold
+something (an optimizer that keeps no state for a parameter has nothing
+to leave out): a schema's pristine state is what a first step starts
+from, so loading it is already the fresh optimizer.
 """
 
 from __future__ import annotations
@@ -156,23 +163,33 @@ def plain_groups(groups: list[Any]) -> list[Any]:
 
 
 def unmarked_groups(split_groups: list[Any], live_groups: list[Any], all_never: list[bool]) -> list[Any]:
-    """The groups a load installs, the marks' numbers plain; in a group
-    whose parameters are all marked (``all_never``), without the keys the
-    live group lacks (a first step's) -- a new list of new dicts where
-    anything changes."""
+    """The groups a load installs: without the numbers still marked as a
+    first step's (``StepCreatedInt`` / ``StepCreatedFloat``: the template
+    of a never-stepped group, not replaced by a trained checkpoint's), the
+    marks' numbers plain, and in a never-stepped group (one that holds
+    such a mark, or whose parameters are all marked: ``all_never``)
+    without the other values -- tensors, bools, which cannot be marked --
+    of keys the live group lacks."""
     out = []
     for i, group in enumerate(split_groups):
         if not isinstance(group, dict):
             out.append(group)
             continue
         live = live_groups[i] if i < len(live_groups) and isinstance(live_groups[i], dict) else None
-        drop = all_never[i] if i < len(all_never) else False
+        # a never-stepped group: its first step's numbers are still marked
+        # (the checkpoint's, or the template's), or all its parameters are
+        drop = live is not None and ((i < len(all_never) and all_never[i]) or any(
+            isinstance(v, (StepCreatedInt, StepCreatedFloat)) for v in group.values()))
         new = {}
         for k, v in group.items():
-            if drop and live is not None and k not in live and k != "params":
+            if isinstance(v, (StepCreatedInt, StepCreatedFloat)):
                 continue
-            if drop and isinstance(v, (StepCreatedInt, StepCreatedFloat)):
+            if drop and k not in live and k != "params" and not _is_number(v):  # type: ignore[operator]
                 continue
             new[k] = _plain(v)
         out.append(new)
     return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

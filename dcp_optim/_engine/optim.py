@@ -360,11 +360,12 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             wide: list[dict[str, Any]] = []
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
             add_wide(state, o, {**first_wide, **wide[0]})
-            add_group_keys(groups[first:], group_keys)
-            if extra and schema_for(optim) is None:
-                never.update(extra)
+            add_group_keys(groups[first:], group_keys, mark=True)
+            stepless = _stepless(extra) if schema_for(optim) is None else set()
+            if stepless:
+                never.update(stepless)
                 tail = groups[first:]
-                mark_groups(tail, set(extra))
+                mark_groups(tail, stepless)
                 groups[first:] = tail
             counts.append(len(optim.param_groups))
             continue
@@ -406,19 +407,28 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         if extra:
             state.update(extra)
         add_wide(state, o, {**first_wide, **own_wide, **inner_wide})
-        add_group_keys(osd["param_groups"], group_keys)
+        add_group_keys(osd["param_groups"], group_keys, mark=True)
         first = len(groups)
         groups.extend(osd["param_groups"])
-        if extra and schema_for(target) is None and not zero_owner:
-            never.update(extra)
+        stepless = _stepless(extra) if schema_for(target) is None and not zero_owner else set()
+        if stepless:
+            never.update(stepless)
             tail = groups[first:]
-            mark_groups(tail, set(extra))
+            mark_groups(tail, stepless)
             groups[first:] = tail
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts
     info.optim_extras = extras
     info.never_stepped = never
     return {"state": state, "param_groups": groups}
+
+
+def _stepless(extra: dict[str, Any] | None) -> set[str]:
+    """The names whose template a shadow step gave (``pristine`` of an
+    optimizer without a schema) and holds something: marked (D48).  An
+    empty entry (an optimizer that keeps no state for the parameter) has
+    nothing to leave out."""
+    return {fqn for fqn, entry in (extra or {}).items() if entry}
 
 
 def _in_own_layout(
@@ -1468,6 +1478,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         splits, missing, unexpected, _ = C.split_optim(info.index, optimizers, view, loaded_expect)
     if never:
         missing = [fqn for fqn in missing if fqn not in never]
+    if _schema_less(optimizers):
         splits = [_without_first_step_keys(info.index, optim, split, never)
                   for optim, split in zip(optimizers, splits)]
     if missing and any(zero.is_zero(owner) for owner in owners):
@@ -1562,7 +1573,7 @@ def _without_first_step_keys(index: Any, optim: _Optimizer, split: dict[str, Any
     all_never = []
     for group in live:
         fqns = []
-        for p in group.get("params", ()):
+        for p in group.get("params", ()) if never else ():
             slot = index.slot_of(p)
             fqns.append(index.tensor_fqns[slot][0] if slot is not None else None)
         all_never.append(bool(fqns) and all(f in never for f in fqns))

@@ -28,6 +28,7 @@ from .. import errors
 from ..schema import PARAM, PARAM_DEVICE, lbfgs_pristine, proxied, schema_for
 from .core import C
 from .shadow import OPTIMIZER_WIDE, fallback_pristine, upstream_pristine
+from .wide import step_created
 
 __all__ = ["add_group_keys", "pristine", "pristine_states", "template_error"]
 
@@ -51,14 +52,17 @@ def pristine_states(index: Any, optim: _Optimizer) -> dict[str, dict[str, Any]] 
     return states
 
 
-def add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> None:
+def add_group_keys(groups: list[dict[str, Any]], extra: list[dict[str, Any]] | None, mark: bool = False) -> None:
     """Adds the first-step group keys (``pristine``'s second value) to the
-    (returned, never the live) groups of one optimizer."""
+    (returned, never the live) groups of one optimizer; with ``mark``,
+    their numbers marked as a first step's (a load drops those still
+    marked, D48)."""
     if not extra or len(extra) != len(groups):
         return
     for group, keys in zip(groups, extra):
         for k, v in keys.items():
-            group.setdefault(k, v)
+            if k not in group:
+                group[k] = step_created(v) if mark else v
 
 
 def template_error(

@@ -149,7 +149,7 @@ class StepCreatedFloat(float):
 torch.serialization.add_safe_globals([StepCreatedInt, StepCreatedFloat])
 
 
-def _marked(value: Any) -> Any:
+def step_created(value: Any) -> Any:
     """``value`` (created by a first step) marked where it is a number; a
     dict's numbers at any depth; anything else as it is."""
     if isinstance(value, bool):
@@ -159,7 +159,7 @@ def _marked(value: Any) -> Any:
     if isinstance(value, float):
         return StepCreatedFloat(value)
     if isinstance(value, dict):
-        return {k: _marked(v) for k, v in value.items()}
+        return {k: step_created(v) for k, v in value.items()}
     return value
 
 
@@ -179,7 +179,7 @@ def with_step_created(held: Any, first: Any) -> Any:
     """``held`` (a dict of an optimizer's own ``state_dict()`` entry) with
     the keys ``first`` (the same entry after a first step) has and it
     lacks, their numbers marked (``filled``)."""
-    return filled(held, first, _marked)
+    return filled(held, first, step_created)
 
 
 def without_step_created(value: Any) -> Any:

@@ -217,11 +217,17 @@ def _schema_less(mesh):
     dst.load_state_dict(src.state_dict())
     dst_o = _SignMomentum(dst.parameters(), lr=0.01)
     template = dcp_optim.get_optimizer_state_dict(dst, dst_o)
-    for name, st in sd["state"].items():  # what dcp.load does: copy into the template
+    # what dcp.load does: tensors copied into the template's, every other
+    # value replaced (the groups' "params" lists too: the template's mark
+    # its never-stepped parameters, D48)
+    for name, st in sd["state"].items():
         for key, value in st.items():
             target = template["state"][name][key]
-            target.copy_(value) if isinstance(target, torch.Tensor) else None
-    template["param_groups"][0]["step"] = sd["param_groups"][0]["step"]
+            if isinstance(target, torch.Tensor):
+                target.copy_(value)
+            else:
+                template["state"][name][key] = value
+    template["param_groups"] = [dict(group) for group in sd["param_groups"]]
     dcp_optim.set_optimizer_state_dict(dst, dst_o, template)
     g = torch.Generator().manual_seed(4 * 100 + 2)
     dst(torch.randn(4, 8, generator=g)).backward()
