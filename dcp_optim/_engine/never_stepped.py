@@ -31,7 +31,9 @@ checkpoint's marks.  A load installs no state for a marked parameter
 (its first real step creates it, as in the fresh optimizer), drops the
 group values still marked as a first step's, and in a group all of whose
 parameters are marked also drops the values of keys the live group lacks
-that no mark can carry (tensors, bools: heavyball's ``step_count``).  The
+that no mark can carry (tensors, bools: heavyball's ``step_count``);
+where every group is such a never-stepped one, the optimizer-wide
+entries the live optimizer lacks are left out too (MADGRAD's ``k``).  The
 marks never reach the optimizer: other numbers are installed plain.
 
 Only the schema-less route is marked, and only entries that hold
@@ -162,24 +164,31 @@ def plain_groups(groups: list[Any]) -> list[Any]:
             else g for g in groups]
 
 
-def unmarked_groups(split_groups: list[Any], live_groups: list[Any], all_never: list[bool]) -> list[Any]:
+def unmarked_groups(
+    split_groups: list[Any], live_groups: list[Any], all_never: list[bool]
+) -> tuple[list[Any], bool]:
     """The groups a load installs: without the numbers still marked as a
     first step's (``StepCreatedInt`` / ``StepCreatedFloat``: the template
     of a never-stepped group, not replaced by a trained checkpoint's), the
     marks' numbers plain, and in a never-stepped group (one that holds
     such a mark, or whose parameters are all marked: ``all_never``)
     without the other values -- tensors, bools, which cannot be marked --
-    of keys the live group lacks."""
+    of keys the live group lacks.  Second: whether every group is such a
+    never-stepped one (the optimizer-wide entries a first step creates
+    are then left out too: pytorch-optimizer's MADGRAD ``k``)."""
     out = []
+    every = bool(split_groups)
     for i, group in enumerate(split_groups):
         if not isinstance(group, dict):
             out.append(group)
+            every = False
             continue
         live = live_groups[i] if i < len(live_groups) and isinstance(live_groups[i], dict) else None
         # a never-stepped group: its first step's numbers are still marked
         # (the checkpoint's, or the template's), or all its parameters are
         drop = live is not None and ((i < len(all_never) and all_never[i]) or any(
             isinstance(v, (StepCreatedInt, StepCreatedFloat)) for v in group.values()))
+        every = every and drop
         new = {}
         for k, v in group.items():
             if isinstance(v, (StepCreatedInt, StepCreatedFloat)):
@@ -188,7 +197,7 @@ def unmarked_groups(split_groups: list[Any], live_groups: list[Any], all_never: 
                 continue
             new[k] = _plain(v)
         out.append(new)
-    return out
+    return out, every
 
 
 def _is_number(value: Any) -> bool:

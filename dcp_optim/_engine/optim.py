@@ -1478,9 +1478,14 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
         splits, missing, unexpected, _ = C.split_optim(info.index, optimizers, view, loaded_expect)
     if never:
         missing = [fqn for fqn in missing if fqn not in never]
+    # optimizers the dict gives as never stepped (every group): their
+    # optimizer-wide entries a first step creates are left out below
+    stepless: set[int] = set()
     if _schema_less(optimizers):
-        splits = [_without_first_step_keys(info.index, optim, split, never)
-                  for optim, split in zip(optimizers, splits)]
+        for o, optim in enumerate(optimizers):
+            splits[o], every = _without_first_step_keys(info.index, optim, splits[o], never)
+            if every:
+                stepless.add(o)
     if missing and any(zero.is_zero(owner) for owner in owners):
         missing = zero.without_other_partitions(info.index, owners, missing)
     templates, first_dtypes, placed = _templates(optimizers, splits, missing, bool(info.strict))
@@ -1489,6 +1494,9 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     if missing:
         missing = _drop_stateless(missing, templates)
     wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
+    for o in stepless & set(wide):
+        held = set(_live_wide(optimizers[o]))
+        wide[o] = {k: v for k, v in wide[o].items() if k in held}
     # entries a template marked as a first step's, still unfilled (a
     # never-stepped optimizer's own checkpoint): left out, as it had none
     extras = {k: without_step_created(v) for k, v in extras.items()}
@@ -1565,10 +1573,12 @@ def _schema_less(optimizers: tuple[_Optimizer, ...]) -> bool:
     return any(schema_for(optim) is None for optim in (*optimizers, *_load_targets(optimizers)))
 
 
-def _without_first_step_keys(index: Any, optim: _Optimizer, split: dict[str, Any], never: set[str]) -> dict[str, Any]:
-    """The split's groups with the marks' numbers plain and, in a group
-    whose parameters the dict marks all as never stepped, without the
-    keys the live group lacks (never_stepped.unmarked_groups)."""
+def _without_first_step_keys(
+    index: Any, optim: _Optimizer, split: dict[str, Any], never: set[str]
+) -> tuple[dict[str, Any], bool]:
+    """The split without what a first step created in its groups, and
+    whether every group is a never-stepped one
+    (never_stepped.unmarked_groups)."""
     live = optim.param_groups
     all_never = []
     for group in live:
@@ -1577,7 +1587,8 @@ def _without_first_step_keys(index: Any, optim: _Optimizer, split: dict[str, Any
             slot = index.slot_of(p)
             fqns.append(index.tensor_fqns[slot][0] if slot is not None else None)
         all_never.append(bool(fqns) and all(f in never for f in fqns))
-    return {**split, "param_groups": unmarked_groups(split["param_groups"], live, all_never)}
+    groups, every = unmarked_groups(split["param_groups"], live, all_never)
+    return {**split, "param_groups": groups}, every
 
 
 def _check_wide(
