@@ -46,52 +46,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from .wide import StepCreatedFloat, StepCreatedInt
+from ..marks import (
+    NeverSteppedFloat,
+    NeverSteppedInt,
+    NeverSteppedName,
+    StepCreatedFloat,
+    StepCreatedInt,
+)
 
 __all__ = [
-    "NeverSteppedFloat",
-    "NeverSteppedInt",
-    "NeverSteppedName",
     "mark_flat",
     "mark_groups",
     "marked_in_view",
     "plain_groups",
     "unmarked_groups",
 ]
-
-
-class NeverSteppedName(str):
-    """A parameter's name in a group's ``params``: the parameter had no
-    state when the dict was taken (see the module)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"NeverSteppedName({str(self)!r})"
-
-
-class NeverSteppedInt(int):
-    """An int among a never-stepped parameter's flattened group entries."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"NeverSteppedInt({int(self)})"
-
-
-class NeverSteppedFloat(float):
-    """A float among a never-stepped parameter's flattened group entries."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"NeverSteppedFloat({float(self)!r})"
-
-
-_MARKS = (NeverSteppedName, NeverSteppedInt, NeverSteppedFloat)
-torch.serialization.add_safe_globals(list(_MARKS))
 
 
 def _number_mark(value: Any) -> Any:

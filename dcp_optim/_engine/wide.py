@@ -11,9 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
-
 from .. import errors
+from ..marks import StepCreatedFloat, StepCreatedInt
 from .shadow import OPTIMIZER_WIDE
 
 # Entries of ``optimizer.state`` keyed by a str, not by a parameter
@@ -99,8 +98,6 @@ def split_own_wide(osd: Any) -> tuple[Any, dict[str, Any]]:
     return {**osd, "state": rest}, wide
 
 
-
-
 # torch's own layout of an optimizer's state_dict()
 TORCH_LAYOUT = ("state", "param_groups")
 
@@ -119,34 +116,11 @@ def has_torch_layout(osd: Any) -> bool:
 # the keys a template holds: the schedule restarted, silently.  So while
 # some parameter has no state, such a dict is completed with the keys a
 # first step (a shadow step) creates, their numbers marked as created by
-# that step (an int or float subclass: every format, dcp.save and the
-# broadcast's metadata carry them, pickled).  A load drops the values
+# that step (dcp_optim.marks: an int or float subclass; every format,
+# dcp.save and the broadcast's metadata carry them, pickled).  A load drops the values
 # still marked -- a never-stepped optimizer's own checkpoint, or the
 # template given back -- so the optimizer gets the dict it had, and a
 # checkpoint of a trained one fills them with its values.
-
-
-class StepCreatedInt(int):
-    """An int a first step would create, in a never-stepped template (see
-    above); dropped by a load that finds it."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"StepCreatedInt({int(self)})"
-
-
-class StepCreatedFloat(float):
-    """A float a first step would create, in a never-stepped template (see
-    above); dropped by a load that finds it."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"StepCreatedFloat({float(self)!r})"
-
-
-torch.serialization.add_safe_globals([StepCreatedInt, StepCreatedFloat])
 
 
 def step_created(value: Any) -> Any:

@@ -23,8 +23,10 @@ PKG = Path(__file__).resolve().parents[2] / "dcp_optim"
 MAX_DEPTH = 8
 
 # What the pipeline may import from outside _engine: the leaf modules of
-# the public surface and the compiled core.
-ENGINE_MAY_IMPORT = {"dcp_optim.errors", "dcp_optim.options", "dcp_optim.schema", "dcp_optim._dcp_optim"}
+# the public surface (the marks it writes into state dicts among them) and
+# the compiled core.
+ENGINE_MAY_IMPORT = {"dcp_optim.errors", "dcp_optim.options", "dcp_optim.schema", "dcp_optim.marks",
+                     "dcp_optim._dcp_optim"}
 API_MODULES = ("dcp_optim.state_dict", "dcp_optim.options", "dcp_optim.errors",
                "dcp_optim.schema", "dcp_optim.patching")
 

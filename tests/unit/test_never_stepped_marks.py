@@ -16,6 +16,7 @@ pytorch-optimizer, heavyball."""
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as upstream
 
 import dcp_optim
-from dcp_optim._engine.never_stepped import NeverSteppedFloat, NeverSteppedName
+from dcp_optim.marks import NeverSteppedFloat, NeverSteppedName
 
 from .test_optim_corpus import CATALOGUE, _build, _step
 
@@ -188,3 +189,22 @@ def test_marks_leave_the_callers_dict_and_the_optimizer_alone():
                    for k, v in entry.items())
     # the live groups never held a mark
     assert all(type(p) is torch.nn.Parameter for g in optim.param_groups for p in g["params"])
+
+
+def test_marks_pickle_under_the_public_module():
+    """A checkpoint names the marks' classes by their module: the public
+    ``dcp_optim.marks``, never the engine's."""
+    import pickle
+
+    from dcp_optim import marks
+
+    for value in (marks.NeverSteppedName("a.weight"), marks.NeverSteppedInt(3), marks.NeverSteppedFloat(0.5),
+                  marks.StepCreatedInt(1), marks.StepCreatedFloat(0.25)):
+        data = pickle.dumps(value)
+        assert b"dcp_optim.marks" in data and b"_engine" not in data
+        back = pickle.loads(data)
+        assert type(back) is type(value) and back == value
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        assert type(torch.load(buffer, weights_only=True)) is type(value)

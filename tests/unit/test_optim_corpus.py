@@ -403,7 +403,7 @@ def _names_unmarked(osd):
 
 
 def _unmarked(value):
-    from dcp_optim._engine.never_stepped import NeverSteppedFloat, NeverSteppedInt, NeverSteppedName
+    from dcp_optim.marks import NeverSteppedFloat, NeverSteppedInt, NeverSteppedName
 
     for mark, plain in ((NeverSteppedName, str), (NeverSteppedInt, int), (NeverSteppedFloat, float)):
         if type(value) is mark:

@@ -22,12 +22,8 @@ import torch.distributed.checkpoint.state_dict as upstream
 import torch.nn as nn
 
 import dcp_optim
-from dcp_optim._engine.wide import (
-    StepCreatedFloat,
-    StepCreatedInt,
-    with_step_created,
-    without_step_created,
-)
+from dcp_optim._engine.wide import with_step_created, without_step_created
+from dcp_optim.marks import StepCreatedFloat, StepCreatedInt
 
 heavyball = pytest.importorskip("heavyball")
 heavyball.utils.compile_mode = None  # its compiled steps take minutes on this CPU
