@@ -58,6 +58,7 @@ __all__ = [
     "mark_flat",
     "mark_groups",
     "marked_in_view",
+    "only_held",
     "plain_groups",
     "unmarked_groups",
 ]
@@ -167,6 +168,17 @@ def unmarked_groups(
             new[k] = _plain(v)
         out.append(new)
     return out, every
+
+
+def only_held(loaded: Any, held: Any) -> Any:
+    """``loaded`` (an entry of a never-stepped wrapper's own state_dict())
+    with, at any depth of dicts, only the keys ``held`` (the live
+    wrapper's entry) has: what a first step created there is left out.  A
+    new dict where anything goes, ``loaded`` itself otherwise."""
+    if not isinstance(loaded, dict) or not isinstance(held, dict):
+        return loaded
+    out = {k: only_held(v, held[k]) for k, v in loaded.items() if k in held}
+    return loaded if len(out) == len(loaded) and all(out[k] is loaded[k] for k in out) else out
 
 
 def _is_number(value: Any) -> bool:

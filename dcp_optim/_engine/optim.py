@@ -32,7 +32,14 @@ from .. import errors
 from ..schema import PARAM, PARAM_DEVICE, proxied, schema_for
 from . import zero
 from .core import C, context
-from .never_stepped import mark_flat, mark_groups, marked_in_view, plain_groups, unmarked_groups
+from .never_stepped import (
+    mark_flat,
+    mark_groups,
+    marked_in_view,
+    only_held,
+    plain_groups,
+    unmarked_groups,
+)
 from .own_calls import is_patched, state_dict_fn
 from .pipeline import Prepared, Report
 from .pristine import add_group_keys, pristine, pristine_states, template_error
@@ -410,7 +417,10 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         add_group_keys(osd["param_groups"], group_keys, mark=True)
         first = len(groups)
         groups.extend(osd["param_groups"])
-        stepless = _stepless(extra) if schema_for(target) is None and not zero_owner else set()
+        # (a wrapper's step may read the state it wraps: zeros from the
+        # wrapped optimizer's schema are not "none yet" to it, D48)
+        marks = (schema_for(target) is None or wrapped is not None) and not zero_owner
+        stepless = _stepless(extra) if marks else set()
         if stepless:
             never.update(stepless)
             tail = groups[first:]
@@ -1462,7 +1472,8 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     expect = [_expect_state(optim) for optim in optimizers]
     # parameters the dict marks as saved without state (never_stepped):
     # none is installed, none is missing
-    never = marked_in_view(view) if _schema_less(optimizers) else set()
+    marked = _schema_less(optimizers) or any(w is not None for w in wrapped)
+    never = marked_in_view(view) if marked else set()
     if never:
         view = ({k: v for k, v in view[0].items() if k not in never}, plain_groups(view[1]), *view[2:])
     splits, missing, unexpected, conflicts = C.split_optim(info.index, optimizers, view, expect)
@@ -1481,7 +1492,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     # optimizers the dict gives as never stepped (every group): their
     # optimizer-wide entries a first step creates are left out below
     stepless: set[int] = set()
-    if _schema_less(optimizers):
+    if marked:
         for o, optim in enumerate(optimizers):
             splits[o], every = _without_first_step_keys(info.index, optim, splits[o], never)
             if every:
@@ -1555,7 +1566,14 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
                     "through DCP with a sharded state dict (its template holds the shards)."
                 )
             C.prepare_install(ctx, optim, split, expected)
-            prepared.append((_WRAPPER, {**(extras or {}), w[0]: split}))
+            own_entries = extras or {}
+            if o in stepless and own:
+                # a never-stepped wrapper's own entries hold what a first
+                # step creates there too (Magma's per-parameter alignment):
+                # only what the live wrapper holds (D48)
+                live_own = state_dict_fn(owner, "state_dict")()
+                own_entries = {**own_entries, **{k: only_held(own_entries[k], live_own.get(k)) for k in own}}
+            prepared.append((_WRAPPER, {**own_entries, w[0]: split}))
         else:
             # validate the same way, then let the optimizer's own
             # load_state_dict install it

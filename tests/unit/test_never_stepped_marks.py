@@ -37,8 +37,11 @@ heavyball.utils.compile_mode = None  # its compiled steps take minutes on this C
 # in each entry (Yogi); a group "step" a first step adds (pytorch-
 # optimizer); a tensor group key and an own state_dict() entry (heavyball);
 # no state at all, group keys a step adds (AliG: "step", "step_size"); an
-# optimizer-wide entry a step adds (MADGRAD's "k")
-CASES = ["topt.AccSGD", "topt.PID", "topt.Yogi", "po.yogi", "po.adan", "heavyball.AdamW", "po.alig", "po.madgrad"]
+# optimizer-wide entry a step adds (MADGRAD's "k"); a wrapper whose step
+# reads the state it wraps, and whose own entries a step fills (Magma over
+# AdamW: a schema's template, zeros, is not "no moment yet" to it)
+CASES = ["topt.AccSGD", "topt.PID", "topt.Yogi", "po.yogi", "po.adan", "heavyball.AdamW", "po.alig", "po.madgrad",
+         "po.magma"]
 pytestmark = pytest.mark.usefixtures("quiet_warnings")
 FORMATS = pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 
@@ -125,7 +128,7 @@ def test_upstream_resumes_its_never_stepped_checkpoint_differently(name, tmp_pat
 
 
 @FORMATS
-@pytest.mark.parametrize("name", ["topt.Yogi", "po.yogi", "heavyball.AdamW", "po.alig", "po.madgrad"])
+@pytest.mark.parametrize("name", ["topt.Yogi", "po.yogi", "heavyball.AdamW", "po.alig", "po.madgrad", "po.magma"])
 def test_trained_checkpoint_through_a_never_stepped_template_loads_whole(name, flat, tmp_path):
     """A trained checkpoint replaces the template's marks with its plain
     names and numbers: every parameter's state is loaded, and the group
