@@ -36,10 +36,14 @@ where every group is such a never-stepped one, the optimizer-wide
 entries the live optimizer lacks are left out too (MADGRAD's ``k``).  The
 marks never reach the optimizer: other numbers are installed plain.
 
-Only the schema-less route is marked, and only entries that hold
+Only the schema-less route is marked, and wrappers that keep their inner
+optimizer's state (their step may read it: a schema's zeros are not "no
+moment yet" to pytorch-optimizer's Magma), and only entries that hold
 something (an optimizer that keeps no state for a parameter has nothing
-to leave out): a schema's pristine state is what a first step starts
-from, so loading it is already the fresh optimizer.
+to leave out): a schema's pristine state is what a first step of the
+optimizer itself starts from, so loading it is already the fresh one.
+For a wrapper all of whose groups are never stepped, its own entries
+keep only the keys the live wrapper holds (``only_held``).
 """
 
 from __future__ import annotations
@@ -80,10 +84,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def mark_groups(groups: list[Any], never: set[str]) -> None:
-    """The groups (returned by a getter, in place: each marked group is
-    replaced by a copy) with the names in ``never`` marked."""
-    for i, group in enumerate(groups):
+def mark_groups(groups: list[Any], never: set[str], first: int = 0) -> None:
+    """The groups from ``first`` on (returned by a getter; in place: each
+    marked group is replaced by a copy) with the names in ``never``
+    marked."""
+    for i in range(first, len(groups)):
+        group = groups[i]
         params = group.get("params") if isinstance(group, dict) else None
         if isinstance(params, list) and any(p in never for p in params):
             groups[i] = {**group, "params": [NeverSteppedName(p) if p in never else p for p in params]}

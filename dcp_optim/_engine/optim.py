@@ -368,12 +368,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
             C.optim_pack(index, (optim,), (extra,), state, groups, wide)
             add_wide(state, o, {**first_wide, **wide[0]})
             add_group_keys(groups[first:], group_keys, mark=True)
-            stepless = _stepless(extra) if schema_for(optim) is None else set()
-            if stepless:
-                never.update(stepless)
-                tail = groups[first:]
-                mark_groups(tail, stepless)
-                groups[first:] = tail
+            if schema_for(optim) is None:
+                _mark_stepless(groups, first, extra, never)
             counts.append(len(optim.param_groups))
             continue
         zero_owner = zero.is_zero(optim)
@@ -419,13 +415,8 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         groups.extend(osd["param_groups"])
         # (a wrapper's step may read the state it wraps: zeros from the
         # wrapped optimizer's schema are not "none yet" to it, D48)
-        marks = (schema_for(target) is None or wrapped is not None) and not zero_owner
-        stepless = _stepless(extra) if marks else set()
-        if stepless:
-            never.update(stepless)
-            tail = groups[first:]
-            mark_groups(tail, stepless)
-            groups[first:] = tail
+        if (schema_for(target) is None or wrapped is not None) and not zero_owner:
+            _mark_stepless(groups, first, extra, never)
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts
     info.optim_extras = extras
@@ -433,12 +424,16 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _stepless(extra: dict[str, Any] | None) -> set[str]:
-    """The names whose template a shadow step gave (``pristine`` of an
-    optimizer without a schema) and holds something: marked (D48).  An
-    empty entry (an optimizer that keeps no state for the parameter) has
-    nothing to leave out."""
-    return {fqn for fqn, entry in (extra or {}).items() if entry}
+def _mark_stepless(groups: list[dict[str, Any]], first: int, extra: dict[str, Any] | None, never: set[str]) -> None:
+    """Marks, in one optimizer's returned groups (``groups[first:]``), the
+    names of the parameters whose entry is a template (``extra``, from
+    ``pristine``) that holds something, and adds them to ``never`` (D48).
+    An empty entry (an optimizer that keeps no state for the parameter)
+    has nothing to leave out."""
+    stepless = {fqn for fqn, entry in (extra or {}).items() if entry}
+    if stepless:
+        never.update(stepless)
+        mark_groups(groups, stepless, first)
 
 
 def _in_own_layout(
@@ -1586,8 +1581,9 @@ _WRAPPER = "wrapper"  # a prepared load for a wrapper's own load_state_dict
 
 
 def _schema_less(optimizers: tuple[_Optimizer, ...]) -> bool:
-    """Whether some optimizer (or the one it wraps) has no schema: only
-    such an optimizer's getter marks never-stepped parameters."""
+    """Whether some optimizer (or the one it wraps) has no schema: such an
+    optimizer's getter marks never-stepped parameters (so does a
+    wrapper's, which the load checks apart)."""
     return any(schema_for(optim) is None for optim in (*optimizers, *_load_targets(optimizers)))
 
 
