@@ -605,6 +605,7 @@ def test_corpus(name, tmp_path):
         _UPSTREAM_FAILS[f"{name} (template)"] = f"both raise {type(failure).__name__}: {failure}"[:160]
     if template is not None:
         _check_template(name, factory, model, opt, real_entries, real_opt, real_keys, template)
+        _check_template_given_back(factory, template)
     checked = _check_resumes(name, factory, tmp_path)
     if template is None and not checked:
         _BOTH_RAISE[name] = "both raise on every get (see the upstream lines)"
@@ -720,6 +721,25 @@ def _flat_entry(entry):
         else:
             out[key] = value
     return out
+
+
+def _check_template_given_back(factory, template):
+    """D48: the never-stepped template, loaded into a fresh pair, either
+    raises (an optimizer whose constructor creates state: strict loads
+    refuse a template without its first step's keys) or leaves it as the
+    fresh optimizer -- two steps of each, the same parameters."""
+    fresh_model, fresh = _build(factory)
+    model, opt = _build(factory)
+    try:
+        dcp_optim.set_optimizer_state_dict(model, opt, copy.deepcopy(template))
+    except dcp_optim.errors.MissingOptimizerStateError:
+        return
+    for i in range(2):
+        _step(fresh_model, fresh, i)
+        _step(model, opt, i)
+    for (n, a), b in zip(fresh_model.named_parameters(), model.parameters()):
+        assert torch.equal(a, b) or (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())), \
+            f"{n}: the template given back resumed unlike the fresh optimizer"
 
 
 def _check_template(name, factory, model, opt, real_entries, real_opt, real_keys, template):
