@@ -21,8 +21,8 @@ never tensors):
 
 The keys the shadow step adds to a group (pytorch-optimizer's ``step``,
 heavyball's ``base_lr`` and ``step_count``) are in the template too,
-their numbers marked as a first step's (``wide.StepCreatedInt`` /
-``StepCreatedFloat``, as D47's).
+their numbers marked as a first step's (``dcp_optim.marks``'
+``StepCreatedInt`` / ``StepCreatedFloat``, as D47's).
 
 A template of a never-stepped optimizer holds the marks, and ``dcp.load``
 replaces them with what the checkpoint holds: a trained checkpoint's
@@ -149,7 +149,8 @@ def unmarked_groups(
     marks' numbers plain, and in a never-stepped group (one that holds
     such a mark, or whose parameters are all marked: ``all_never``)
     without the other values -- tensors, bools, which cannot be marked --
-    of keys the live group lacks.  Second: whether every group is such a
+    of keys the live group lacks (the marks' own numbers were made plain
+    in the view, ``plain_groups``).  Second: whether every group is such a
     never-stepped one (the optimizer-wide entries a first step creates
     are then left out too: pytorch-optimizer's MADGRAD ``k``)."""
     out = []
@@ -171,7 +172,7 @@ def unmarked_groups(
                 continue
             if drop and k not in live and k != "params" and not _is_number(v):  # type: ignore[operator]
                 continue
-            new[k] = _plain(v)
+            new[k] = v
         out.append(new)
     return out, every
 
