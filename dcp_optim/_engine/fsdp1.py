@@ -36,9 +36,11 @@ from torch.distributed.fsdp._init_utils import HYBRID_SHARDING_STRATEGIES
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import errors
+from ..schema import schema_for
 from .collectives import gather_full_tensors
 from .consistency import mesh_for_group
 from .core import C, context
+from .never_stepped import mark_groups, marked_in_view, unmark
 from .own_calls import state_dict_fn
 from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
@@ -251,7 +253,7 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any, check_rank_local: b
     # agreed on, with every rank, before the first exchange -- not left to
     # the peers' wait in it.
     handles = _handles(info)
-    local: list[tuple[dict[str, Any], dict[str, Any], list[Any]]] = []
+    local: list[tuple[dict[str, Any], dict[str, Any], list[Any], set[int]]] = []
     error: Exception | None = None
     extras: dict[str, Any] = {}
     try:
@@ -276,9 +278,13 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any, check_rank_local: b
 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for o, (osd, wide, params) in enumerate(local):
+    # the parameters whose state is a template on every rank holding a
+    # piece of them (D48: marked, so that a load leaves them without state)
+    never: set[str] = set()
+    for o, (osd, wide, params, stepless) in enumerate(local):
         # local state per handle, keyed by original-parameter index (orig)
-        # or the flat parameter itself
+        # or the flat parameter itself; "templated": which of them hold
+        # this rank's template (stepless), not state a step made
         per_handle: dict[int, dict[str, Any]] = {}
         plain: list[tuple[str, dict[str, Any]]] = []
         order: list[tuple[str, Any]] = []  # ("handle", h) / ("plain", fqn)
@@ -287,13 +293,16 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any, check_rank_local: b
             flat_of = by_flat.get(id(p))
             if flat_of is not None:
                 if entry is not None:
-                    per_handle[id(flat_of)] = {"flat": entry}
+                    per_handle[id(flat_of)] = {"flat": entry, "templated": pid in stepless}
                     order.append(("handle", flat_of))
                 continue
             hi = by_orig.get(id(p))
             if hi is not None:
                 h, i = hi
-                per_handle.setdefault(id(h), {"pieces": {}})["pieces"][i] = entry
+                held = per_handle.setdefault(id(h), {"pieces": {}, "templated": set()})
+                held["pieces"][i] = entry
+                if pid in stepless:
+                    held["templated"].add(i)
                 continue
             slot = info.index.slot_of(p)
             if slot is None:
@@ -304,7 +313,9 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any, check_rank_local: b
             if entry is not None:
                 plain.append((fqn, entry))
                 order.append(("plain", fqn))
-        entries = _gather_handles(handles, per_handle, info, to_save)
+                if pid in stepless:
+                    never.add(fqn)
+        entries = _gather_handles(handles, per_handle, info, to_save, never)
         if not to_save:
             continue
         out_state: dict[str, Any] = {}
@@ -332,14 +343,20 @@ def get_fsdp1_optim(model: nn.Module, optimizers, info: Any, check_rank_local: b
                     out_state[item] = _copy_plain(dict(plain)[item], info)
         state.update(out_state)
         add_wide(state, o, wide)  # D29: the optimizer's own entries, as every rank holds them
+        first = len(groups)
         groups.extend(_groups_by_fqn(osd, params, handles, info))
+        if never:
+            mark_groups(groups, never, first)
     if not to_save:
         return {}
     _unshare_scalars(state)
+    # the flattened format marks them too (optim.get_optim)
+    info.never_stepped = never
     return {"state": state, "param_groups": groups}
 
 
-def _check_saved_once(model: nn.Module, info: Any, local: list[tuple[dict[str, Any], dict[str, Any], list[Any]]],
+def _check_saved_once(model: nn.Module, info: Any,
+                      local: list[tuple[dict[str, Any], dict[str, Any], list[Any], set[int]]],
                       handles: list[_Handle]) -> None:
     """D30 for a full get, before its gather (which may leave ranks other
     than 0 with nothing): the values the full dict carries once for all
@@ -353,7 +370,7 @@ def _check_saved_once(model: nn.Module, info: Any, local: list[tuple[dict[str, A
     managed = {id(h.flat) for h in handles} | {id(p) for h in handles for p in h.params}
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for o, (osd, wide, params) in enumerate(local):
+    for o, (osd, wide, params, _stepless) in enumerate(local):
         for pid, p in enumerate(params):
             entry = osd["state"].get(pid)
             slot = None if entry is None or id(p) in managed else info.index.slot_of(p)
@@ -386,24 +403,28 @@ def _unshare_scalars(state: dict[str, Any]) -> None:
 
 
 def _local_optim_state(optim: Any, info: Any, handles: list[_Handle],
-                       extras: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+                       extras: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[Any], set[int]]:
     """(the optimizer's own dict, with the never-stepped state of the
     parameters it holds none for; its optimizer-wide entries (D29),
-    taken out of it; its parameters in order).  Its own top-level
-    entries go into ``extras``."""
+    taken out of it; its parameters in order; the positions of those whose
+    entry is a shadow step's template that holds something -- an
+    optimizer without a schema, D48).  Its own top-level entries go into
+    ``extras``."""
     raw = state_dict_fn(optim, "state_dict")()
     check_torch_layout(optim, raw)
     collect_extras(optim, raw, extras, stacklevel=7)
     osd, wide = split_own_wide(raw)
     params = [p for g in optim.param_groups for p in g["params"]]
     pids = {id(p): i for i, p in enumerate(params)}
-    first_wide, group_keys = _add_pristine(osd, params, pids, optim, info, handles)
+    first_wide, group_keys, filled = _add_pristine(osd, params, pids, optim, info, handles)
     # the group keys a first step adds (pytorch-optimizer's "step"), into
     # the dict's own copies of the groups: a template without them would
-    # make dcp.load leave the checkpoint's behind
-    add_group_keys(osd["param_groups"], group_keys)
+    # make dcp.load leave the checkpoint's behind; marked as a first
+    # step's (a never-stepped checkpoint's load drops them, D47)
+    add_group_keys(osd["param_groups"], group_keys, mark=True)
     _check_flat_shapes(osd, pids, handles)
-    return osd, {**first_wide, **wide}, params
+    stepless = {pid for pid in filled if osd["state"][pid]} if schema_for(optim) is None else set()
+    return osd, {**first_wide, **wide}, params, stepless
 
 
 def check_torch_layout(optim: Any, osd: Any) -> None:
@@ -460,18 +481,19 @@ def _check_flat_shapes(osd: dict[str, Any], pids: dict[int, int], handles: list[
 
 
 def _add_pristine(osd: dict[str, Any], params: list[Any], pids: dict[int, int], optim: Any, info: Any,
-                  handles: list[_Handle]) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+                  handles: list[_Handle]) -> tuple[dict[str, Any], list[dict[str, Any]] | None, list[int]]:
     """D2 for flat parameters too: the never-stepped state of each
     trainable parameter the optimizer holds none for, from the schema (or
     a shadow step), shaped like what the optimizer holds (the flat shard
     or the original parameter's piece), into ``osd["state"]`` (the
     optimizer's ``state_dict()``, a dict of its own) by position.  Returns
-    the optimizer-wide entries (D29) and the group keys a first step would
-    create."""
+    the optimizer-wide entries (D29), the group keys a first step would
+    create and the positions filled."""
     states, group_keys = pristine_template(info.index, optim)
     pristine, wide = pop_wide(states)
+    filled: list[int] = []
     if not pristine:
-        return wide, group_keys
+        return wide, group_keys, filled
     by_fqn = {}
     for p in params:
         slot = info.index.slot_of(p)
@@ -489,7 +511,8 @@ def _add_pristine(osd: dict[str, Any], params: list[Any], pids: dict[int, int], 
         p = by_fqn.get(fqn)
         if p is not None and id(p) in pids and id(p) not in empty:
             osd["state"][pids[id(p)]] = entry
-    return wide, group_keys
+            filled.append(pids[id(p)])
+    return wide, group_keys, filled
 
 
 def _copy_plain(entry: dict[str, Any], info: Any) -> dict[str, Any]:
@@ -536,15 +559,20 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
     (on CPU, as FSDP exchanges them) and other values (use_orig_params:
     each original parameter keeps its own, e.g. its step count), and
     "numels" the elements of each of their tensor states (a piece this
-    rank holds none of has empty ones: ``_merge_scalars``)."""
+    rank holds none of has empty ones: ``_merge_scalars``); "templated"
+    whether the flat parameter's entry, or which of the original
+    parameters' (indices), is this rank's never-stepped template (D48)."""
     names: dict[str, Any] = {}
     present: list[int] = []
     scalars: dict[int, dict[str, Any]] = {}
     numels: dict[int, dict[str, int]] = {}
+    templated: bool | list[int] = False
     if local is not None:
         if "flat" in local:
             entries = [local["flat"]]
+            templated = bool(local["templated"])
         else:
+            templated = sorted(local["templated"])
             entries = []
             for i, entry in sorted(local["pieces"].items()):
                 if entry:
@@ -566,12 +594,15 @@ def _state_meta(h: _Handle, local: dict[str, Any] | None) -> dict[str, Any]:
                     names.setdefault(name, ("t", value.dtype))
                 else:
                     names.setdefault(name, ("s", _to_wire(value)))
-    return {"names": names, "present": present, "scalars": scalars, "numels": numels}
+    return {"names": names, "present": present, "scalars": scalars, "numels": numels, "templated": templated}
 
 
-def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, Any]]:
+def _gather_handles(handles, per_handle, info, to_save, never: set[str]) -> dict[str, dict[str, Any]]:
     """Full (or chunk-sharded) state of every original parameter of every
-    handle that has state, keyed by canonical FQN."""
+    handle that has state, keyed by canonical FQN.  Adds to ``never`` the
+    original parameters whose state is a never-stepped template on every
+    rank that holds some (``_never_stepped``): every rank comes to the
+    same set."""
     from .consistency import mesh_all_gather_object
 
     metas = {h.fqns[0]: _state_meta(h, per_handle.get(id(h))) for h in handles}
@@ -584,6 +615,8 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
     present: dict[str, set[int]] = {}
     # per handle and original parameter, each rank's (rank, scalars, numels)
     held: dict[str, dict[int, list[tuple[int, dict[str, Any], dict[str, int]]]]] = {}
+    # per handle, the metas of the ranks of its group
+    holders: dict[str, list[dict[str, Any]]] = {}
     flat_values: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     group_of = {h.fqns[0]: id(h.group) for h in handles if h.sharded}
     for group_id, mesh in group_meshes.items():
@@ -596,6 +629,7 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
                 present.setdefault(key, set()).update(meta["present"])
                 if group_of.get(key) != group_id:  # the ranks of another group's handle: not its holders
                     continue
+                holders.setdefault(key, []).append(meta)
                 if not meta["present"] and meta["names"]:  # a flat parameter's: its 0-dim and other values
                     flat_values.setdefault(key, []).append(
                         (rank, {name: value for name, (kind, value) in meta["names"].items() if kind == "s"}))
@@ -608,6 +642,9 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
             present.setdefault(h.fqns[0], set(meta["present"]))
             held.setdefault(h.fqns[0], {i: [(dist.get_rank(), values, meta["numels"][i])]
                                         for i, values in meta["scalars"].items()})
+            holders.setdefault(h.fqns[0], [meta])
+    for h in handles:
+        never.update(_never_stepped(h, holders.get(h.fqns[0], [])))
     param_scalars = {
         h.fqns[0]: {i: _merge_scalars(h.fqns[i], per_rank) for i, per_rank in held.get(h.fqns[0], {}).items()}
         for h in handles if h.orig
@@ -692,6 +729,22 @@ def _gather_handles(handles, per_handle, info, to_save) -> dict[str, dict[str, A
             # flat parameters: FSDP's sorted order
             out[fqn] = {n: entry[n] for n in names if n in entry} if h.orig else _sort_names(entry)
     return out
+
+
+def _never_stepped(h: _Handle, metas: list[dict[str, Any]]) -> list[str]:
+    """The original parameters of ``h`` whose state is a never-stepped
+    template on every rank of its group that holds state for them (the
+    metas of ``_state_meta``).  A flat parameter is one optimizer entry:
+    all its originals, or none."""
+    if h.orig:
+        out = []
+        for i, fqn in enumerate(h.fqns):
+            holding = [m for m in metas if i in m["present"]]
+            if holding and all(i in m["templated"] for m in holding):
+                out.append(fqn)
+        return out
+    holding = [m for m in metas if m["names"]]
+    return list(h.fqns) if holding and all(m["templated"] for m in holding) else []
 
 
 def _merge_scalars(fqn: str, per_rank: list[tuple[int, dict[str, Any], dict[str, int]]]) -> dict[str, Any]:
@@ -896,7 +949,8 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any, local: list[tuple]) -
     function, which takes every key of "state" for a parameter's."""
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for o, (optim, (osd, wide, _params)) in enumerate(zip(optimizers, local)):
+    never = _agreed_never_stepped(model, optimizers, info, local)
+    for o, (optim, (osd, wide, _params, _stepless)) in enumerate(zip(optimizers, local)):
         with info.fsdp_context():
             osd = FSDP.optim_state_dict(model, optim, osd, group=fsdp_process_group(model, info))
         if not osd:
@@ -912,9 +966,48 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any, local: list[tuple]) -
                     complete_chunks_of(entry)
         state.update(osd["state"])
         add_wide(state, o, wide)
+        first = len(groups)
         groups.extend(osd["param_groups"])
+        if never:
+            mark_groups(groups, never, first)
     _unshare_scalars(state)
+    info.never_stepped = never
     return {"state": state, "param_groups": groups}
+
+
+def _agreed_never_stepped(model: nn.Module, optimizers, info: Any, local: list[tuple]) -> set[str]:
+    """FSDP's own getters (hybrid sharding): the original parameters whose
+    state is a never-stepped template on every rank that holds state for
+    them (D48), agreed in one exchange of each rank's names -- only where
+    some optimizer has no schema (the same on every rank) and the ranks of
+    the model are known (hybrid sharding over process groups that span
+    the world, or a device mesh); none otherwise, and the checkpoint's
+    templates are then loaded as state, as before."""
+    from .consistency import mesh_all_gather_object
+
+    if all(schema_for(optim) is not None for optim in optimizers):
+        return set()
+    is_fsdp1, known, mesh = agreement_mesh(model, info)
+    if not (is_fsdp1 and known):
+        return set()
+    handles = _handles(info)
+    names: dict[int, list[str]] = {id(h.flat): list(h.fqns) for h in handles if not h.orig}
+    names.update({id(p): [fqn] for h in handles if h.orig for p, fqn in zip(h.params, h.fqns)})
+    templated: set[str] = set()
+    stepped: set[str] = set()
+    for osd, _wide, params, stepless in local:
+        for pid, p in enumerate(params):
+            if not osd["state"].get(pid):
+                continue
+            fqns = names.get(id(p))
+            if fqns is None:
+                slot = info.index.slot_of(p)
+                fqns = [info.index.tensor_fqns[slot][0]] if slot is not None else []
+            (templated if pid in stepless else stepped).update(fqns)
+    gathered, _ranks = mesh_all_gather_object(mesh, (sorted(templated), sorted(stepped)))
+    every_templated = {fqn for t, _ in gathered for fqn in t}
+    every_stepped = {fqn for _, st in gathered for fqn in st}
+    return every_templated - every_stepped
 
 
 # --- set -------------------------------------------------------------------------
@@ -1012,6 +1105,7 @@ class Fsdp1Localize:
     def move(self) -> tuple:
         from .distribute import run_full_load
 
+        self.view = _whole_flat_units(self.view, self.handles)
         if self.route is None and not self.info.full_state_dict:
             self.view = _gathered(self.view, self.handles)
         if self.jobs is None:  # not reserved: a load without agreement, or not broadcast
@@ -1033,6 +1127,22 @@ class Fsdp1Localize:
 
     def take_inline(self, values: Any) -> None:
         pass
+
+
+def _whole_flat_units(view: tuple, handles: list[_Handle]) -> tuple:
+    """A flat parameter (use_orig_params=False) is one optimizer entry: a
+    checkpoint that marks some of its originals as saved without state
+    (D48) and holds state for others (another layout's, where they were
+    stepped apart) loads it whole, the marked originals' templates in
+    their places -- leaving the entry out would drop the others' state."""
+    never = marked_in_view(view)
+    partial: set[str] = set()
+    for h in handles:
+        if not h.orig:
+            marked = [f for f in h.fqns if f in never]
+            if marked and len(marked) < len(h.fqns):
+                partial.update(marked)
+    return unmark(view, partial) if partial else view
 
 
 def _check_loaded_entries(view: tuple, handles: list[_Handle], broadcast: bool = False) -> None:
@@ -1274,7 +1384,8 @@ def native_supported(info: Any) -> bool:
 def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
                   states: dict[str, Any] | None = None,
                   wide: dict[int, dict[str, Any]] | None = None,
-                  own: dict[str, Any] | None = None) -> Callable[[], None]:
+                  own: dict[str, Any] | None = None,
+                  never: set[str] | None = None) -> Callable[[], None]:
     """FSDP's own optimizer load (hybrid sharding, non-contiguous flat
     parameters): the conversion (``FSDP.optim_state_dict_to_load``, which
     makes collectives across the FSDP group) runs here, in the load's move,
@@ -1284,8 +1395,9 @@ def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
     FQN, as the native load parses them; ``wide``: the optimizer-wide
     entries (D29) per optimizer position, taken out of ``osd``; ``own``:
     the optimizers' own top-level entries, given to their own
-    ``load_state_dict`` beside the converted dict."""
-    converted = _convert_via_fsdp(model, optimizers, osd, info, states)
+    ``load_state_dict`` beside the converted dict; ``never``: the
+    parameters the dict gives without state (D48: saved never stepped)."""
+    converted = _convert_via_fsdp(model, optimizers, osd, info, states, never or set())
     for o, split in enumerate(converted):
         if wide and o in wide:  # torch's load_state_dict keeps the keys that are no parameter's
             split["state"] = {**split["state"], **copy_containers(wide[o])}
@@ -1300,7 +1412,7 @@ def load_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
 
 
 def _convert_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: Any,
-                      states: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                      states: dict[str, Any] | None, never: set[str]) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint import state_dict as upstream
 
     ctx = context()
@@ -1322,6 +1434,10 @@ def _convert_via_fsdp(model: nn.Module, optimizers, osd: dict[str, Any], info: A
                 for fqn, entry in split["state"].items():
                     if not entry and states and states.get(fqn):
                         split["state"][fqn] = states[fqn]
+        # no entry at all for them: FSDP's conversion refuses an empty one
+        # of a flat parameter, and skips a parameter without an entry
+        for fqn in never:
+            split.get("state", {}).pop(fqn, None)
         for original_fqn, _ in model.named_parameters():
             fqns = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, True)
             with_compiler = C.get_fqns(ctx, model, original_fqn, "_fqn_modifiers", True, False)

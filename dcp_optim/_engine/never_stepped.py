@@ -62,8 +62,11 @@ __all__ = [
     "mark_flat",
     "mark_groups",
     "marked_in_view",
+    "marked_names",
     "only_held",
     "plain_groups",
+    "unmark",
+    "unmarked_dict",
     "unmarked_groups",
 ]
 
@@ -132,6 +135,29 @@ def marked_in_view(view: tuple) -> set[str]:
     return out
 
 
+def unmark(view: tuple, names: set[str]) -> tuple:
+    """A loaded view whose ``names`` are no longer marked (their state is
+    then loaded as it stands): a new view and new groups where a mark goes
+    (the view's may be the caller's).  Nested, a marked name in a group's
+    ``params`` becomes a plain str; flattened, the group the parse made
+    for the name gets plain numbers (each name has its own there)."""
+    groups, fqn_group = view[1], view[2]
+    out = list(groups)
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict):
+            continue
+        params = group.get("params")
+        if isinstance(params, list) and any(isinstance(p, NeverSteppedName) and p in names for p in params):
+            out[gi] = {**group, "params": [str(p) if isinstance(p, NeverSteppedName) and p in names else p
+                                           for p in params]}
+    for fqn in names:
+        gi = fqn_group.get(fqn)
+        group = out[gi] if isinstance(gi, int) and 0 <= gi < len(out) else None
+        if isinstance(group, dict) and "params" not in group:
+            out[gi] = {k: _plain(v) for k, v in group.items()}
+    return (view[0], out, *view[2:])
+
+
 def plain_groups(groups: list[Any]) -> list[Any]:
     """A new list of a loaded view's groups, the marked numbers plain (in
     new dicts: the view's may be the caller's)."""
@@ -190,3 +216,67 @@ def only_held(loaded: Any, held: Any) -> Any:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_GROUPS = "param_groups."
+_STATE = "state."
+
+
+def marked_names(osd: dict[str, Any], flat: bool) -> set[str]:
+    """The names a loaded state dict marks, read from the dict itself
+    (loads that hand it to FSDP's own functions, which take no view):
+    nested, in its groups' ``params``; flattened, by a marked number among
+    a name's ``param_groups.<fqn>.<key>`` entries."""
+    if not flat:
+        return {str(p) for g in osd.get("param_groups", ()) if isinstance(g, dict)
+                for p in (g.get("params") or ()) if isinstance(p, NeverSteppedName)}
+    return {key[len(_GROUPS):].rpartition(".")[0] for key, value in osd.items()
+            if isinstance(value, (NeverSteppedInt, NeverSteppedFloat)) and key.startswith(_GROUPS)}
+
+
+def unmarked_dict(
+    osd: dict[str, Any], flat: bool, never: set[str], live_of: dict[str, tuple[dict[str, Any], bool]]
+) -> dict[str, Any]:
+    """A new state dict, as a load through FSDP's own functions takes it:
+    no state for the names in ``never``, no mark left (names and numbers
+    plain), and each group as ``unmarked_groups`` leaves it.  ``live_of``:
+    each name's live group and whether all of that group's parameters are
+    in ``never``."""
+    def unmarked(group: dict[str, Any], fqn: str | None) -> dict[str, Any]:
+        live, all_never = live_of.get(fqn, (None, False)) if fqn is not None else (None, False)
+        plain = {k: _plain(v) for k, v in group.items()}
+        return unmarked_groups([plain], [live] if live is not None else [], [all_never])[0][0]
+
+    if not flat:
+        groups = []
+        for group in osd.get("param_groups", ()):
+            if not isinstance(group, dict):
+                groups.append(group)
+                continue
+            params = [str(p) if isinstance(p, NeverSteppedName) else p for p in group.get("params") or ()]
+            new = unmarked({k: v for k, v in group.items() if k != "params"}, params[0] if params else None)
+            groups.append({**new, "params": params} if "params" in group else new)
+        state = {k: v for k, v in osd.get("state", {}).items() if k not in never}
+        return {**osd, "state": state, "param_groups": groups}
+    by_name: dict[str, dict[str, Any]] = {}
+    for key, value in osd.items():
+        if key.startswith(_GROUPS):
+            fqn, _, name = key[len(_GROUPS):].rpartition(".")
+            by_name.setdefault(fqn, {})[name] = value
+    out = {}
+    for key, value in osd.items():
+        if never and key.startswith(_STATE) and _of_names(key[len(_STATE):], never):
+            continue
+        if not key.startswith(_GROUPS):
+            out[key] = value
+    for fqn, group in by_name.items():
+        for name, value in unmarked(group, fqn).items():
+            out[f"{_GROUPS}{fqn}.{name}"] = value
+    return out
+
+
+def _of_names(rest: str, names: set[str]) -> bool:
+    """Whether ``rest`` (``<fqn>.<state name>``, either dotted) is a state
+    of one of ``names``."""
+    parts = rest.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts)))

@@ -36,8 +36,10 @@ from .never_stepped import (
     mark_flat,
     mark_groups,
     marked_in_view,
+    marked_names,
     only_held,
     plain_groups,
+    unmarked_dict,
     unmarked_groups,
 )
 from .own_calls import is_patched, state_dict_fn
@@ -1587,6 +1589,43 @@ def _schema_less(optimizers: tuple[_Optimizer, ...]) -> bool:
     return any(schema_for(optim) is None for optim in (*optimizers, *_load_targets(optimizers)))
 
 
+def _unmarked_for_fsdp(
+    index: Any, optimizers: tuple[_Optimizer, ...], osd: dict[str, Any], flat: bool
+) -> tuple[dict[str, Any], set[int], set[str]]:
+    """A loaded dict for FSDP's own load (hybrid sharding) as the native
+    loads take a marked one (``_prepare_view``): no state for the
+    parameters it marks as saved without state, no mark left, no group
+    value a first step created (never_stepped.unmarked_dict); the
+    positions of the optimizers all of whose groups are never stepped; the
+    names left without state.  A flat parameter is one optimizer entry:
+    where the dict marks only some of its originals, it is loaded whole
+    (as fsdp1's native load does)."""
+    never = marked_names(osd, flat)
+    for optim in optimizers:
+        for group in optim.param_groups:
+            for p in group.get("params", ()):
+                slot = index.slot_of(p)
+                unit = index.tensor_fqns[slot] if slot is not None else ()
+                if len(unit) > 1 and not all(f in never for f in unit):
+                    never.difference_update(unit)
+    live_of: dict[str, tuple[dict[str, Any], bool]] = {}
+    stepless: set[int] = set()
+    for o, optim in enumerate(optimizers):
+        every = bool(optim.param_groups)
+        for group in optim.param_groups:
+            fqns: list[str] = []
+            for p in group.get("params", ()):
+                slot = index.slot_of(p)
+                fqns.extend(index.tensor_fqns[slot] if slot is not None else ())
+            all_never = bool(fqns) and all(f in never for f in fqns)
+            every = every and all_never
+            for fqn in fqns:
+                live_of[fqn] = (group, all_never)
+        if every:
+            stepless.add(o)
+    return unmarked_dict(osd, flat, never, live_of), stepless, never
+
+
 def _without_first_step_keys(
     index: Any, optim: _Optimizer, split: dict[str, Any], never: set[str]
 ) -> tuple[dict[str, Any], bool]:
@@ -1862,11 +1901,21 @@ class OptimLoad:
                 # converted dict, as on the native path
                 wide, own, _ = _take_wide(extras, tuple(optimizers))
                 core = _without_extras(osd, extras) if extras else osd
+                never: set[str] = set()
+                if core and _schema_less(optimizers):
+                    # (D48) what a never-stepped checkpoint marks, left out
+                    # before FSDP's conversion: its functions know no marks
+                    core, stepless, never = _unmarked_for_fsdp(info.index, optimizers, core, flat)
+                    for o in stepless & set(wide):
+                        held = set(_live_wide(optimizers[o]))
+                        wide[o] = {k: v for k, v in wide[o].items() if k in held}
+                    own = {k: without_step_created(v) for k, v in own.items()}
                 # a flattened dict's states as the native path parses them:
                 # upstream's unflattening, which FSDP's load takes, looks up
                 # the names the live optimizer holds -- none, never stepped
                 states = _view(info.index, core, tuple(optimizers))[0] if core and "state" not in core else None
-                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, core, info, states, wide, own)
+                self.via_fsdp = functools.partial(load_via_fsdp, model, optimizers, core, info, states, wide, own,
+                                                  never)
                 return None
         if osd and not info.broadcast_from_rank0 and _is_native_format(osd):
             self.direct = Prepared(

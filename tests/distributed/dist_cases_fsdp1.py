@@ -1033,3 +1033,87 @@ def nested_state_pieces_case(rank: int, ws: int) -> list[str]:
         gc.collect()
     dist.barrier()
     return out
+
+
+def partial_flat_case(rank: int, ws: int, path: str) -> list[str]:
+    """D48: a checkpoint of a plain model whose ``1.weight`` was frozen for
+    the first steps (saved without state: marked) while ``1.bias``
+    trained, loaded into FSDP1 with use_orig_params=False, where both are
+    one flat parameter -- one optimizer entry.  The entry is loaded whole
+    (the bias's trained moments kept, the weight's template in its
+    place): leaving out the marked weight's entry would have dropped the
+    bias's state with it."""
+    from pytorch_optimizer import Yogi
+
+    def net(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+
+    plain = net(0)
+    optim = Yogi(plain.parameters(), lr=0.1)
+    plain[1].weight.requires_grad_(False)
+    for i in range(2):
+        optim.zero_grad()
+        plain(torch.randn(5, 4, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
+        optim.step()
+    plain[1].weight.requires_grad_(True)  # trainable, without state
+    saved = dcp_optim.get_optimizer_state_dict(plain, optim)
+    names = saved["param_groups"][0]["params"]
+    out = [f"marked: {[str(n) for n in names if isinstance(n, dcp_optim.marks.NeverSteppedName)]}"]
+    dcp.save({"optim": saved}, checkpoint_id=path)
+
+    model = FSDP(net(1), device_id=CPU, use_orig_params=False, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    fresh = Yogi(model.parameters(), lr=0.1)
+    state = {"optim": dcp_optim.get_optimizer_state_dict(model, fresh)}
+    dcp.load(state, checkpoint_id=path)
+    dcp_optim.set_optimizer_state_dict(model, fresh, state["optim"])
+    full = dcp_optim.get_optimizer_state_dict(model, fresh, options=Opts(full_state_dict=True))
+    if rank == 0:
+        kept = all(torch.equal(full["state"]["1.bias"][k], saved["state"]["1.bias"][k])
+                   for k in ("exp_avg", "exp_avg_sq"))
+        out.append(f"1.bias state kept: {kept}")
+        out.append(f"0.weight state kept: {torch.equal(full['state']['0.weight']['exp_avg'], saved['state']['0.weight']['exp_avg'])}")
+    return out
+
+
+def hsdp_never_stepped_case(rank: int, ws: int, path: str) -> list[str]:
+    """D48 under FSDP1 hybrid sharding (FSDP's own optimizer-state
+    functions; a pair of process groups, and a device mesh): a checkpoint
+    of a never-stepped optimizer without a schema (pytorch-optimizer's
+    Yogi, whose template -- a shadow step's state -- scales its second
+    moment once, and adds the group's "step"), resumed through DCP into a
+    fresh pair, trains as the fresh optimizer: losses compared over two
+    steps, both formats, both ``use_orig_params``."""
+    from pytorch_optimizer import Yogi
+    from torch.distributed.fsdp import ShardingStrategy
+
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    groups = (mesh.get_group(1), mesh.get_group(0))  # (shard, replicate)
+    out = []
+    for how in ("groups", "mesh"):
+        for orig in (False, True):
+            where = {"process_group": groups} if how == "groups" else {"device_mesh": mesh}
+
+            def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+                torch.manual_seed(0)
+                model = FSDP(_Wide(), device_id=CPU, use_orig_params=orig,
+                             sharding_strategy=ShardingStrategy.HYBRID_SHARD, **where)
+                return model, Yogi(model.parameters(), lr=0.1)
+
+            model, optim = make()
+            expected = _narrow_train(model, optim, range(2))
+            for flat in (False, True):
+                options = Opts(flatten_optimizer_state_dict=flat)
+                ckpt = f"{path}/{how}-{int(orig)}-{int(flat)}"
+                model, optim = make()
+                dcp.save({"optim": dcp_optim.get_optimizer_state_dict(model, optim, options=options)},
+                         checkpoint_id=ckpt)
+                model, optim = make()
+                state = {"optim": dcp_optim.get_optimizer_state_dict(model, optim, options=options)}
+                dcp.load(state, checkpoint_id=ckpt)
+                dcp_optim.set_optimizer_state_dict(model, optim, state["optim"], options=options)
+                marks = [type(v).__name__ for g in optim.param_groups for v in g.values()
+                         if type(v).__module__ == "dcp_optim.marks"]
+                same = _narrow_train(model, optim, range(2)) == expected
+                out.append(f"{how} orig={orig} flat={flat}: {'fresh' if same else 'differs'}, marks {marks}")
+    return out

@@ -8,7 +8,8 @@ users run:
 
 1. the uninterrupted run: ``STEPS + RESUMED`` steps (once per case: it
    does not depend on the format);
-2. the interrupted run: ``STEPS`` steps, ``get_optimizer_state_dict``,
+2. the interrupted run: ``STEPS`` steps (0: a checkpoint taken before
+   the first step), ``get_optimizer_state_dict``,
    ``dcp.save``;
 3. a fresh model (the trained weights loaded) and a never-stepped
    optimizer: ``get_optimizer_state_dict`` (the template), ``dcp.load``,
@@ -48,7 +49,8 @@ from ..support.models import sharpness_aware_step
 _ERRORS = (Exception, dcp.api.CheckpointException)
 
 CASE_TIMEOUT = datetime.timedelta(seconds=15)
-STEPS = 2  # before the checkpoint
+# before the checkpoint (DCP_OPTIM_MATRIX_STEPS=0: a checkpoint taken before the first step)
+STEPS = int(os.environ.get("DCP_OPTIM_MATRIX_STEPS", "2"))
 RESUMED = 2  # after it: LBFGS's history shows only in the second
 
 FORMATS = {
@@ -292,12 +294,13 @@ def _case_mesh(world: int) -> Any:
 _GROUP: dict[str, Any] = {}  # "mesh": the cases' mesh, "n": meshes made
 
 
-def run_case(name: str, case: dict[str, Any], world: int, root: str) -> list[tuple[str, str]]:
-    """[(verdict, reason)] of one case, one per format (FORMATS' order).
+def run_case(name: str, case: dict[str, Any], world: int, root: str, steps: int = STEPS) -> list[tuple[str, str]]:
+    """[(verdict, reason)] of one case, one per format (FORMATS' order);
+    ``steps`` before the checkpoint (0: saved before the first step).
 
     The uninterrupted run does not depend on the format: it runs once, and
     both formats' resumes are compared with it."""
-    expected, failure = _uninterrupted(case, world, _case_mesh(world))
+    expected, failure = _uninterrupted(case, world, _case_mesh(world), steps)
     if failure is not None:
         _GROUP.pop("mesh", None)
         return [("not run", f"the uninterrupted run fails: {failure}")] * len(FORMATS)
@@ -306,34 +309,34 @@ def run_case(name: str, case: dict[str, Any], world: int, root: str) -> list[tup
         if os.environ.get("DCP_OPTIM_MATRIX_TRACE"):
             with open(os.environ["DCP_OPTIM_MATRIX_TRACE"] + f".{dist.get_rank() if world > 1 else 0}", "a") as trace:
                 print(name, fmt, flush=True, file=trace)
-        verdict, reason = _resume(name, case, fmt, world, root, _case_mesh(world), expected)
+        verdict, reason = _resume(name, case, fmt, world, root, _case_mesh(world), expected, steps)
         if verdict != "resumed":
             _GROUP.pop("mesh", None)
         verdicts.append((verdict, reason))
     return verdicts
 
 
-def _uninterrupted(case, world, mesh) -> tuple[dict[str, torch.Tensor], str | None]:
+def _uninterrupted(case, world, mesh, steps) -> tuple[dict[str, torch.Tensor], str | None]:
     """1. the uninterrupted run: its parameters, or why it fails."""
     failure = None
     try:
         ref_model, ref_opt = _build(case, world, mesh=mesh)
     except _ERRORS as exc:  # noqa: BLE001 - a verdict
         failure = _reason(exc)
-    failure = _agree(world, failure) or _train(ref_model, ref_opt, range(STEPS + RESUMED), case["mode"], world)
+    failure = _agree(world, failure) or _train(ref_model, ref_opt, range(steps + RESUMED), case["mode"], world)
     if failure is not None:
         return {}, failure
     return _params(ref_model), None
 
 
-def _resume(name, case, fmt, world, root, mesh, expected) -> tuple[str, str]:
+def _resume(name, case, fmt, world, root, mesh, expected, steps) -> tuple[str, str]:
     """2. + 3. + 4. interrupt, save, resume into a never-stepped optimizer,
     train on; the verdict against the uninterrupted run's ``expected``."""
     options = FORMATS[fmt]
     mode = case["mode"]
     path = os.path.join(root, f"{name}-{fmt}".replace("/", "_"))
     model, opt = _build(case, world, mesh=mesh)
-    failure = _train(model, opt, range(STEPS), mode, world)
+    failure = _train(model, opt, range(steps), mode, world)
     if failure is not None:
         return "not run", f"the interrupted run fails: {failure}"
     try:
@@ -374,7 +377,7 @@ def _resume(name, case, fmt, world, root, mesh, expected) -> tuple[str, str]:
     if failure is not None:
         return "raised", failure
     # 4. train on: resumed, or not?
-    failure = _train(model2, opt2, range(STEPS, STEPS + RESUMED), mode, world)
+    failure = _train(model2, opt2, range(steps, steps + RESUMED), mode, world)
     if failure is not None:
         # raised while training on, after the load said it succeeded
         failure = "the resumed step raised: " + failure
@@ -388,9 +391,10 @@ def _resume(name, case, fmt, world, root, mesh, expected) -> tuple[str, str]:
 
 
 def run_matrix(rank: int, world: int, names: list[str], root: str,
-               layout: str = "fsdp2") -> list[tuple[str, str, str, str]]:
+               layout: str = "fsdp2", steps: int = STEPS) -> list[tuple[str, str, str, str]]:
     """[(name, format, verdict, reason)] for every case; on every rank.
-    ``layout``: the world-2 model's (see _LAYOUT)."""
+    ``layout``: the world-2 model's (see _LAYOUT); ``steps``: before the
+    checkpoint."""
     warnings.simplefilter("ignore")
     _LAYOUT["name"] = layout
     cases = catalogue()
@@ -403,7 +407,7 @@ def run_matrix(rank: int, world: int, names: list[str], root: str,
                 out.append((name, fmt, "not run", skip))
             continue
         try:
-            verdicts = run_case(name, case, world, root)
+            verdicts = run_case(name, case, world, root, steps)
         except Exception as exc:  # noqa: BLE001 - the harness itself broke: a failure
             verdicts = [("diverged", "matrix error: " + _reason(exc) + " " + traceback.format_exc()[-400:])] * len(FORMATS)
         out.extend((name, fmt, verdict, reason) for fmt, (verdict, reason) in zip(FORMATS, verdicts))
@@ -413,3 +417,9 @@ def run_matrix(rank: int, world: int, names: list[str], root: str,
         if world > 1:
             dist.barrier()
     return out
+
+
+def run_layouts(rank: int, world: int, names: list[str], root: str, layouts: list[str],
+                steps: int = STEPS) -> dict[str, list[tuple[str, str, str, str]]]:
+    """``run_matrix`` for each of ``layouts`` in one launch: {layout: rows}."""
+    return {layout: run_matrix(rank, world, names, root, layout, steps) for layout in layouts}

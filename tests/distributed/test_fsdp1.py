@@ -167,3 +167,18 @@ def test_state_tensors_inside_a_dict_refused():
                 "orig=False ours: InconsistentOptimizerStateError",
                 "orig=False upstream: this rank's flat shard under both names: True"]
     assert all(r == expected for r in results), results
+
+
+def test_flat_parameter_partly_marked_loads_whole(tmp_path):
+    pytest.importorskip("pytorch_optimizer")
+    results = run_ranks(2, cases.partial_flat_case, str(tmp_path / "ckpt"), timeout=300)
+    assert results[0] == ["marked: ['1.weight']", "1.bias state kept: True", "0.weight state kept: True"], results
+    assert results[1] == ["marked: ['1.weight']"], results
+
+
+def test_hybrid_shard_never_stepped_resumes_as_fresh(tmp_path):
+    pytest.importorskip("pytorch_optimizer")
+    results = run_ranks(4, cases.hsdp_never_stepped_case, str(tmp_path), timeout=300)
+    expected = [f"{how} orig={o} flat={f}: fresh, marks []" for how in ("groups", "mesh")
+                for o in (False, True) for f in (False, True)]
+    assert all(r == expected for r in results), results[0]
