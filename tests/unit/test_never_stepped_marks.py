@@ -211,3 +211,47 @@ def test_marks_pickle_under_the_public_module():
         torch.save(value, buffer)
         buffer.seek(0)
         assert type(torch.load(buffer, weights_only=True)) is type(value)
+
+
+def test_marks_taken_out_of_a_dict_for_fsdps_own_load():
+    """Loads through FSDP's own functions (FSDP1 hybrid sharding) take
+    the marks out of the dict itself: no state for a marked name (not a
+    name that merely starts like it, not a dotted state name's prefix), no
+    mark left, no first step's group value, and in a group all of whose
+    parameters are marked no value the live group lacks that no mark can
+    carry."""
+    from dcp_optim._engine.never_stepped import marked_names, unmarked_dict
+    from dcp_optim.marks import NeverSteppedInt, StepCreatedInt
+
+    live = {"lr": 0.1, "params": []}
+    flat = {
+        "state.a.weight.exp_avg": torch.ones(2),
+        "state.a.weight.sq.avg": torch.ones(2),  # a dotted state name
+        "state.a.weight2.exp_avg": torch.zeros(2),
+        "param_groups.a.weight.lr": NeverSteppedFloat(0.1),
+        "param_groups.a.weight.step": StepCreatedInt(1),
+        "param_groups.a.weight.flag": torch.tensor(True),
+        "param_groups.a.weight2.lr": 0.1,
+        "param_groups.a.weight2.step": 3,
+    }
+    never = marked_names(flat, True)
+    assert never == {"a.weight"}
+    out = unmarked_dict(flat, True, never, {"a.weight": (live, True), "a.weight2": (live, False)})
+    assert set(out) == {"state.a.weight2.exp_avg", "param_groups.a.weight.lr", "param_groups.a.weight2.lr",
+                        "param_groups.a.weight2.step"}
+    assert type(out["param_groups.a.weight.lr"]) is float and type(out["param_groups.a.weight2.step"]) is int
+    assert isinstance(flat["param_groups.a.weight.lr"], NeverSteppedFloat)  # the caller's dict untouched
+
+    nested = {
+        "state": {"a.weight": {"exp_avg": torch.ones(2)}, "b.weight": {"exp_avg": torch.zeros(2)}},
+        "param_groups": [{"lr": 0.1, "step": StepCreatedInt(1), "params": [NeverSteppedName("a.weight")]},
+                         {"lr": 0.2, "step": NeverSteppedInt(4), "params": ["b.weight"]}],
+    }
+    never = marked_names(nested, False)
+    assert never == {"a.weight"}
+    out = unmarked_dict(nested, False, never, {"a.weight": (live, True), "b.weight": ({**live, "step": 0}, False)})
+    assert list(out["state"]) == ["b.weight"]
+    assert out["param_groups"] == [{"lr": 0.1, "params": ["a.weight"]}, {"lr": 0.2, "step": 4, "params": ["b.weight"]}]
+    assert [type(p) for g in out["param_groups"] for p in g["params"]] == [str, str]
+    assert type(out["param_groups"][1]["step"]) is int
+    assert isinstance(nested["param_groups"][0]["params"][0], NeverSteppedName)
