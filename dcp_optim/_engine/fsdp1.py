@@ -978,36 +978,33 @@ def _get_via_fsdp(model: nn.Module, optimizers, info: Any, local: list[tuple]) -
 def _agreed_never_stepped(model: nn.Module, optimizers, info: Any, local: list[tuple]) -> set[str]:
     """FSDP's own getters (hybrid sharding): the original parameters whose
     state is a never-stepped template on every rank that holds state for
-    them (D48), agreed in one exchange of each rank's names -- only where
-    some optimizer has no schema (the same on every rank) and the ranks of
-    the model are known (hybrid sharding over process groups that span
-    the world, or a device mesh); none otherwise, and the checkpoint's
-    templates are then loaded as state, as before."""
-    from .consistency import mesh_all_gather_object
+    them (D48), agreed in one all-reduce of two words per tensor of the
+    model (the same tensors, in the same order, on every rank: the bytes
+    do not grow with the world) -- only where some optimizer has no schema
+    (the same on every rank) and the ranks of the model are known (hybrid
+    sharding over process groups that span the world, or a device mesh);
+    none otherwise, and the checkpoint's templates are then loaded as
+    state, as before."""
+    from .consistency import mesh_all_reduce_min
 
     if all(schema_for(optim) is not None for optim in optimizers):
         return set()
     is_fsdp1, known, mesh = agreement_mesh(model, info)
     if not (is_fsdp1 and known):
         return set()
-    handles = _handles(info)
-    names: dict[int, list[str]] = {id(h.flat): list(h.fqns) for h in handles if not h.orig}
-    names.update({id(p): [fqn] for h in handles if h.orig for p, fqn in zip(h.params, h.fqns)})
-    templated: set[str] = set()
-    stepped: set[str] = set()
+    index = info.index
+    # per tensor: [no rank holds state a step made, no rank holds a
+    # template] -- 1 here until this rank holds one
+    words = [1] * (2 * len(index.tensor_fqns))
     for osd, _wide, params, stepless in local:
         for pid, p in enumerate(params):
-            if not osd["state"].get(pid):
-                continue
-            fqns = names.get(id(p))
-            if fqns is None:
-                slot = info.index.slot_of(p)
-                fqns = [info.index.tensor_fqns[slot][0]] if slot is not None else []
-            (templated if pid in stepless else stepped).update(fqns)
-    gathered, _ranks = mesh_all_gather_object(mesh, (sorted(templated), sorted(stepped)))
-    every_templated = {fqn for t, _ in gathered for fqn in t}
-    every_stepped = {fqn for _, st in gathered for fqn in st}
-    return every_templated - every_stepped
+            slot = index.slot_of(p) if osd["state"].get(pid) else None
+            if slot is not None:
+                words[2 * slot + (1 if pid in stepless else 0)] = 0
+    agreed = mesh_all_reduce_min(mesh, words)
+    # (a flat parameter's tensor names all its originals)
+    return {fqn for slot, fqns in enumerate(index.tensor_fqns)
+            if agreed[2 * slot] == 1 and agreed[2 * slot + 1] == 0 for fqn in fqns}
 
 
 # --- set -------------------------------------------------------------------------
