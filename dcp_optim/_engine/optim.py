@@ -416,8 +416,12 @@ def _get_plain(optimizers: tuple[_Optimizer, ...], info: Any) -> dict[str, Any]:
         first = len(groups)
         groups.extend(osd["param_groups"])
         # (a wrapper's step may read the state it wraps: zeros from the
-        # wrapped optimizer's schema are not "none yet" to it, D48)
-        if (schema_for(target) is None or wrapped is not None) and not zero_owner:
+        # wrapped optimizer's schema are not "none yet" to it, D48).  ZeRO
+        # (D36): only its consolidated copy, which holds every partition's
+        # state; a rank's own partition knows nothing of the others'
+        # parameters, and marking them would need a collective its getter
+        # does not make (a rank-alone get after consolidating to it)
+        if (schema_for(target) is None or wrapped is not None) and (not zero_owner or partition is None):
             _mark_stepless(groups, first, extra, never)
         counts.append(len(osd["param_groups"]))
     info.group_counts = counts

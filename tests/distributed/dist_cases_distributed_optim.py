@@ -163,6 +163,36 @@ def distributed_optim_cases(rank: int, world: int, folder: str) -> dict[str, Any
     r = zero_cases(rank, world, folder)
     r["folder"] = folder
     r.update(local_sgd_cases(rank, world, folder))
+    r.update(zero_never_stepped(rank, world))
+    return r
+
+
+def zero_never_stepped(rank: int, world: int) -> dict[str, Any]:
+    """D48 for ZeRO's classic full-dict flow (consolidate, a full get,
+    every rank loads it): over pytorch-optimizer's Yogi (no schema; the
+    template of a never-stepped parameter is a shadow step's state, its
+    second moment scaled once), a dict taken before the first step resumes
+    as the fresh optimizer: three steps' losses compared.  Without
+    pytorch-optimizer: nothing recorded."""
+    try:
+        from pytorch_optimizer import Yogi
+    except ImportError:
+        return {}
+    r: dict[str, Any] = {}
+    for flat in (False, True):
+        def make() -> tuple[torch.nn.Module, ZeroRedundancyOptimizer]:
+            model = _model(0)
+            return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=Yogi, lr=0.05)
+
+        model, optim = make()
+        fresh = _steps(model, optim, 3, 3)
+        model, optim = make()
+        _consolidate_everywhere(optim, rank, world)
+        saved = dcp_optim.get_optimizer_state_dict(model, optim, options=_opts(flat, full_state_dict=True))
+        model, optim = make()
+        dcp_optim.set_optimizer_state_dict(model, optim, saved, options=_opts(flat, full_state_dict=True))
+        held = sum(1 for entry in optim.optim.state.values() if entry)
+        r[f"never stepped full/flat={flat}"] = (held, _steps(model, optim, 3, 3) == fresh)
     return r
 
 

@@ -209,3 +209,16 @@ def test_zero_over_its_own_process_group_agrees_there(outcomes):
         assert r["subgroup bad partition changes nothing"], rank
         assert r["subgroup load"] == "ok", rank
         assert r["subgroup load keeps the state"], rank
+
+
+def test_a_never_stepped_full_dict_resumes_as_the_fresh_optimizer(outcomes):
+    """ZeRO over an optimizer without a schema (pytorch-optimizer's Yogi),
+    the consolidated full dict taken before the first step, loaded on
+    every rank: no state installed, three steps equal the fresh
+    optimizer's (D48; before, the template's one-step state was loaded
+    and the steps differed).  DCP's flow through each rank's partition is
+    not marked (docs/differences.md, D48)."""
+    pytest.importorskip("pytorch_optimizer")
+    for rank, r in enumerate(outcomes):
+        for flat in (False, True):
+            assert r[f"never stepped full/flat={flat}"] == (0, True), (rank, flat, r[f"never stepped full/flat={flat}"])
