@@ -40,7 +40,7 @@ from ..schema import schema_for
 from .collectives import gather_full_tensors
 from .consistency import mesh_for_group
 from .core import C, context
-from .never_stepped import mark_groups, marked_in_view, unmark
+from .never_stepped import mark_groups, marked_in_view, partly_marked, unmark
 from .own_calls import state_dict_fn
 from .pristine import add_group_keys
 from .pristine import pristine as pristine_template
@@ -58,6 +58,7 @@ from .wide import (
 
 __all__ = [
     "Fsdp1Localize",
+    "flat_units",
     "agreement_mesh",
     "check_before_fsdp",
     "check_torch_layout",
@@ -1126,19 +1127,17 @@ class Fsdp1Localize:
         pass
 
 
+def flat_units(info: Any) -> list[list[str]]:
+    """The originals of each flat parameter (use_orig_params=False): one
+    optimizer entry each (``never_stepped.partly_marked``)."""
+    return [h.fqns for h in _handles(info) if not h.orig]
+
+
 def _whole_flat_units(view: tuple, handles: list[_Handle]) -> tuple:
-    """A flat parameter (use_orig_params=False) is one optimizer entry: a
-    checkpoint that marks some of its originals as saved without state
-    (D48) and holds state for others (another layout's, where they were
-    stepped apart) loads it whole, the marked originals' templates in
-    their places -- leaving the entry out would drop the others' state."""
-    never = marked_in_view(view)
-    partial: set[str] = set()
-    for h in handles:
-        if not h.orig:
-            marked = [f for f in h.fqns if f in never]
-            if marked and len(marked) < len(h.fqns):
-                partial.update(marked)
+    """The view with the marks of flat parameters marked only in part
+    taken out: such a flat parameter loads whole
+    (``never_stepped.partly_marked``)."""
+    partial = partly_marked(marked_in_view(view), [h.fqns for h in handles if not h.orig])
     return unmark(view, partial) if partial else view
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "marked_in_view",
     "marked_names",
     "only_held",
+    "partly_marked",
     "plain_groups",
     "unmark",
     "unmarked_dict",
@@ -156,6 +157,21 @@ def unmark(view: tuple, names: set[str]) -> tuple:
         if isinstance(group, dict) and "params" not in group:
             out[gi] = {k: _plain(v) for k, v in group.items()}
     return (view[0], out, *view[2:])
+
+
+def partly_marked(never: set[str], units: list[list[str]]) -> set[str]:
+    """The names in ``never`` (a checkpoint's marks) of ``units`` only
+    some of whose names are marked.  A unit -- an FSDP1 flat parameter,
+    the originals it holds -- is one optimizer entry: such a checkpoint
+    (another layout's, where the originals were stepped apart) loads it
+    whole, the marked originals' templates in their places, for leaving
+    the entry out would drop the others' state."""
+    partial: set[str] = set()
+    for unit in units:
+        marked = [f for f in unit if f in never]
+        if marked and len(marked) < len(unit):
+            partial.update(marked)
+    return partial
 
 
 def plain_groups(groups: list[Any]) -> list[Any]:

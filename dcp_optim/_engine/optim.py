@@ -38,6 +38,7 @@ from .never_stepped import (
     marked_in_view,
     marked_names,
     only_held,
+    partly_marked,
     plain_groups,
     unmarked_dict,
     unmarked_groups,
@@ -1506,9 +1507,7 @@ def _prepare_view(optimizers: tuple[_Optimizer, ...], view: tuple, info: Any, ex
     if missing:
         missing = _drop_stateless(missing, templates)
     wide, extras, wide_unexpected = _take_wide(extras or {}, optimizers)
-    for o in stepless & set(wide):
-        held = set(_live_wide(optimizers[o]))
-        wide[o] = {k: v for k, v in wide[o].items() if k in held}
+    _only_live_wide(wide, stepless, optimizers)
     # entries a template marked as a first step's, still unfilled (a
     # never-stepped optimizer's own checkpoint): left out, as it had none
     extras = {k: without_step_created(v) for k, v in extras.items()}
@@ -1594,40 +1593,45 @@ def _schema_less(optimizers: tuple[_Optimizer, ...]) -> bool:
 
 
 def _unmarked_for_fsdp(
-    index: Any, optimizers: tuple[_Optimizer, ...], osd: dict[str, Any], flat: bool
+    index: Any, optimizers: tuple[_Optimizer, ...], osd: dict[str, Any], flat: bool, units: list[list[str]]
 ) -> tuple[dict[str, Any], set[int], set[str]]:
     """A loaded dict for FSDP's own load (hybrid sharding) as the native
     loads take a marked one (``_prepare_view``): no state for the
     parameters it marks as saved without state, no mark left, no group
     value a first step created (never_stepped.unmarked_dict); the
     positions of the optimizers all of whose groups are never stepped; the
-    names left without state.  A flat parameter is one optimizer entry:
-    where the dict marks only some of its originals, it is loaded whole
-    (as fsdp1's native load does)."""
+    names left without state.  ``units``: the flat parameters' originals
+    (one optimizer entry each: marked only in part, loaded whole,
+    never_stepped.partly_marked)."""
     never = marked_names(osd, flat)
-    for optim in optimizers:
-        for group in optim.param_groups:
-            for p in group.get("params", ()):
-                slot = index.slot_of(p)
-                unit = index.tensor_fqns[slot] if slot is not None else ()
-                if len(unit) > 1 and not all(f in never for f in unit):
-                    never.difference_update(unit)
+    never -= partly_marked(never, units)
     live_of: dict[str, tuple[dict[str, Any], bool]] = {}
     stepless: set[int] = set()
     for o, optim in enumerate(optimizers):
         every = bool(optim.param_groups)
-        for group in optim.param_groups:
-            fqns: list[str] = []
-            for p in group.get("params", ()):
-                slot = index.slot_of(p)
-                fqns.extend(index.tensor_fqns[slot] if slot is not None else ())
-            all_never = bool(fqns) and all(f in never for f in fqns)
+        for group, (names, all_never) in zip(optim.param_groups, _never_groups(index, optim, never)):
             every = every and all_never
-            for fqn in fqns:
-                live_of[fqn] = (group, all_never)
+            for fqns in names:
+                for fqn in fqns:  # a flat parameter's: each of its originals
+                    live_of[fqn] = (group, all_never)
         if every:
             stepless.add(o)
     return unmarked_dict(osd, flat, never, live_of), stepless, never
+
+
+def _never_groups(index: Any, optim: _Optimizer, never: set[str]) -> list[tuple[list[list[str]], bool]]:
+    """Per live group of ``optim``: the names of each of its parameters
+    (``tensor_fqns``: a flat parameter's originals), and whether every
+    parameter is in ``never`` (by its canonical name: a flat parameter's
+    originals are marked together)."""
+    out = []
+    for group in optim.param_groups:
+        names = []
+        for p in group.get("params", ()):
+            slot = index.slot_of(p)
+            names.append(list(index.tensor_fqns[slot]) if slot is not None else [])
+        out.append((names, bool(names) and all(n and n[0] in never for n in names)))
+    return out
 
 
 def _without_first_step_keys(
@@ -1636,16 +1640,20 @@ def _without_first_step_keys(
     """The split without what a first step created in its groups, and
     whether every group is a never-stepped one
     (never_stepped.unmarked_groups)."""
-    live = optim.param_groups
-    all_never = []
-    for group in live:
-        fqns = []
-        for p in group.get("params", ()) if never else ():
-            slot = index.slot_of(p)
-            fqns.append(index.tensor_fqns[slot][0] if slot is not None else None)
-        all_never.append(bool(fqns) and all(f in never for f in fqns))
-    groups, every = unmarked_groups(split["param_groups"], live, all_never)
+    all_never = [all_never for _, all_never in _never_groups(index, optim, never)] if never else \
+        [False] * len(optim.param_groups)
+    groups, every = unmarked_groups(split["param_groups"], optim.param_groups, all_never)
     return {**split, "param_groups": groups}, every
+
+
+def _only_live_wide(wide: dict[int, dict[str, Any]], stepless: set[int],
+                    optimizers: tuple[_Optimizer, ...]) -> None:
+    """(in place) The optimizer-wide entries of the never-stepped
+    optimizers at ``stepless``: only those the live optimizer holds (what
+    a first step created is left out: MADGRAD's ``k``, D48)."""
+    for o in stepless & set(wide):
+        held = set(_live_wide(optimizers[o]))
+        wide[o] = {k: v for k, v in wide[o].items() if k in held}
 
 
 def _check_wide(
@@ -1909,10 +1917,10 @@ class OptimLoad:
                 if core and _schema_less(optimizers):
                     # (D48) what a never-stepped checkpoint marks, left out
                     # before FSDP's conversion: its functions know no marks
-                    core, stepless, never = _unmarked_for_fsdp(info.index, optimizers, core, flat)
-                    for o in stepless & set(wide):
-                        held = set(_live_wide(optimizers[o]))
-                        wide[o] = {k: v for k, v in wide[o].items() if k in held}
+                    from .fsdp1 import flat_units
+
+                    core, stepless, never = _unmarked_for_fsdp(info.index, optimizers, core, flat, flat_units(info))
+                    _only_live_wide(wide, stepless, optimizers)
                     own = {k: without_step_created(v) for k, v in own.items()}
                 # a flattened dict's states as the native path parses them:
                 # upstream's unflattening, which FSDP's load takes, looks up
